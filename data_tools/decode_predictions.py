@@ -1,0 +1,249 @@
+#!/usr/bin/env python
+"""Turns the prediction files of a zoo-infer inference run into readable JSONL.
+
+    python data_tools/decode_predictions.py --model_dir runs/smollm2 \\
+        --tokenizer models/smollm2-135m-instruct --output completions.jsonl
+
+Reads MODEL_DIR/artifacts/predictions/predictions_<global_step>.npz in step order and writes one
+JSON line per real sample (dummy padding rows are skipped), in increasing sample_index order:
+
+    {"sample_index": 0, "prompt": "...", "completion": "...", "num_generated": 12, "stop_reason": "stop_sequence"}
+
+The prompt and completion are decoded with the given tokenizer; --skip_special_tokens drops tokens
+such as <|im_start|> from both.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence, TextIO
+
+import numpy as np
+
+from data_tools.create_inference_h5 import load_tokenizer
+from modelzoo.errors import UserError
+
+PREDICTIONS_SUBDIR = Path("artifacts") / "predictions"
+FILE_PATTERN = re.compile(r"^predictions_(\d+)\.npz$")
+# Keys every file must have; `loop_dim` is optional (absent means 1).
+REQUIRED_KEYS = ("global_step", "predictions", "sample_index", "prompt_length", "num_generated", "stop_reason")
+PER_ROW_KEYS = ("sample_index", "prompt_length", "num_generated", "stop_reason")
+# sample_index of the rows that only pad the last batch.
+DUMMY_INDEX = -1
+
+
+@dataclass
+class PredictionBatch:
+    """The contents of one predictions_<step>.npz, with predictions as (batch_size, max_seq_len)."""
+
+    path: Path
+    global_step: int
+    predictions: np.ndarray
+    sample_index: np.ndarray
+    prompt_length: np.ndarray
+    num_generated: np.ndarray
+    stop_reason: np.ndarray
+
+
+def find_prediction_files(model_dir: Path | str) -> list[Path]:
+    """Returns the predictions_<step>.npz files of a run, sorted by their integer step."""
+    folder = Path(model_dir) / PREDICTIONS_SUBDIR
+    if not folder.is_dir():
+        raise UserError(f"no predictions folder {folder} (is --model_dir the run's model_dir?)")
+    matches = [(int(m.group(1)), p) for p in folder.iterdir() if (m := FILE_PATTERN.match(p.name))]
+    if not matches:
+        raise UserError(f"no predictions_<step>.npz files in {folder}")
+    # Numeric, not lexicographic: predictions_10 comes after predictions_9.
+    return [path for _, path in sorted(matches)]
+
+
+def load_batch(path: Path) -> PredictionBatch:
+    """Loads and checks one predictions file; predictions are transposed back if loop_dim is 0."""
+    try:
+        # allow_pickle=False: a predictions file is data, never code to run.
+        with np.load(path, allow_pickle=False) as npz:
+            for key in REQUIRED_KEYS:
+                if key not in npz.files:
+                    raise UserError(
+                        f"{path}: missing key {key!r}; decoding needs the per-row keys zoo-infer writes "
+                        f"({', '.join(REQUIRED_KEYS)})"
+                    )
+            arrays = {key: npz[key] for key in npz.files}
+    except (OSError, ValueError, zipfile.BadZipFile) as exc:
+        raise UserError(f"{path}: cannot read ({exc})") from None
+    loop_dim = int(arrays["loop_dim"]) if "loop_dim" in arrays else 1
+    if loop_dim not in (0, 1):
+        raise UserError(f"{path}: loop_dim must be 0 or 1, got {loop_dim}")
+    predictions = arrays["predictions"]
+    if predictions.ndim != 2:
+        raise UserError(f"{path}: predictions must be 2-D, got shape {predictions.shape}")
+    if loop_dim == 0:
+        predictions = predictions.T  # stored as (max_seq_len, batch_size)
+    batch = PredictionBatch(
+        path=path,
+        global_step=int(arrays["global_step"]),
+        predictions=predictions,
+        **{key: arrays[key] for key in PER_ROW_KEYS},
+    )
+    check_batch(batch)
+    return batch
+
+
+def check_batch(batch: PredictionBatch) -> None:
+    """Raises a UserError if the per-row arrays do not match the predictions' shape."""
+    batch_size, max_seq_len = batch.predictions.shape
+    for key in PER_ROW_KEYS:
+        shape = getattr(batch, key).shape
+        if shape != (batch_size,):
+            raise UserError(f"{batch.path}: {key} has shape {shape}, expected ({batch_size},)")
+    real = batch.sample_index != DUMMY_INDEX
+    ends = batch.prompt_length.astype(np.int64) + batch.num_generated.astype(np.int64)
+    bad = real & ((batch.prompt_length < 0) | (batch.num_generated < 0) | (ends > max_seq_len))
+    if bad.any():
+        row = int(np.flatnonzero(bad)[0])
+        raise UserError(
+            f"{batch.path}: row {row}: prompt_length {int(batch.prompt_length[row])} + num_generated "
+            f"{int(batch.num_generated[row])} does not fit in max_seq_len {max_seq_len}"
+        )
+
+
+def format_steps(steps: Sequence[int]) -> str:
+    """Formats sorted steps compactly: [3, 4, 5, 8] -> '3-5, 8'."""
+    runs: list[list[int]] = []
+    for step in steps:
+        if runs and step == runs[-1][1] + 1:
+            runs[-1][1] = step
+        else:
+            runs.append([step, step])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def missing_steps(steps: Sequence[int]) -> list[int]:
+    """Returns the steps absent from 1 (or the lowest step, if lower) up to the highest one."""
+    first = min(min(steps), 1)
+    return sorted(set(range(first, max(steps) + 1)) - set(steps))
+
+
+def as_text(value: Any) -> str:
+    """Returns a stop_reason entry as str, whether it was saved as unicode or as bytes."""
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+def decode_batch(batch: PredictionBatch, tokenizer: Any, skip_special_tokens: bool) -> list[dict]:
+    """Returns one record per real row of a batch (dummy rows skipped)."""
+    records = []
+    for row in range(batch.predictions.shape[0]):
+        index = int(batch.sample_index[row])
+        if index == DUMMY_INDEX:
+            continue
+        start = int(batch.prompt_length[row])
+        end = start + int(batch.num_generated[row])
+        ids = batch.predictions[row]
+        records.append(
+            {
+                "sample_index": index,
+                "prompt": tokenizer.decode(ids[:start].tolist(), skip_special_tokens=skip_special_tokens),
+                "completion": tokenizer.decode(ids[start:end].tolist(), skip_special_tokens=skip_special_tokens),
+                "num_generated": end - start,
+                "stop_reason": as_text(batch.stop_reason[row]),
+            }
+        )
+    return records
+
+
+def load_run(model_dir: Path | str) -> list[PredictionBatch]:
+    """Loads and checks every prediction file of a run, in step order; warns about missing steps.
+
+    A gap is a warning, not an error: a stopped run still has useful predictions.
+    """
+    batches = sorted((load_batch(path) for path in find_prediction_files(model_dir)), key=lambda b: b.global_step)
+    gaps = missing_steps([batch.global_step for batch in batches])
+    if gaps:
+        print(
+            f"warning: predictions for global step(s) {format_steps(gaps)} are missing "
+            "(partial run?); their samples are not in the output",
+            file=sys.stderr,
+        )
+    return batches
+
+
+def decode_batches(batches: Sequence[PredictionBatch], tokenizer: Any, skip_special_tokens: bool = False) -> list[dict]:
+    """Returns the decoded records of the batches (in step order), sorted by sample_index."""
+    by_index: dict[int, dict] = {}
+    for batch in batches:
+        for record in decode_batch(batch, tokenizer, skip_special_tokens):
+            if record["sample_index"] in by_index:
+                # The later step wins, as it does when a run is resumed over older files.
+                print(
+                    f"warning: sample_index {record['sample_index']} appears more than once; "
+                    f"keeping the one from {batch.path.name}",
+                    file=sys.stderr,
+                )
+            by_index[record["sample_index"]] = record
+    return [by_index[index] for index in sorted(by_index)]
+
+
+def decode_predictions(model_dir: Path | str, tokenizer: Any, skip_special_tokens: bool = False) -> list[dict]:
+    """Returns the decoded records of all prediction files of a run, sorted by sample_index."""
+    return decode_batches(load_run(model_dir), tokenizer, skip_special_tokens)
+
+
+def write_jsonl(records: Sequence[dict], out: TextIO) -> None:
+    """Writes one JSON object per line, keeping non-ASCII text readable."""
+    for record in records:
+        out.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Returns the argument parser; every option is documented in --help."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--model_dir", type=Path, required=True,
+        help="the run's model_dir; files are read from MODEL_DIR/artifacts/predictions/",
+    )
+    parser.add_argument("--tokenizer", required=True, help="Hugging Face checkpoint or tokenizer folder used for the run")
+    parser.add_argument("--output", type=Path, default=None, help="JSONL file to write (default: stdout)")
+    parser.add_argument(
+        "--skip_special_tokens", action="store_true",
+        help="leave special tokens (e.g. <|im_start|>, <|im_end|>) out of the decoded text",
+    )
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Decodes the run's predictions and writes them; returns the number of records."""
+    # The files are read and checked first, so a bad run fails fast, before the slow tokenizer load.
+    batches = load_run(args.model_dir)
+    tokenizer = load_tokenizer(args.tokenizer)
+    records = decode_batches(batches, tokenizer, args.skip_special_tokens)
+    if args.output is None:
+        write_jsonl(records, sys.stdout)
+    else:
+        try:
+            with open(args.output, "w", encoding="utf-8", newline="\n") as out:
+                write_jsonl(records, out)
+        except OSError as exc:
+            raise UserError(f"cannot write {args.output}: {exc.strerror}") from None
+    return len(records)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point; returns the exit status (2 for a problem in the input)."""
+    args = build_parser().parse_args(argv)
+    try:
+        count = run(args)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    # On stderr, so that stdout stays pure JSONL when no --output is given.
+    print(f"decoded {count} sample(s) to {args.output or 'stdout'}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

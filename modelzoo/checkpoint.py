@@ -1,0 +1,126 @@
+"""Hugging Face checkpoint folder -> config + our model with its weights, loaded by name.
+
+Accepted: model.safetensors, sharded safetensors with model.safetensors.index.json,
+pytorch_model.bin (and its sharded index), read with `weights_only=True`. Every missing or
+unexpected weight is named in the error.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from modelzoo.errors import UserError
+from modelzoo.models import model_class
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Buffers some older checkpoints saved that we recompute ourselves.
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
+
+
+def load_hf_config(path: str | Path) -> Any:
+    """The transformers config of a checkpoint folder; never contacts a model hub."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoConfig
+
+    folder = Path(path)
+    if not folder.is_dir():
+        raise UserError(f"checkpoint folder {folder} does not exist")
+    if not (folder / "config.json").is_file():
+        raise UserError(f"checkpoint folder {folder} has no config.json")
+    try:
+        return AutoConfig.from_pretrained(folder)
+    except Exception as exc:  # transformers raises ValueError / OSError / KeyError for bad configs
+        raise UserError(f"cannot read {folder / 'config.json'}: {exc}".splitlines()[0]) from exc
+
+
+def resolve_dtype(name: str, hf_config: Any) -> torch.dtype:
+    """`auto` -> the dtype the checkpoint declares (float32 when it declares none)."""
+    if name != "auto":
+        return DTYPES[name]
+    declared = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(declared, torch.dtype):
+        return declared
+    return DTYPES.get(str(declared).replace("torch.", ""), torch.float32)
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The weight files of a checkpoint folder, safetensors preferred."""
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index = folder / index_name
+        if index.is_file():
+            try:
+                shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (ValueError, KeyError) as exc:
+                raise UserError(f"{index} is not a valid weight index: {exc}") from exc
+            missing = [s for s in shards if not (folder / s).is_file()]
+            if missing:
+                raise UserError(f"{index} lists shards that are missing: {', '.join(missing)}")
+            return [folder / s for s in shards]
+    for single in ("model.safetensors", "pytorch_model.bin"):
+        if (folder / single).is_file():
+            return [folder / single]
+    raise UserError(f"checkpoint folder {folder} has no model.safetensors, pytorch_model.bin or shard index")
+
+
+def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every weight in the files, one shard in memory at a time."""
+    for file in files:
+        try:
+            if file.suffix == ".safetensors":
+                from safetensors import safe_open
+
+                with safe_open(str(file), framework="pt") as shard:
+                    for name in shard.keys():
+                        yield name, shard.get_tensor(name)
+            else:
+                yield from torch.load(file, map_location="cpu", weights_only=True).items()
+        except UserError:
+            raise
+        except Exception as exc:  # corrupt or truncated file: name it
+            raise UserError(f"cannot read weights from {file}: {exc}".splitlines()[0]) from exc
+
+
+def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> tuple[nn.Module, Any]:
+    """Builds our implementation of the checkpoint's family and fills it with the checkpoint's weights."""
+    folder = Path(path)
+    hf_config = load_hf_config(folder)
+    cls = model_class(hf_config)
+    config = cls.config_from_hf(hf_config)
+    with torch.device("meta"):
+        model = cls(config)  # no memory, no random init: every weight comes from the checkpoint
+    expected = dict(model.state_dict())
+    loaded: dict[str, torch.Tensor] = {}
+    unexpected: list[str] = []
+    for name, tensor in iter_tensors(weight_files(folder)):
+        if name not in expected:
+            if not name.endswith(IGNORED_SUFFIXES):
+                unexpected.append(name)
+            continue
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise UserError(f"weight {name} has shape {tuple(tensor.shape)} in the checkpoint but the config "
+                            f"implies {tuple(expected[name].shape)}")
+        loaded[name] = tensor.to(device=device, dtype=dtype)  # cast tensor by tensor: peak memory stays low
+    tied = model.tied_weights()
+    for name, source in tied.items():
+        if name not in loaded and source in loaded:
+            loaded[name] = loaded[source]
+    missing = sorted(set(expected) - set(loaded))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing weights: {', '.join(missing[:8])}" + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+        if unexpected:
+            parts.append(f"unexpected weights: {', '.join(unexpected[:8])}" + (f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else ""))
+        raise UserError(f"checkpoint {folder} does not match its config ({type(model).__name__}): " + "; ".join(parts))
+    model.load_state_dict(loaded, assign=True)
+    for name, source in tied.items():  # keep the tie after assign (one tensor, not two copies)
+        if name in loaded and loaded[name] is loaded[source]:
+            model.get_submodule(name.rsplit(".", 1)[0]).weight = model.get_submodule(source.rsplit(".", 1)[0]).weight
+    model.build_buffers(device)
+    return model.eval().requires_grad_(False), hf_config

@@ -1,0 +1,48 @@
+"""Command line of run_inference.py: flags override params.yaml; user errors exit 2 with one line."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from modelzoo.errors import UserError
+from modelzoo.params import load_params, with_overrides
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The run_inference.py argument parser."""
+    parser = argparse.ArgumentParser(
+        prog="run_inference.py",
+        description="Greedy batch inference over a tokenized .h5 prompt set; writes "
+                    "<model_dir>/artifacts/predictions/predictions_{global_step}.npz, one per batch.",
+    )
+    parser.add_argument("--params", required=True, help="params.yaml (sections model, inference_input, runconfig)")
+    parser.add_argument("--model_dir", required=True, help="output folder; predictions go to <model_dir>/artifacts/predictions")
+    parser.add_argument("--checkpoint_path", help="Hugging Face checkpoint folder (overrides model.checkpoint_path)")
+    parser.add_argument("--inference_steps", type=int, help="process only the first N batches (a dry run)")
+    parser.add_argument("--compile_only", action="store_true", default=None,
+                        help="validate params, data and checkpoint, estimate memory, run one forward pass; write no predictions")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), help="overrides runconfig.device")
+    parser.add_argument("--mount_dirs", nargs="*", default=[], help="accepted for compatibility with Cerebras job scripts; unused")
+    parser.add_argument("--python_paths", nargs="*", default=[], help="folders added to sys.path (Cerebras compatibility)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parses the command line, runs the job, and returns the process exit code."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    sys.path.extend(p for p in args.python_paths if p not in sys.path)
+    try:
+        params = with_overrides(load_params(args.params), {
+            "model": {"checkpoint_path": args.checkpoint_path},
+            "runconfig": {"inference_steps": args.inference_steps, "compile_only": args.compile_only,
+                          "device": args.device},
+        })
+        from modelzoo.runner import InferenceJob  # torch import after argument errors are reported
+
+        InferenceJob(params, args.model_dir).run()
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,108 @@
+"""GptHDF5MapDataProcessor: the `.h5` files of `data_dir` -> fixed-size batches of rows, streamed.
+
+Files are read in sorted name order and concatenated. Each holds an integer dataset `data` of shape
+(num_samples, max_seq_len), or (max_seq_len, num_samples) when loop_dim is 0. Batches are read
+slice by slice, never the whole file, so memory stays flat in the number of samples.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import h5py
+import numpy as np
+
+from modelzoo.errors import UserError
+
+
+@dataclass
+class Batch:
+    """One global step: rows (batch_size, max_seq_len) int32 and sample_index (batch_size,), -1 = dummy."""
+
+    step: int
+    rows: np.ndarray
+    sample_index: np.ndarray
+
+
+class GptHDF5MapDataProcessor:
+    """Reads the prompts of a data folder in batches of `batch_size`, padding the last with dummy rows."""
+
+    def __init__(self, data_dir: str | Path, batch_size: int, loop_dim: int, pad_token: int) -> None:
+        self.data_dir = Path(data_dir)
+        self.batch_size = batch_size
+        self.loop_dim = loop_dim
+        self.pad_token = pad_token
+        self.files = self._find_files()
+        self._handles = [h5py.File(path, "r") for path in self.files]
+        self._datasets = [self._check_dataset(path, handle) for path, handle in zip(self.files, self._handles)]
+        widths = {self._width(d) for d in self._datasets}
+        if len(widths) > 1:
+            shown = ", ".join(f"{p.name}: {self._width(d)}" for p, d in zip(self.files, self._datasets))
+            raise UserError(f"the .h5 files in {self.data_dir} have different max_seq_len ({shown})")
+        self.max_seq_len = widths.pop()
+        self.sizes = [self._count(d) for d in self._datasets]
+        self.num_samples = sum(self.sizes)
+        if self.num_samples == 0:
+            raise UserError(f"the .h5 files in {self.data_dir} hold no samples")
+        self.num_steps = -(-self.num_samples // batch_size)
+
+    @property
+    def attrs(self) -> dict[str, Any]:
+        """Attributes the data tool wrote on the first file (tokenizer, vocab_size, start_token, ...)."""
+        return dict(self._handles[0].attrs)
+
+    def _find_files(self) -> list[Path]:
+        if not self.data_dir.is_dir():
+            raise UserError(f"inference_input.data_dir {self.data_dir} does not exist or is not a folder")
+        files = sorted(self.data_dir.glob("*.h5"))
+        if not files:
+            raise UserError(f"inference_input.data_dir {self.data_dir} holds no .h5 file")
+        return files
+
+    def _check_dataset(self, path: Path, handle: h5py.File) -> h5py.Dataset:
+        if "data" not in handle:
+            raise UserError(f"{path} has no dataset 'data' (found: {', '.join(handle.keys()) or 'nothing'})")
+        data = handle["data"]
+        if not isinstance(data, h5py.Dataset) or data.dtype.kind not in "iu":
+            raise UserError(f"{path}: dataset 'data' must hold integers, found dtype {getattr(data, 'dtype', '?')}")
+        if data.ndim != 2:
+            layout = "(num_samples, max_seq_len)" if self.loop_dim == 1 else "(max_seq_len, num_samples)"
+            raise UserError(f"{path}: dataset 'data' must be 2-D {layout}, found shape {data.shape}")
+        return data
+
+    def _width(self, data: h5py.Dataset) -> int:
+        return data.shape[1] if self.loop_dim == 1 else data.shape[0]
+
+    def _count(self, data: h5py.Dataset) -> int:
+        return data.shape[0] if self.loop_dim == 1 else data.shape[1]
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Samples [start, stop) across files: (stop - start, max_seq_len) int32."""
+        parts, offset = [], 0
+        for data, size in zip(self._datasets, self.sizes):
+            lo, hi = max(start - offset, 0), min(stop - offset, size)
+            if lo < hi:
+                parts.append(data[lo:hi] if self.loop_dim == 1 else data[:, lo:hi].T)
+            offset += size
+        return np.concatenate(parts).astype(np.int32, copy=False)
+
+    def batch(self, step: int) -> Batch:
+        """The rows of global step `step` (1-based), dummy rows (all pad token) after the last sample."""
+        start = (step - 1) * self.batch_size
+        stop = min(start + self.batch_size, self.num_samples)
+        rows = np.full((self.batch_size, self.max_seq_len), self.pad_token, dtype=np.int32)
+        rows[: stop - start] = self.read(start, stop)
+        index = np.full(self.batch_size, -1, dtype=np.int64)
+        index[: stop - start] = np.arange(start, stop)
+        return Batch(step=step, rows=rows, sample_index=index)
+
+    def batches(self, steps: list[int]) -> Iterator[Batch]:
+        """The batches of `steps`, in the given order."""
+        for step in steps:
+            yield self.batch(step)
+
+    def close(self) -> None:
+        """Closes the open files."""
+        for handle in self._handles:
+            handle.close()

@@ -1,0 +1,43 @@
+"""Preallocated per-slot KV cache: one slot holds one sequence, reused when that sequence ends."""
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Keys and values of every layer, shape (num_slots, num_kv_heads, max_len, head_dim) each.
+
+    A slot is a row of the running batch. A new sequence overwrites its slot from position 0; stale
+    entries past its length are never read because attention masks keys after the query position.
+    """
+
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        shape = (num_slots, num_kv_heads, max_len, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_slots = num_slots
+        self.max_len = max_len
+
+    @staticmethod
+    def nbytes(num_layers: int, num_slots: int, num_kv_heads: int, max_len: int, head_dim: int,
+               dtype: torch.dtype) -> int:
+        """Memory the cache would take, without allocating it."""
+        element = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * num_slots * num_kv_heads * max_len * head_dim * element
+
+    def update(self, layer: int, slots: torch.Tensor | None, positions: torch.Tensor,
+               k: torch.Tensor, v: torch.Tensor) -> None:
+        """Stores k, v (B, kv_heads, T, head_dim) at `positions` (B, T) of `slots` (B,) (None = all, in order)."""
+        rows = torch.arange(k.shape[0], device=k.device) if slots is None else slots
+        # Advanced indices on dims 0 and 2 (broadcast to (B, T)) move to the front: target (B, T, kv_heads, hd).
+        index = (rows[:, None], slice(None), positions)
+        self.keys[layer][index] = k.transpose(1, 2)
+        self.values[layer][index] = v.transpose(1, 2)
+
+    def read(self, layer: int, slots: torch.Tensor | None, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the first `length` positions: (B, kv_heads, length, head_dim) each."""
+        k, v = self.keys[layer][:, :, :length], self.values[layer][:, :, :length]
+        if slots is None:
+            return k, v  # a view: no copy when every slot takes part
+        return k.index_select(0, slots), v.index_select(0, slots)

@@ -1,0 +1,56 @@
+"""Vectorised stop rules: stop sequences, max_tokens, max_seq_len; checked on tensors, per slot."""
+from __future__ import annotations
+
+import torch
+
+# Stop reason codes (0 = keep going); names are what the predictions files and logs show.
+CONTINUE, STOP_SEQUENCE, MAX_TOKENS, MAX_SEQ_LEN = 0, 1, 2, 3
+REASON_NAMES = {STOP_SEQUENCE: "stop_sequence", MAX_TOKENS: "max_tokens", MAX_SEQ_LEN: "max_seq_len"}
+
+
+class StopChecker:
+    """Decides, for every slot at once, whether its sequence ends after the token just generated.
+
+    Keeps the last K generated tokens of each slot (K = longest stop sequence), so a stop
+    sequence matches only within generated tokens, never across the prompt boundary.
+    """
+
+    def __init__(self, stop_sequences: list[list[int]], max_tokens: int | None, max_seq_len: int,
+                 num_slots: int, device: torch.device) -> None:
+        self.max_tokens = max_tokens
+        self.max_seq_len = max_seq_len
+        width = max((len(s) for s in stop_sequences), default=0)
+        # Right-aligned stop sequences, left-padded with -2 and a mask of the real entries: (S, K).
+        self.sequences = torch.full((len(stop_sequences), width), -2, dtype=torch.long, device=device)
+        self.valid = torch.zeros((len(stop_sequences), width), dtype=torch.bool, device=device)
+        for i, seq in enumerate(stop_sequences):
+            self.sequences[i, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
+            self.valid[i, width - len(seq):] = True
+        # Last K generated tokens per slot, -1 where nothing was generated yet: (num_slots, K).
+        self.history = torch.full((num_slots, width), -1, dtype=torch.long, device=device)
+
+    def reset(self, slots: torch.Tensor) -> None:
+        """Forgets the history of `slots` (B,) when they take new sequences."""
+        self.history[slots] = -1
+
+    def check(self, slots: torch.Tensor | None, tokens: torch.Tensor, num_generated: torch.Tensor,
+              seq_lengths: torch.Tensor) -> torch.Tensor:
+        """Records `tokens` (B,) and returns a reason code per slot (B,), 0 where the slot goes on.
+
+        num_generated: (B,) tokens generated so far including `tokens`; seq_lengths: (B,) prompt +
+        generated. Priority when several rules hold: stop sequence, max_tokens, max_seq_len.
+        """
+        reason = torch.zeros_like(tokens)
+        if self.history.shape[1]:
+            rows = slice(None) if slots is None else slots
+            history = torch.cat((self.history[rows][:, 1:], tokens[:, None]), dim=1)  # (B, K)
+            self.history[rows] = history
+            # (B, 1, K) vs (1, S, K): a sequence matches when every real entry equals the history.
+            equal = (history[:, None, :] == self.sequences[None]) | ~self.valid[None]
+            reason[equal.all(-1).any(-1)] = STOP_SEQUENCE
+        go_on = reason == CONTINUE
+        if self.max_tokens is not None:
+            reason[go_on & (num_generated >= self.max_tokens)] = MAX_TOKENS
+            go_on = reason == CONTINUE
+        reason[go_on & (seq_lengths >= self.max_seq_len)] = MAX_SEQ_LEN
+        return reason

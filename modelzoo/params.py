@@ -1,0 +1,204 @@
+"""params.yaml -> frozen, validated dataclasses. Unknown keys and bad values are one-line errors."""
+from __future__ import annotations
+
+import difflib
+from dataclasses import MISSING, asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from modelzoo.errors import UserError
+
+DATA_PROCESSOR = "GptHDF5MapDataProcessor"
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int(minimum: int, nullable: bool = False) -> Callable[[str, Any], Any]:
+    def check(key: str, value: Any) -> Any:
+        if value is None and nullable:
+            return None
+        if not _is_int(value) or value < minimum:
+            null = " or null" if nullable else ""
+            raise UserError(f"{key} must be an integer >= {minimum}{null}, got {value!r}")
+        return value
+    return check
+
+
+def _choice(options: tuple, kind: Callable[[Any], bool] = lambda v: True) -> Callable[[str, Any], Any]:
+    def check(key: str, value: Any) -> Any:
+        if not kind(value) or value not in options:
+            raise UserError(f"{key} must be one of {', '.join(map(str, options))}, got {value!r}")
+        return value
+    return check
+
+
+def _bool(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise UserError(f"{key} must be true or false, got {value!r}")
+    return value
+
+
+def _path(nullable: bool) -> Callable[[str, Any], Any]:
+    def check(key: str, value: Any) -> Any:
+        if value is None and nullable:
+            return None
+        if not isinstance(value, (str, Path)) or not str(value):
+            raise UserError(f"{key} must be a path, got {value!r}")
+        return str(value)
+    return check
+
+
+def _start_token(key: str, value: Any) -> tuple[int, ...]:
+    ids = value if isinstance(value, list) else [value]
+    if not ids or not all(_is_int(i) and i >= 0 for i in ids):
+        raise UserError(f"{key} must be an integer >= 0 or a non-empty list of them, got {value!r}")
+    return tuple(ids)
+
+
+def _stop_sequences(key: str, value: Any) -> tuple[tuple[int, ...], ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise UserError(f"{key} must be a list of token-id lists (e.g. [[2]]), got {value!r}")
+    for i, seq in enumerate(value):
+        if not isinstance(seq, list) or not seq or not all(_is_int(t) and t >= 0 for t in seq):
+            raise UserError(f"{key}[{i}] must be a non-empty list of token ids >= 0, got {seq!r}")
+    return tuple(tuple(seq) for seq in value)
+
+
+@dataclass(frozen=True)
+class ModelParams:
+    """`model:` section: what to run and when a row stops."""
+
+    start_token: tuple[int, ...]
+    checkpoint_path: str | None = None
+    dtype: str = "auto"
+    stop_sequences: tuple[tuple[int, ...], ...] = ()
+    max_tokens: int | None = None
+    loop_dim: int = 1
+
+
+@dataclass(frozen=True)
+class InputParams:
+    """`inference_input:` section: where the tokenized prompts are and how many rows per step."""
+
+    data_dir: str
+    batch_size: int
+    data_processor: str = DATA_PROCESSOR
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """`runconfig:` section: options of this run that do not change the outputs."""
+
+    inference_steps: int | None = None
+    compile_only: bool = False
+    device: str = "auto"
+    num_threads: int | None = None
+    log_steps: int = 10
+
+
+@dataclass(frozen=True)
+class InferenceParams:
+    """The whole params.yaml."""
+
+    model: ModelParams
+    inference_input: InputParams
+    runconfig: RunConfig
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain YAML-ready dict (tuples become lists)."""
+        def plain(value: Any) -> Any:
+            if isinstance(value, (tuple, list)):
+                return [plain(v) for v in value]
+            if isinstance(value, dict):
+                return {k: plain(v) for k, v in value.items()}
+            return value
+        return plain(asdict(self))
+
+
+# Section -> (dataclass, {key: check}). Order of keys is the order of the params reference.
+SCHEMA: dict[str, tuple[type, dict[str, Callable[[str, Any], Any]]]] = {
+    "model": (ModelParams, {
+        "checkpoint_path": _path(nullable=True),
+        "dtype": _choice(DTYPE_NAMES, lambda v: isinstance(v, str)),
+        "start_token": _start_token,
+        "stop_sequences": _stop_sequences,
+        "max_tokens": _int(1, nullable=True),
+        "loop_dim": _choice((0, 1), _is_int),
+    }),
+    "inference_input": (InputParams, {
+        "data_processor": _choice((DATA_PROCESSOR,), lambda v: isinstance(v, str)),
+        "data_dir": _path(nullable=False),
+        "batch_size": _int(1),
+    }),
+    "runconfig": (RunConfig, {
+        "inference_steps": _int(1, nullable=True),
+        "compile_only": _bool,
+        "device": _choice(DEVICES, lambda v: isinstance(v, str)),
+        "num_threads": _int(1, nullable=True),
+        "log_steps": _int(1),
+    }),
+}
+
+
+def _unknown_key(where: str, key: str, known: list[str]) -> UserError:
+    close = difflib.get_close_matches(str(key), known, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(known)}"
+    return UserError(f"unknown key {where}{key!r} in params{hint}")
+
+
+def _section(name: str, raw: Any) -> Any:
+    cls, checks = SCHEMA[name]
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise UserError(f"params section {name!r} must be a mapping, got {type(raw).__name__}")
+    values = {}
+    for key, value in raw.items():
+        if key not in checks:
+            raise _unknown_key(f"{name}.", key, list(checks))
+        values[key] = checks[key](f"{name}.{key}", value)
+    for field in fields(cls):
+        if field.name not in values and field.default is MISSING and field.default_factory is MISSING:
+            raise UserError(f"params is missing required key {name}.{field.name}")
+    return cls(**values)
+
+
+def parse_params(raw: Any) -> InferenceParams:
+    """Validates a params mapping (as read from YAML)."""
+    if not isinstance(raw, dict):
+        raise UserError("params must be a YAML mapping with sections model, inference_input, runconfig")
+    for name in raw:
+        if name not in SCHEMA:
+            raise _unknown_key("", name, list(SCHEMA))
+    return InferenceParams(**{name: _section(name, raw.get(name)) for name in SCHEMA})
+
+
+def load_params(path: str | Path) -> InferenceParams:
+    """Reads and validates a params.yaml file."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"params file {path} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise UserError(f"params file {path} is not valid YAML: {exc}".replace("\n", " ")) from exc
+    return parse_params(raw)
+
+
+def with_overrides(params: InferenceParams, overrides: dict[str, dict[str, Any]]) -> InferenceParams:
+    """Applies CLI overrides ({section: {key: value}}, None values ignored), validated like YAML."""
+    sections = {}
+    for name in SCHEMA:
+        current = getattr(params, name)
+        changes = {k: SCHEMA[name][1][k](f"{name}.{k}", v)
+                   for k, v in overrides.get(name, {}).items() if v is not None}
+        sections[name] = replace(current, **changes)
+    return InferenceParams(**sections)

@@ -1,0 +1,288 @@
+"""The inference job: data -> generation engine -> predictions files, with progress and a summary."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+import yaml
+
+import modelzoo
+from modelzoo.checkpoint import load_hf_config, load_model, resolve_dtype
+from modelzoo.data import Batch, GptHDF5MapDataProcessor
+from modelzoo.errors import UserError
+from modelzoo.generation.engine import GenerationEngine, Request
+from modelzoo.generation.kv_cache import KVCache
+from modelzoo.params import InferenceParams
+from modelzoo.predictions import write_predictions
+
+log = logging.getLogger("zoo-infer")
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto` -> CUDA when present, else CPU; `cuda` without a GPU is an error."""
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("runconfig.device is cuda but no CUDA device is available")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free on the device (CPU: MemAvailable of /proc/meminfo, else physical memory)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@dataclass
+class StepAssembly:
+    """The output arrays of one global step, filled row by row as completions arrive."""
+
+    predictions: np.ndarray  # (batch_size, max_seq_len) int32
+    sample_index: np.ndarray  # (batch_size,) int64, -1 for dummy rows
+    prompt_length: np.ndarray  # (batch_size,) int32
+    num_generated: np.ndarray  # (batch_size,) int32
+    stop_reason: np.ndarray  # (batch_size,) unicode
+    remaining: int  # rows still generating
+
+    def arrays(self, loop_dim: int) -> dict[str, np.ndarray]:
+        """The npz payload; `predictions` transposed to (max_seq_len, batch_size) when loop_dim is 0."""
+        predictions = self.predictions if loop_dim == 1 else np.ascontiguousarray(self.predictions.T)
+        return {"predictions": predictions, "sample_index": self.sample_index, "prompt_length": self.prompt_length,
+                "num_generated": self.num_generated, "stop_reason": self.stop_reason,
+                "loop_dim": np.array(loop_dim, dtype=np.int64)}
+
+
+@dataclass
+class RunStats:
+    """Counters reported in the log and in summary.json."""
+
+    samples: int = 0
+    batches: int = 0
+    generated_tokens: int = 0
+    no_start_token: int = 0
+    empty_prompt: int = 0
+    generation_seconds: float = 0.0
+    stop_reasons: dict[str, int] = field(default_factory=dict)
+
+
+class InferenceJob:
+    """One run of `run_inference.py`: owns the data, the model, the engine and the output folder."""
+
+    def __init__(self, params: InferenceParams, model_dir: str | Path) -> None:
+        self.params = params
+        self.model_dir = Path(model_dir)
+        self.artifacts = self.model_dir / "artifacts"
+        self.predictions_dir = self.artifacts / "predictions"
+        model = params.model
+        if not model.checkpoint_path:
+            raise UserError("no checkpoint: set model.checkpoint_path in params or pass --checkpoint_path")
+        self.start_tokens = np.array(model.start_token, dtype=np.int64)
+        self.pad_token = int(model.start_token[0])
+        self.device = resolve_device(params.runconfig.device)
+        torch.set_num_threads(params.runconfig.num_threads or len(os.sched_getaffinity(0)))
+        self.data = GptHDF5MapDataProcessor(params.inference_input.data_dir, params.inference_input.batch_size,
+                                            model.loop_dim, self.pad_token)
+        hf_config = load_hf_config(model.checkpoint_path)
+        self.dtype = resolve_dtype(model.dtype, hf_config)
+        self.vocab_size = int(hf_config.vocab_size)
+        self._check_data_against_model()
+        self.stats = RunStats()
+
+    def _check_data_against_model(self) -> None:
+        """The data tool's attributes must agree with the params and the model."""
+        attrs = self.data.attrs
+        if "start_token" in attrs and int(attrs["start_token"]) not in self.start_tokens:
+            raise UserError(f"the data in {self.data.data_dir} was tokenized with start_token {int(attrs['start_token'])} "
+                            f"but params model.start_token is {list(self.params.model.start_token)}")
+        if "vocab_size" in attrs and int(attrs["vocab_size"]) > self.vocab_size:
+            raise UserError(f"the data in {self.data.data_dir} was tokenized with a vocabulary of {int(attrs['vocab_size'])} "
+                            f"tokens ({attrs.get('tokenizer', '?')}) but the model has {self.vocab_size}")
+
+    def steps(self) -> list[int]:
+        """Global steps this run processes: all, or the first `inference_steps` (clamped, with a warning)."""
+        wanted = self.params.runconfig.inference_steps
+        if wanted is not None and wanted > self.data.num_steps:
+            log.warning("inference_steps %d is more than the data holds; clamped to %d", wanted, self.data.num_steps)
+        return list(range(1, min(wanted or self.data.num_steps, self.data.num_steps) + 1))
+
+    def memory_estimate(self, model: torch.nn.Module) -> tuple[int, int]:
+        """(weight bytes, KV cache bytes) for batch_size x max_seq_len."""
+        weights = sum(t.numel() * t.element_size() for t in {id(t): t for t in model.state_dict().values()}.values())
+        c = model.config
+        cache = KVCache.nbytes(c.num_layers, self.params.inference_input.batch_size, c.num_kv_heads,
+                               self.data.max_seq_len, c.head_dim, self.dtype)
+        return weights, cache
+
+    def run(self) -> RunStats:
+        """Validates, loads, then either checks one forward pass (compile_only) or writes every step."""
+        steps = self.steps()
+        self.artifacts.mkdir(parents=True, exist_ok=True)
+        (self.artifacts / "params_inference.yaml").write_text(yaml.safe_dump(self.params.to_dict(), sort_keys=False))
+        load_start = time.perf_counter()
+        model, _ = load_model(self.params.model.checkpoint_path, self.dtype, self.device)
+        log.info("loaded %s (%s, %s) on %s in %.1fs", self.params.model.checkpoint_path, type(model).__name__,
+                 str(self.dtype).replace("torch.", ""), self.device, time.perf_counter() - load_start)
+        weights, cache = self.memory_estimate(model)
+        free = available_memory(self.device)
+        log.info("memory: weights %.2f GiB + KV cache %.2f GiB (batch_size %d x max_seq_len %d); %.2f GiB available",
+                 weights / 2**30, cache / 2**30, self.params.inference_input.batch_size, self.data.max_seq_len, free / 2**30)
+        if cache > free:
+            raise UserError(f"the KV cache needs {cache / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB is available on "
+                            f"{self.device}; lower inference_input.batch_size or the data's max_seq_len")
+        engine = GenerationEngine(model, self.params.inference_input.batch_size, self.data.max_seq_len,
+                                  [list(s) for s in self.params.model.stop_sequences], self.params.model.max_tokens,
+                                  self.device, self.dtype)
+        if self.params.runconfig.compile_only:
+            self._check_forward(model, engine)
+            return self.stats
+        self.predictions_dir.mkdir(parents=True, exist_ok=True)
+        log.info("%d samples, %d steps of %d rows, max_seq_len %d; writing to %s", self.data.num_samples, len(steps),
+                 self.params.inference_input.batch_size, self.data.max_seq_len, self.predictions_dir)
+        self._generate(engine, steps)
+        self._finish()
+        return self.stats
+
+    def _check_forward(self, model: torch.nn.Module, engine: GenerationEngine) -> None:
+        """compile_only: one forward pass on the first sample's prompt (or one start token)."""
+        batch = self.data.batch(1)
+        starts, has_start = self._start_positions(batch.rows)
+        prompt = batch.rows[0, : starts[0]] if has_start[0] and starts[0] > 0 else batch.rows[0, :1] % self.vocab_size
+        tokens = torch.as_tensor(prompt, dtype=torch.long, device=self.device)[None]
+        with torch.inference_mode():
+            logits = model(tokens, torch.arange(tokens.shape[1], device=self.device)[None], engine.cache,
+                           torch.zeros(1, dtype=torch.long, device=self.device))
+        if not torch.isfinite(logits).all():
+            raise UserError("compile_only: the forward pass produced non-finite logits; check the checkpoint and dtype")
+        log.info("compile_only: params, data and checkpoint are valid; one forward pass gave logits %s; "
+                 "no predictions written", tuple(logits.shape))
+
+    def _start_positions(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Index of the first start token in each row (B,), and whether the row has one (B,)."""
+        is_start = np.isin(rows, self.start_tokens)
+        return is_start.argmax(axis=1), is_start.any(axis=1)
+
+    def _assemble(self, batch: Batch) -> tuple[StepAssembly, list[Request]]:
+        """Output arrays for a batch, with pass-through rows final, and the requests of the rest."""
+        rows = batch.rows
+        size, width = rows.shape
+        starts, has_start = self._start_positions(rows)
+        dummy = batch.sample_index < 0
+        generate = has_start & (starts > 0) & ~dummy
+        reason = np.where(dummy, "dummy", np.where(~has_start, "no_start_token", "empty_prompt")).astype("<U16")
+        prompt_length = np.where(has_start, starts, width).astype(np.int32)
+        prompt_length[dummy] = 0
+        predictions = rows.copy()
+        requests = []
+        for row in np.flatnonzero(generate):
+            prompt = rows[row, : starts[row]]
+            bad = (prompt < 0) | (prompt >= self.vocab_size)
+            if bad.any():
+                raise UserError(f"sample {batch.sample_index[row]}: token id {prompt[bad][0]} in its prompt is outside "
+                                f"the model's vocabulary (0..{self.vocab_size - 1})")
+            predictions[row, starts[row]:] = self.pad_token
+            requests.append(Request(index=int(batch.sample_index[row]), prompt=prompt))
+        self.stats.no_start_token += int((~has_start & ~dummy).sum())
+        self.stats.empty_prompt += int((has_start & (starts == 0) & ~dummy).sum())
+        assembly = StepAssembly(predictions, batch.sample_index, prompt_length, np.zeros(size, dtype=np.int32),
+                                reason, remaining=len(requests))
+        return assembly, requests
+
+    def _generate(self, engine: GenerationEngine, steps: list[int]) -> None:
+        """Feeds the engine batch by batch and writes each step's file as soon as its rows are all done."""
+        batch_size = self.params.inference_input.batch_size
+        pending: dict[int, StepAssembly] = {}
+        progress = Progress(len(steps), self.params.runconfig.log_steps)
+
+        def requests() -> Iterator[Request]:
+            for batch in self.data.batches(steps):
+                assembly, batch_requests = self._assemble(batch)
+                self.stats.samples += int((batch.sample_index >= 0).sum())
+                pending[batch.step] = assembly
+                if assembly.remaining == 0:
+                    self._write(batch.step, pending.pop(batch.step), progress, engine)
+                yield from batch_requests
+
+        start = time.perf_counter()
+        for completion in engine.generate(requests()):
+            step, row = completion.index // batch_size + 1, completion.index % batch_size
+            assembly = pending[step]
+            begin = assembly.prompt_length[row]
+            assembly.predictions[row, begin: begin + len(completion.tokens)] = completion.tokens
+            assembly.num_generated[row] = len(completion.tokens)
+            assembly.stop_reason[row] = completion.reason
+            assembly.remaining -= 1
+            if assembly.remaining == 0:
+                self._write(step, pending.pop(step), progress, engine)
+        self.stats.generation_seconds = time.perf_counter() - start
+        self.stats.generated_tokens = engine.generated_tokens
+        progress.close()
+
+    def _write(self, step: int, assembly: StepAssembly, progress: "Progress", engine: GenerationEngine) -> None:
+        write_predictions(self.predictions_dir, step, assembly.arrays(self.params.model.loop_dim))
+        self.stats.batches += 1
+        for reason in assembly.stop_reason[assembly.sample_index >= 0]:
+            self.stats.stop_reasons[str(reason)] = self.stats.stop_reasons.get(str(reason), 0) + 1
+        progress.update(step, engine.generated_tokens)
+
+    def _finish(self) -> None:
+        """Logs the totals and writes artifacts/summary.json."""
+        s = self.stats
+        rate = s.generated_tokens / s.generation_seconds if s.generation_seconds else 0.0
+        log.info("done: %d samples in %d steps, %d generated tokens in %.1fs (%.1f tokens/s); stop reasons %s",
+                 s.samples, s.batches, s.generated_tokens, s.generation_seconds, rate, s.stop_reasons)
+        if s.no_start_token or s.empty_prompt:
+            log.warning("%d rows had no start token and %d an empty prompt: left as they are, nothing generated",
+                        s.no_start_token, s.empty_prompt)
+        summary = {
+            "samples": s.samples, "batches": s.batches, "generated_tokens": s.generated_tokens,
+            "generation_seconds": round(s.generation_seconds, 3), "tokens_per_second": round(rate, 2),
+            "rows_without_start_token": s.no_start_token, "rows_with_empty_prompt": s.empty_prompt,
+            "stop_reasons": s.stop_reasons, "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
+            "versions": {"zoo-infer": modelzoo.__version__, "torch": torch.__version__, "python": platform.python_version()},
+        }
+        (self.artifacts / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+
+class Progress:
+    """tqdm on a terminal; in a log file (a batch job), one line every `log_steps` written steps."""
+
+    def __init__(self, total_steps: int, log_steps: int) -> None:
+        self.total, self.log_steps, self.done = total_steps, log_steps, 0
+        self.start = time.perf_counter()
+        self.bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, unit="step", desc="inference")
+
+    def update(self, step: int, generated_tokens: int) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.update(1)
+            return
+        if self.done % self.log_steps == 0 or self.done == self.total:
+            elapsed = time.perf_counter() - self.start
+            eta = elapsed / self.done * (self.total - self.done)
+            log.info("step %d: %d/%d steps written, %.1f generated tokens/s, ETA %.0fs", step, self.done, self.total,
+                     generated_tokens / elapsed if elapsed else 0.0, eta)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
