@@ -26,13 +26,24 @@ IGNORED_SUFFIXES = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 def load_hf_config(path: str | Path) -> Any:
     """The transformers config of a checkpoint folder; never contacts a model hub."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoConfig
+    from transformers import AutoConfig, PretrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     folder = Path(path)
     if not folder.is_dir():
         raise UserError(f"checkpoint folder {folder} does not exist")
     if not (folder / "config.json").is_file():
         raise UserError(f"checkpoint folder {folder} has no config.json")
+    try:
+        raw = json.loads((folder / "config.json").read_text())
+    except ValueError as exc:
+        raise UserError(f"{folder / 'config.json'} is not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise UserError(f"{folder / 'config.json'} must hold a JSON object")
+    if raw.get("model_type") not in CONFIG_MAPPING:
+        # Families whose config class lives only in remote code (BTLM): read the fields as they are,
+        # never executing the checkpoint's code.
+        return PretrainedConfig(**raw)
     try:
         return AutoConfig.from_pretrained(folder)
     except Exception as exc:  # transformers raises ValueError / OSError / KeyError for bad configs

@@ -1,0 +1,202 @@
+"""The run_inference.py contract (DESIGN.md section 2) on a tiny random Llama, against transformers."""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from harness import (expected_rows, hf_greedy, load_predictions, prompt_rows, run_job, save_tiny_model,
+                     stacked_predictions, truncate_at_stop, write_h5, write_params)
+from modelzoo.checkpoint import load_model
+from modelzoo.generation.engine import GenerationEngine, Request
+
+VOCAB = 96
+START = VOCAB  # outside the vocabulary, as recommended
+MAX_SEQ_LEN = 40
+BATCH = 3
+PROMPT_LENGTHS = (3, 9, 1, 17, 5, 12, 2)  # 7 prompts: 3 steps of 3, the last with 2 dummy rows
+
+
+def tiny_llama_config(**overrides) -> LlamaConfig:
+    """Several layers, grouped-query attention (4 heads over 2 KV heads)."""
+    values = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=128, max_position_embeddings=128,
+                  tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+    values.update(overrides)
+    return LlamaConfig(**values)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> Path:
+    return save_tiny_model(tiny_llama_config(), tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    rng = np.random.default_rng(1)
+    return [rng.integers(3, VOCAB, size=n).tolist() for n in PROMPT_LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama, prompts) -> list[list[int]]:
+    """transformers greedy up to max_seq_len, no stop rule."""
+    return [hf_greedy(tiny_llama, [p], MAX_SEQ_LEN - len(p))[0] for p in prompts]
+
+
+def run(tmp_path: Path, checkpoint: Path, rows: np.ndarray, *flags: str, **params) -> Path:
+    """Writes the data and params, runs the job, asserts success; returns the model_dir."""
+    loop_dim = params.get("loop_dim", 1)
+    data = tmp_path / "data"
+    write_h5(data, rows, loop_dim=loop_dim)
+    params.setdefault("batch_size", BATCH)
+    params.setdefault("start_token", START)
+    path = write_params(tmp_path / "params.yaml", checkpoint, data, **params)
+    model_dir = tmp_path / "run"
+    assert run_job(path, model_dir, *flags) == 0
+    return model_dir
+
+
+def with_dummies(rows: np.ndarray, batch: int, pad: int) -> np.ndarray:
+    """Appends the dummy rows that fill the last batch."""
+    missing = -len(rows) % batch
+    return np.concatenate([rows, np.full((missing, rows.shape[1]), pad, dtype=np.int32)])
+
+
+def test_predictions_match_transformers_and_file_format(tmp_path, tiny_llama, prompts, reference):
+    model_dir = run(tmp_path, tiny_llama, prompt_rows(prompts, MAX_SEQ_LEN, START))
+    files = sorted(p.name for p in (model_dir / "artifacts" / "predictions").iterdir())
+    assert files == ["predictions_1.npz", "predictions_2.npz", "predictions_3.npz"]
+    expected = with_dummies(expected_rows(prompts, reference, MAX_SEQ_LEN, START), BATCH, START)
+    np.testing.assert_array_equal(stacked_predictions(model_dir), expected)
+    steps = load_predictions(model_dir)
+    for step, arrays in steps.items():
+        assert arrays["global_step"].shape == () and int(arrays["global_step"]) == step
+        assert arrays["predictions"].dtype == np.int32 and arrays["predictions"].shape == (BATCH, MAX_SEQ_LEN)
+    np.testing.assert_array_equal(steps[3]["sample_index"], [6, -1, -1])
+    assert list(steps[3]["stop_reason"]) == ["max_seq_len", "dummy", "dummy"]
+    np.testing.assert_array_equal(steps[1]["num_generated"], [MAX_SEQ_LEN - n for n in PROMPT_LENGTHS[:3]])
+    np.testing.assert_array_equal(steps[1]["prompt_length"], PROMPT_LENGTHS[:3])
+    summary = json.loads((model_dir / "artifacts" / "summary.json").read_text())
+    assert summary["samples"] == 7 and summary["batches"] == 3
+    assert summary["generated_tokens"] == sum(MAX_SEQ_LEN - n for n in PROMPT_LENGTHS)
+    assert (model_dir / "artifacts" / "params_inference.yaml").is_file()
+
+
+def test_stop_sequences_of_one_and_two_tokens_are_kept(tmp_path, tiny_llama, prompts, reference):
+    one = [reference[1][4]]
+    two = reference[3][6:8]
+    stops = [one, two]
+    model_dir = run(tmp_path, tiny_llama, prompt_rows(prompts, MAX_SEQ_LEN, START), stop_sequences=stops)
+    cut = [truncate_at_stop(r, stops) for r in reference]
+    assert len(cut[1]) == 5 and cut[1][-1] == one[0]  # the stop token itself is in the output
+    assert cut[3][-2:] == two
+    expected = with_dummies(expected_rows(prompts, cut, MAX_SEQ_LEN, START), BATCH, START)
+    np.testing.assert_array_equal(stacked_predictions(model_dir), expected)
+    steps = load_predictions(model_dir)
+    reasons = np.concatenate([steps[s]["stop_reason"] for s in sorted(steps)])[:7]
+    expected_reasons = ["stop_sequence" if any(short[-len(s):] == s for s in stops) else "max_seq_len" for short in cut]
+    assert list(reasons) == expected_reasons
+    assert expected_reasons.count("stop_sequence") >= 2
+
+
+def test_max_tokens(tmp_path, tiny_llama, prompts, reference):
+    model_dir = run(tmp_path, tiny_llama, prompt_rows(prompts, MAX_SEQ_LEN, START), max_tokens=4)
+    expected = with_dummies(expected_rows(prompts, [r[:4] for r in reference], MAX_SEQ_LEN, START), BATCH, START)
+    np.testing.assert_array_equal(stacked_predictions(model_dir), expected)
+    assert list(load_predictions(model_dir)[1]["stop_reason"]) == ["max_tokens"] * 3
+
+
+def test_start_token_list_pads_with_first_id(tmp_path, tiny_llama, prompts, reference):
+    rows = prompt_rows(prompts, MAX_SEQ_LEN, START)
+    rows[1, PROMPT_LENGTHS[1]:] = START + 1  # this row marks its start with the second id of the list
+    model_dir = run(tmp_path, tiny_llama, rows, start_token=[START + 1, START], max_tokens=5)
+    expected = with_dummies(expected_rows(prompts, [r[:5] for r in reference], MAX_SEQ_LEN, START + 1),
+                            BATCH, START + 1)
+    np.testing.assert_array_equal(stacked_predictions(model_dir), expected)
+
+
+def test_rows_without_start_token_or_prompt_are_left_as_they_are(tmp_path, tiny_llama, prompts, reference, caplog):
+    rows = prompt_rows(prompts[:2], MAX_SEQ_LEN, START)
+    no_start = np.arange(MAX_SEQ_LEN, dtype=np.int32) % 50 + 3
+    empty = np.full(MAX_SEQ_LEN, START, dtype=np.int32)
+    rows = np.concatenate([rows[:1], no_start[None], empty[None], rows[1:]])
+    with caplog.at_level(logging.INFO, logger="zoo-infer"):
+        model_dir = run(tmp_path, tiny_llama, rows, batch_size=4, max_tokens=3)
+    out = load_predictions(model_dir)[1]
+    np.testing.assert_array_equal(out["predictions"][1], no_start)
+    np.testing.assert_array_equal(out["predictions"][2], empty)
+    assert list(out["stop_reason"]) == ["max_tokens", "no_start_token", "empty_prompt", "max_tokens"]
+    np.testing.assert_array_equal(out["num_generated"], [3, 0, 0, 3])
+    np.testing.assert_array_equal(out["predictions"][3], expected_rows([prompts[1]], [reference[1][:3]], MAX_SEQ_LEN, START)[0])
+    assert "1 rows had no start token and 1 an empty prompt" in caplog.text
+    summary = json.loads((model_dir / "artifacts" / "summary.json").read_text())
+    assert summary["rows_without_start_token"] == 1 and summary["rows_with_empty_prompt"] == 1
+
+
+def test_loop_dim_0_reads_and_writes_transposed(tmp_path, tiny_llama, prompts, reference):
+    model_dir = run(tmp_path, tiny_llama, prompt_rows(prompts, MAX_SEQ_LEN, START), loop_dim=0, max_tokens=6)
+    steps = load_predictions(model_dir)
+    assert steps[1]["predictions"].shape == (MAX_SEQ_LEN, BATCH)
+    stacked = np.concatenate([steps[s]["predictions"].T for s in sorted(steps)])
+    expected = with_dummies(expected_rows(prompts, [r[:6] for r in reference], MAX_SEQ_LEN, START), BATCH, START)
+    np.testing.assert_array_equal(stacked, expected)
+
+
+def test_inference_steps_limits_and_clamps(tmp_path, tiny_llama, prompts, caplog):
+    rows = prompt_rows(prompts, MAX_SEQ_LEN, START)
+    model_dir = run(tmp_path / "a", tiny_llama, rows, "--inference_steps", "2", max_tokens=2)
+    assert sorted(load_predictions(model_dir)) == [1, 2]
+    with caplog.at_level(logging.WARNING, logger="zoo-infer"):
+        model_dir = run(tmp_path / "b", tiny_llama, rows, max_tokens=2, inference_steps=10)
+    assert sorted(load_predictions(model_dir)) == [1, 2, 3]
+    assert "inference_steps 10 is more than the data holds; clamped to 3" in caplog.text
+
+
+def test_compile_only_writes_no_predictions(tmp_path, tiny_llama, prompts, caplog):
+    with caplog.at_level(logging.INFO, logger="zoo-infer"):
+        model_dir = run(tmp_path, tiny_llama, prompt_rows(prompts, MAX_SEQ_LEN, START), "--compile_only")
+    assert not (model_dir / "artifacts" / "predictions").exists()
+    assert "compile_only: params, data and checkpoint are valid" in caplog.text
+    assert "KV cache" in caplog.text
+
+
+def test_checkpoint_path_flag_overrides_params(tmp_path, tiny_llama, prompts, reference):
+    data = tmp_path / "data"
+    write_h5(data, prompt_rows(prompts[:2], MAX_SEQ_LEN, START))
+    params = write_params(tmp_path / "p.yaml", tmp_path / "no_such_checkpoint", data, batch_size=2,
+                          start_token=START, max_tokens=3)
+    assert run_job(params, tmp_path / "run", "--checkpoint_path", str(tiny_llama)) == 0
+    expected = expected_rows(prompts[:2], [r[:3] for r in reference[:2]], MAX_SEQ_LEN, START)
+    np.testing.assert_array_equal(stacked_predictions(tmp_path / "run"), expected)
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(tie_word_embeddings=True),
+    dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 16}, rope_theta=500000.0),
+    dict(rope_scaling={"rope_type": "linear", "factor": 2.0}, num_key_value_heads=1),
+], ids=["tied", "rope_llama3", "rope_linear_mqa"])
+def test_llama_variants_match_transformers(tmp_path, prompts, overrides):
+    checkpoint = save_tiny_model(tiny_llama_config(**overrides), tmp_path / "ckpt", seed=3)
+    model_dir = run(tmp_path, checkpoint, prompt_rows(prompts, MAX_SEQ_LEN, START), max_tokens=12)
+    reference = hf_greedy(checkpoint, prompts, 12)
+    expected = with_dummies(expected_rows(prompts, reference, MAX_SEQ_LEN, START), BATCH, START)
+    np.testing.assert_array_equal(stacked_predictions(model_dir), expected)
+
+
+def test_engine_prefill_groups_do_not_change_tokens(tiny_llama, prompts):
+    """A tiny prefill budget forces one group per prompt; the tokens stay the same."""
+    model, _ = load_model(tiny_llama, torch.float32, torch.device("cpu"))
+
+    def tokens(budget: int) -> dict[int, list[int]]:
+        engine = GenerationEngine(model, 4, MAX_SEQ_LEN, [], 8, torch.device("cpu"), torch.float32, budget)
+        requests = [Request(i, np.array(p)) for i, p in enumerate(prompts)]
+        return {c.index: c.tokens.tolist() for c in engine.generate(requests)}
+
+    assert tokens(8) == tokens(8192)
+    assert len(tokens(8)) == len(prompts)
