@@ -1,0 +1,83 @@
+"""params.yaml validation: every bad value is a one-line error naming the key; exit code 2 from the CLI."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import yaml
+
+from harness import run_job
+from modelzoo.errors import UserError
+from modelzoo.params import load_params, parse_params, with_overrides
+
+VALID = {
+    "model": {"checkpoint_path": "ckpt", "start_token": 100, "stop_sequences": [[2], [5, 6]], "max_tokens": 8},
+    "inference_input": {"data_processor": "GptHDF5MapDataProcessor", "data_dir": "data", "batch_size": 4},
+    "runconfig": {"inference_steps": 2},
+}
+
+
+def changed(section: str, key: str, value) -> dict:
+    raw = copy.deepcopy(VALID)
+    raw[section][key] = value
+    return raw
+
+
+def test_valid_params_and_defaults():
+    params = parse_params(VALID)
+    assert params.model.start_token == (100,)
+    assert params.model.stop_sequences == ((2,), (5, 6))
+    assert params.model.dtype == "auto" and params.model.loop_dim == 1
+    assert params.runconfig.device == "auto" and params.runconfig.compile_only is False
+    assert parse_params(changed("model", "start_token", [7, 8])).model.start_token == (7, 8)
+    assert parse_params(changed("model", "stop_sequences", [])).model.stop_sequences == ()
+
+
+@pytest.mark.parametrize("raw, message", [
+    (changed("model", "max_token", 3), "unknown key model.'max_token' in params; did you mean 'max_tokens'?"),
+    ({**VALID, "runconfg": {}}, "unknown key 'runconfg' in params; did you mean 'runconfig'?"),
+    (changed("inference_input", "batch_size", 0), "inference_input.batch_size must be an integer >= 1, got 0"),
+    (changed("inference_input", "batch_size", "8"), "inference_input.batch_size must be an integer >= 1, got '8'"),
+    (changed("model", "loop_dim", 2), "model.loop_dim must be one of 0, 1, got 2"),
+    (changed("model", "stop_sequences", [[2], []]), "model.stop_sequences[1] must be a non-empty list of token ids >= 0, got []"),
+    (changed("model", "stop_sequences", [2]), "model.stop_sequences[0] must be a non-empty list of token ids >= 0, got 2"),
+    (changed("model", "max_tokens", -1), "model.max_tokens must be an integer >= 1 or null, got -1"),
+    (changed("model", "start_token", []), "model.start_token must be an integer >= 0 or a non-empty list of them, got []"),
+    (changed("model", "start_token", -3), "model.start_token must be an integer >= 0 or a non-empty list of them, got -3"),
+    (changed("model", "dtype", "fp32"), "model.dtype must be one of auto, float32, bfloat16, float16, got 'fp32'"),
+    (changed("inference_input", "data_processor", "GptHDF5DataProcessor"),
+     "inference_input.data_processor must be one of GptHDF5MapDataProcessor, got 'GptHDF5DataProcessor'"),
+    (changed("runconfig", "compile_only", "yes"), "runconfig.compile_only must be true or false, got 'yes'"),
+    (changed("runconfig", "device", "tpu"), "runconfig.device must be one of auto, cpu, cuda, got 'tpu'"),
+    ({"model": VALID["model"], "runconfig": {}}, "params is missing required key inference_input.data_dir"),
+    ({**VALID, "model": {"checkpoint_path": "c"}}, "params is missing required key model.start_token"),
+    ([1, 2], "params must be a YAML mapping"),
+])
+def test_bad_params_are_named(raw, message):
+    with pytest.raises(UserError) as error:
+        parse_params(raw)
+    assert message in str(error.value)
+
+
+def test_overrides_are_validated_like_yaml():
+    params = with_overrides(parse_params(VALID), {"runconfig": {"inference_steps": 5, "device": None}})
+    assert params.runconfig.inference_steps == 5 and params.runconfig.device == "auto"
+    with pytest.raises(UserError, match="runconfig.inference_steps must be an integer >= 1"):
+        with_overrides(params, {"runconfig": {"inference_steps": 0}})
+
+
+def test_file_errors(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        load_params(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed")
+    with pytest.raises(UserError, match="is not valid YAML"):
+        load_params(bad)
+
+
+def test_cli_reports_one_line_and_exit_code_2(tmp_path, capsys):
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(changed("inference_input", "batch_sise", 4)))
+    assert run_job(path, tmp_path / "run") == 2
+    err = capsys.readouterr().err
+    assert err == "error: unknown key inference_input.'batch_sise' in params; did you mean 'batch_size'?\n"
