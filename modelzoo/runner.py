@@ -160,11 +160,11 @@ class InferenceJob:
         return self.stats
 
     def _check_forward(self, model: torch.nn.Module, engine: GenerationEngine) -> None:
-        """compile_only: one forward pass on the first sample's prompt (or one start token)."""
-        batch = self.data.batch(1)
-        starts, has_start = self._start_positions(batch.rows)
-        prompt = batch.rows[0, : starts[0]] if has_start[0] and starts[0] > 0 else batch.rows[0, :1] % self.vocab_size
-        tokens = torch.as_tensor(prompt, dtype=torch.long, device=self.device)[None]
+        """compile_only: one forward pass over the first sample's prompt (one token 0 if it has none)."""
+        row = self.data.batch(1).rows[0]
+        starts, has_start = self._start_positions(row[None])
+        prompt = row[: starts[0]] if has_start[0] and starts[0] > 0 else np.zeros(1, dtype=np.int32)
+        tokens = torch.as_tensor(prompt, dtype=torch.long, device=self.device)[None]  # (1, T)
         with torch.inference_mode():
             logits = model(tokens, torch.arange(tokens.shape[1], device=self.device)[None], engine.cache,
                            torch.zeros(1, dtype=torch.long, device=self.device))
@@ -239,7 +239,7 @@ class InferenceJob:
         self.stats.batches += 1
         for reason in assembly.stop_reason[assembly.sample_index >= 0]:
             self.stats.stop_reasons[str(reason)] = self.stats.stop_reasons.get(str(reason), 0) + 1
-        progress.update(step, engine.generated_tokens)
+        progress.update(step, self.stats.batches * self.params.inference_input.batch_size, engine.generated_tokens)
 
     def _finish(self) -> None:
         """Logs the totals and writes artifacts/summary.json."""
@@ -272,16 +272,17 @@ class Progress:
 
             self.bar = tqdm(total=total_steps, unit="step", desc="inference")
 
-    def update(self, step: int, generated_tokens: int) -> None:
+    def update(self, step: int, rows_written: int, generated_tokens: int) -> None:
+        """Called after each predictions file; rows_written counts dummy rows too."""
         self.done += 1
         if self.bar is not None:
             self.bar.update(1)
             return
         if self.done % self.log_steps == 0 or self.done == self.total:
-            elapsed = time.perf_counter() - self.start
+            elapsed = max(time.perf_counter() - self.start, 1e-9)
             eta = elapsed / self.done * (self.total - self.done)
-            log.info("step %d: %d/%d steps written, %.1f generated tokens/s, ETA %.0fs", step, self.done, self.total,
-                     generated_tokens / elapsed if elapsed else 0.0, eta)
+            log.info("step %d: %d/%d steps written, %.1f samples/s, %.1f generated tokens/s, ETA %.0fs", step,
+                     self.done, self.total, rows_written / elapsed, generated_tokens / elapsed, eta)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -1,0 +1,205 @@
+"""Blocks shared by every decoder family: norms, rotary embeddings, attention over the KV cache, MLPs.
+
+Each block reproduces the arithmetic of its `transformers` counterpart (same op order, same
+float32 upcasts) so that greedy decoding matches the Hugging Face reference token for token.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from modelzoo.generation.kv_cache import KVCache
+from modelzoo.models.config import RopeConfig
+
+
+@dataclass
+class ForwardContext:
+    """Everything one forward pass needs besides the weights; built once, read by every layer.
+
+    positions: (B, T) absolute position of each input token. slots: (B,) cache rows, or None for
+    "every slot, in order" (the fast path: cache reads are views). length: number of cache positions
+    attended over (max position + 1). mask: (B, 1, T, length) bool, True where a key is visible, or,
+    with ALiBi, an additive float bias (B, heads, T, length) with -inf where a key is hidden.
+    """
+
+    cache: KVCache
+    slots: torch.Tensor | None
+    positions: torch.Tensor
+    length: int
+    mask: torch.Tensor
+
+    @classmethod
+    def build(cls, cache: KVCache, slots: torch.Tensor | None, positions: torch.Tensor,
+              sliding_window: int | None = None, alibi_slopes: torch.Tensor | None = None,
+              dtype: torch.dtype = torch.float32) -> "ForwardContext":
+        """Causal mask over cache positions: key j is visible to a query at position p iff j <= p
+        (and j > p - sliding_window). With `alibi_slopes` (heads,), adds slope * j to the scores:
+        softmax is shift-invariant per query, so this equals the usual slope * (j - p)."""
+        length = int(positions.max()) + 1
+        keys = torch.arange(length, device=positions.device)
+        visible = keys[None, None, :] <= positions[:, :, None]  # (B, T, length)
+        if sliding_window is not None:
+            visible &= keys[None, None, :] > positions[:, :, None] - sliding_window
+        mask = visible[:, None]
+        if alibi_slopes is not None:
+            bias = alibi_slopes[None, :, None, None] * keys.to(torch.float32)[None, None, None, :]
+            mask = bias.masked_fill(~mask, float("-inf")).to(dtype)  # (B, heads, T, length)
+        return cls(cache, slots, positions, length, mask)
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """The ALiBi head slopes of the paper (and of BLOOM): geometric for the nearest power of two,
+    the missing heads taken from every other slope of the next power of two. (num_heads,) float32."""
+    def powers(n: int) -> list[float]:
+        start = 2.0 ** (-(2.0 ** -(math.log2(n) - 3)))
+        return [start ** (i + 1) for i in range(n)]
+
+    closest = 2 ** math.floor(math.log2(num_heads))
+    slopes = powers(closest) + powers(2 * closest)[0::2][: num_heads - closest]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32 as in transformers' LlamaRMSNorm."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inverse_frequencies(rope: RopeConfig, dim: int) -> torch.Tensor:
+    """Inverse frequencies (dim // 2,) in float32, with the linear or Llama 3 scaling applied."""
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+        old_len = rope.original_max_position_embeddings
+        low_wavelen = old_len / rope.low_freq_factor
+        high_wavelen = old_len / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """cos / sin tables for every position up to max_len, gathered per token at forward time.
+
+    `dim` is the rotated part of each head (rotary_pct / rotary_dim may leave the rest unrotated).
+    `interleaved` selects GPT-J's layout (pairs (x0, x1), (x2, x3)...) over the GPT-NeoX / Llama
+    layout (the two halves of the rotated part).
+    """
+
+    def __init__(self, rope: RopeConfig, dim: int, max_len: int, interleaved: bool = False) -> None:
+        super().__init__()
+        self.rope, self.dim, self.max_len, self.interleaved = rope, dim, max_len, interleaved
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+
+    def build_tables(self, device: torch.device) -> None:
+        """(Re)computes the tables in float32; called once the model sits on its device."""
+        positions = torch.arange(self.max_len, dtype=torch.float32, device=device)
+        freqs = positions[:, None] * rope_inverse_frequencies(self.rope, self.dim).to(device)[None, :]
+        if self.interleaved:
+            angles = freqs.repeat_interleave(2, dim=-1)  # (max_len, dim): f0 f0 f1 f1 ...
+        else:
+            angles = torch.cat((freqs, freqs), dim=-1)  # (max_len, dim): f0 f1 ... f0 f1 ...
+        self.cos, self.sin = angles.cos(), angles.sin()
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for `positions` (B, T): (B, 1, T, dim) each, ready to broadcast over heads."""
+        return self.cos[positions][:, None].to(dtype), self.sin[positions][:, None].to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(x1, x2) -> (-x2, x1) over the two halves of the last dimension (the GPT-NeoX / Llama layout)."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotate_every_two(x: torch.Tensor) -> torch.Tensor:
+    """(x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...): GPT-J's interleaved layout."""
+    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """Rotates the first cos.shape[-1] features of x (B, heads, T, hd) by cos / sin (B, 1, T, rot)."""
+    rot = cos.shape[-1]
+    rotated, rest = (x, None) if rot == x.shape[-1] else (x[..., :rot], x[..., rot:])
+    rotated = rotated * cos + (rotate_every_two(rotated) if interleaved else rotate_half(rotated)) * sin
+    return rotated if rest is None else torch.cat((rotated, rest), dim=-1)
+
+
+def split_heads(x: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
+    """(B, T, heads * head_dim) -> (B, heads, T, head_dim)."""
+    batch, seq, _ = x.shape
+    return x.view(batch, seq, num_heads, head_dim).transpose(1, 2)
+
+
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                     ctx: ForwardContext, scale: float | None = None) -> torch.Tensor:
+    """Stores this step's k, v in the cache and attends q over everything cached so far.
+
+    q: (B, heads, T, hd); k, v: (B, kv_heads, T, hd). scale: None = 1 / sqrt(hd).
+    Returns (B, T, heads * hd).
+    """
+    ctx.cache.update(layer, ctx.slots, ctx.positions, k, v)
+    keys, values = ctx.cache.read(layer, ctx.slots, ctx.length)  # (B, kv_heads, length, hd)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.mask, scale=scale,
+                                         enable_gqa=q.shape[1] != keys.shape[1])
+    batch, heads, seq, head_dim = out.shape
+    return out.transpose(1, 2).reshape(batch, seq, heads * head_dim)
+
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+def activation(name: str):
+    """The activation function called `name` in a Hugging Face config."""
+    from modelzoo.errors import UserError
+
+    if name not in ACTIVATIONS:
+        raise UserError(f"activation {name!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)): the SwiGLU MLP of Llama, Mistral, Qwen2."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+def last_token_states(hidden: torch.Tensor, last: torch.Tensor | None) -> torch.Tensor:
+    """Picks the hidden state (B, hidden) at index `last` (B,) of each row; None = the final position."""
+    if last is None:
+        return hidden[:, -1]
+    return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]

@@ -1,0 +1,155 @@
+"""The Llama family: Llama 1/2/3, SmolLM2, and Mistral and Qwen2 as aliases.
+
+RMSNorm, rotary embeddings (default, linear, llama3 scaling), grouped-query attention, SwiGLU MLP,
+tied or untied embeddings. Module names equal the Hugging Face ones, so checkpoints load by name.
+Mistral adds a sliding attention window on every layer; Qwen2 adds biases on q, k, v (not o) and a
+sliding window on the layers its config marks "sliding_attention" (only with use_sliding_window).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from modelzoo.generation.kv_cache import KVCache
+from modelzoo.models.config import DecoderConfig, RopeConfig
+from modelzoo.models.layers import (ForwardContext, GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary,
+                                    cached_attention, last_token_states, split_heads)
+
+
+@dataclass(frozen=True)
+class LlamaFamilyConfig(DecoderConfig):
+    """DecoderConfig plus what Mistral and Qwen2 change.
+
+    qkv_bias: biases on q, k, v only (Qwen2); `attention_bias` (Llama) puts them on all four.
+    sliding_windows: per layer, the attention window or None for full attention; () = full everywhere.
+    """
+
+    qkv_bias: bool = False
+    sliding_windows: tuple[int | None, ...] = ()
+
+
+def sliding_windows(hf: Any) -> tuple[int | None, ...]:
+    """Per-layer windows as transformers applies them: Mistral's `sliding_window` on every layer;
+    Qwen2's only with use_sliding_window, on its "sliding_attention" layers (layer_types, by default
+    the layers from max_window_layers on); Llama never."""
+    window = getattr(hf, "sliding_window", None)
+    model_type = getattr(hf, "model_type", None)
+    if window is None or model_type not in ("mistral", "qwen2"):
+        return ()
+    if model_type == "mistral":
+        return (int(window),) * hf.num_hidden_layers
+    if not getattr(hf, "use_sliding_window", False):
+        return ()
+    layer_types = getattr(hf, "layer_types", None) or [
+        "sliding_attention" if i >= getattr(hf, "max_window_layers", 0) else "full_attention"
+        for i in range(hf.num_hidden_layers)]
+    windows = tuple(int(window) if kind == "sliding_attention" else None for kind in layer_types)
+    return windows if any(w is not None for w in windows) else ()
+
+
+def config_from_hf(hf: Any) -> LlamaFamilyConfig:
+    """LlamaFamilyConfig from a transformers Llama, Mistral or Qwen2 config (same field names)."""
+    return LlamaFamilyConfig(
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        num_layers=hf.num_hidden_layers,
+        num_heads=hf.num_attention_heads,
+        num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+        intermediate_size=hf.intermediate_size,
+        norm_eps=hf.rms_norm_eps,
+        max_position_embeddings=hf.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        attention_bias=bool(getattr(hf, "attention_bias", False)),
+        mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+        hidden_act=hf.hidden_act,
+        rope=RopeConfig.from_hf(hf),
+        qkv_bias=getattr(hf, "model_type", None) == "qwen2",
+        sliding_windows=sliding_windows(hf),
+    )
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query self-attention with rotary positions, over the KV cache."""
+
+    def __init__(self, config: LlamaFamilyConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        hidden, bias = config.hidden_size, config.attention_bias
+        qkv_bias = bias or config.qkv_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
+        cos, sin = rotary
+        q = apply_rotary(split_heads(self.q_proj(x), self.num_heads, self.head_dim), cos, sin)  # (B, nh, T, hd)
+        k = apply_rotary(split_heads(self.k_proj(x), self.num_kv_heads, self.head_dim), cos, sin)  # (B, nkv, T, hd)
+        v = split_heads(self.v_proj(x), self.num_kv_heads, self.head_dim)
+        return self.o_proj(cached_attention(q, k, v, self.layer, ctx))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: LlamaFamilyConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.self_attn = LlamaAttention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias)
+
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rotary, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Embeddings, decoder layers and final norm (HF's `model.` prefix)."""
+
+    def __init__(self, config: LlamaFamilyConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama decoder with a language-model head; `forward` returns last-position logits."""
+
+    config_from_hf = staticmethod(config_from_hf)
+
+    def __init__(self, config: LlamaFamilyConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def tied_weights(self) -> dict[str, str]:
+        """Weights that may be absent from a checkpoint because they share another's storage."""
+        return {"lm_head.weight": "model.embed_tokens.weight"} if self.config.tie_word_embeddings else {}
+
+    def build_buffers(self, device: torch.device) -> None:
+        """Computes the non-persistent buffers (rotary tables) once the weights are on `device`."""
+        self.rotary.build_tables(device)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                slots: torch.Tensor | None, last: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens, positions: (B, T); slots: (B,) cache rows or None for all; last: (B,) index into T.
+
+        Returns the logits (B, vocab) of position `last` of each row (default: the final one).
+        """
+        windows = self.config.sliding_windows or (None,) * self.config.num_layers
+        contexts = {w: ForwardContext.build(cache, slots, positions, sliding_window=w) for w in set(windows)}
+        x = self.model.embed_tokens(tokens)  # (B, T, hidden)
+        rotary = self.rotary(positions, x.dtype)
+        for layer, window in zip(self.model.layers, windows):
+            x = layer(x, rotary, contexts[window])
+        x = self.model.norm(last_token_states(x, last))  # (B, hidden)
+        return self.lm_head(x)  # (B, vocab)
