@@ -20,7 +20,8 @@ from modelzoo.models import model_class
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Buffers some older checkpoints saved that we recompute ourselves.
-IGNORED_SUFFIXES = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias", ".attention.bias",
+                    ".attention.masked_bias")
 
 
 def load_hf_config(path: str | Path) -> Any:
@@ -106,9 +107,14 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> tu
     with torch.device("meta"):
         model = cls(config)  # no memory, no random init: every weight comes from the checkpoint
     expected = dict(model.state_dict())
+    # Checkpoints saved from a base model (GPT-2's `h.0...`, OPT's `decoder...`) lack the prefix
+    # the LM-head class puts in front (`transformer.`, `model.`); accept them as transformers does.
+    prefixes = sorted({key.split(".", 1)[0] + "." for key in expected if "." in key})
     loaded: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
     for name, tensor in iter_tensors(weight_files(folder)):
+        if name not in expected:
+            name = next((p + name for p in prefixes if p + name in expected), name)
         if name not in expected:
             if not name.endswith(IGNORED_SUFFIXES):
                 unexpected.append(name)

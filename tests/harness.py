@@ -20,7 +20,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 SMOLLM2_DIR = REPO_ROOT / "models" / "smollm2-135m-instruct"
 
 
-def save_tiny_model(config: Any, folder: Path, seed: int = 0, safe_serialization: bool = True) -> Path:
+def save_tiny_model(config: Any, folder: Path, seed: int = 0) -> Path:
     """Random-initialised transformers model of `config`, saved as a checkpoint folder.
 
     Weights are drawn with a wide std so logits are decisive: with the default 0.02 the top two
@@ -37,7 +37,7 @@ def save_tiny_model(config: Any, folder: Path, seed: int = 0, safe_serialization
                 param.copy_((1.0 if name.endswith("weight") else 0.0) + 0.1 * torch.randn_like(param))
             else:
                 param.normal_(0, param.shape[-1] ** -0.5)
-    model.save_pretrained(folder, safe_serialization=safe_serialization)
+    model.save_pretrained(folder)  # transformers >= 5 always writes safetensors
     return folder
 
 
@@ -166,10 +166,10 @@ def hf_last_logits(checkpoint: Path, prompts: Sequence[Sequence[int]]) -> list[t
 
 
 def assert_family_matches_transformers(config: Any, tmp_path: Path, max_seq_len: int = 64, batch_size: int = 3,
-                                       max_tokens: int = 16, seed: int = 0, safe_serialization: bool = True) -> None:
+                                       max_tokens: int = 16, seed: int = 0) -> None:
     """The family contract: a tiny random checkpoint of `config` gives, through run_inference.py,
     greedy predictions token-exact with transformers (fp32), and last-position logits within 1e-4."""
-    checkpoint = save_tiny_model(config, tmp_path / "checkpoint", seed=seed, safe_serialization=safe_serialization)
+    checkpoint = save_tiny_model(config, tmp_path / "checkpoint", seed=seed)
     vocab = config.vocab_size
     prompts = family_prompts(vocab, seed=seed)
     for ours, theirs in zip(our_last_logits(checkpoint, prompts), hf_last_logits(checkpoint, prompts)):

@@ -15,6 +15,13 @@ from modelzoo.errors import UserError
 # architectures string -> (module, class)
 REGISTRY: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("modelzoo.models.llama", "LlamaForCausalLM"),
+    "GPT2LMHeadModel": ("modelzoo.models.gpt2", "GPT2LMHeadModel"),
+    "OPTForCausalLM": ("modelzoo.models.opt", "OPTForCausalLM"),
+    "GPTBigCodeForCausalLM": ("modelzoo.models.gpt_bigcode", "GPTBigCodeForCausalLM"),
+    "BTLMLMHeadModel": ("modelzoo.models.btlm", "BTLMLMHeadModel"),
+    "BloomForCausalLM": ("modelzoo.models.bloom", "BloomForCausalLM"),
+    "MptForCausalLM": ("modelzoo.models.mpt", "MptForCausalLM"),
+    "FalconForCausalLM": ("modelzoo.models.falcon", "FalconForCausalLM"),
     "MistralForCausalLM": ("modelzoo.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("modelzoo.models.llama", "LlamaForCausalLM"),
     "GPTNeoXForCausalLM": ("modelzoo.models.gpt_neox", "GPTNeoXForCausalLM"),

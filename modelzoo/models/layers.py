@@ -166,10 +166,15 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: i
     return out.transpose(1, 2).reshape(batch, seq, heads * head_dim)
 
 
+def gelu_new(x: torch.Tensor) -> torch.Tensor:
+    """GPT-2's tanh approximation of GELU, spelled out as transformers' NewGELUActivation does."""
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
 ACTIVATIONS = {
     "silu": F.silu,
     "gelu": F.gelu,
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": gelu_new,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "relu": F.relu,
 }
