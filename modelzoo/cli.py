@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 
 from modelzoo.errors import UserError
@@ -23,6 +24,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--compile_only", action="store_true", default=None,
                         help="validate params, data and checkpoint, estimate memory, run one forward pass; write no predictions")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), help="overrides runconfig.device")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="delete this run's earlier predictions in model_dir and start over (default: resume, "
+                             "refusing if the inputs changed)")
+    parser.add_argument("--num_shards", type=int,
+                        help="split the steps over K independent jobs (e.g. $SLURM_ARRAY_TASK_COUNT); "
+                             "default: torchrun's WORLD_SIZE or srun's SLURM_NTASKS, else 1")
+    parser.add_argument("--shard_index", type=int, help="this job's shard, 0..K-1 (e.g. $SLURM_ARRAY_TASK_ID)")
     parser.add_argument("--mount_dirs", nargs="*", default=[], help="accepted for compatibility with Cerebras job scripts; unused")
     parser.add_argument("--python_paths", nargs="*", default=[], help="folders added to sys.path (Cerebras compatibility)")
     return parser
@@ -39,10 +47,17 @@ def main(argv: list[str] | None = None) -> int:
             "runconfig": {"inference_steps": args.inference_steps, "compile_only": args.compile_only,
                           "device": args.device},
         })
-        from modelzoo.runner import InferenceJob  # torch import after argument errors are reported
+        # torch imports only after the cheap argument checks have had their say
+        from modelzoo.distributed import detect_shard
+        from modelzoo.runner import InferenceJob
 
-        InferenceJob(params, args.model_dir).run()
+        shard = detect_shard(args.num_shards, args.shard_index)
+        stats = InferenceJob(params, args.model_dir, shard, overwrite=args.overwrite).run()
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if stats.interrupted_by:
+        print(f"interrupted by {stats.interrupted_by}: {stats.batches_done} batches written, {stats.batches_remaining} "
+              "left; run the same command again to resume", file=sys.stderr)
+        return 128 + signal.Signals[stats.interrupted_by].value  # the shell's convention for "killed by"
     return 0

@@ -1,38 +1,46 @@
-"""The inference job: data -> generation engine -> predictions files, with progress and a summary."""
+"""The inference job: data -> generation engine -> predictions files.
+
+It owns the steps of its shard, skips those already on disk (same manifest), stops cleanly on a
+preemption signal, and reports progress and a summary.
+"""
 from __future__ import annotations
 
-import json
 import logging
 import os
-import platform
-import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
 import yaml
 
-import modelzoo
 from modelzoo.checkpoint import load_hf_config, load_model, resolve_dtype
 from modelzoo.data import Batch, GptHDF5MapDataProcessor
+from modelzoo.distributed import Shard
 from modelzoo.errors import UserError
 from modelzoo.generation.engine import GenerationEngine, Request
 from modelzoo.generation.kv_cache import KVCache
+from modelzoo.manifest import build_manifest, check_manifest, write_manifest
 from modelzoo.params import InferenceParams
-from modelzoo.predictions import write_predictions
+from modelzoo.predictions import is_complete, predictions_path, temp_files, write_predictions
+from modelzoo.preemption import StopRequest
+from modelzoo.reporting import (Progress, RunStats, log_totals, read_shard_stats, shard_stats_path, summary_of,
+                                write_json)
 
 log = logging.getLogger("zoo-infer")
 
 
 def resolve_device(name: str) -> torch.device:
-    """`auto` -> CUDA when present, else CPU; `cuda` without a GPU is an error."""
+    """`auto` -> CUDA when present, else CPU; `cuda` without a GPU is an error. Under torchrun each
+    local rank takes its own GPU (LOCAL_RANK)."""
     if name == "cuda" and not torch.cuda.is_available():
         raise UserError("runconfig.device is cuda but no CUDA device is available")
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
     return torch.device(name)
 
 
@@ -69,24 +77,14 @@ class StepAssembly:
                 "loop_dim": np.array(loop_dim, dtype=np.int64)}
 
 
-@dataclass
-class RunStats:
-    """Counters reported in the log and in summary.json."""
-
-    samples: int = 0
-    batches: int = 0
-    generated_tokens: int = 0
-    no_start_token: int = 0
-    empty_prompt: int = 0
-    generation_seconds: float = 0.0
-    stop_reasons: dict[str, int] = field(default_factory=dict)
-
-
 class InferenceJob:
     """One run of `run_inference.py`: owns the data, the model, the engine and the output folder."""
 
-    def __init__(self, params: InferenceParams, model_dir: str | Path) -> None:
+    def __init__(self, params: InferenceParams, model_dir: str | Path, shard: Shard = Shard(),
+                 overwrite: bool = False) -> None:
         self.params = params
+        self.shard = shard
+        self.overwrite = overwrite
         self.model_dir = Path(model_dir)
         self.artifacts = self.model_dir / "artifacts"
         self.predictions_dir = self.artifacts / "predictions"
@@ -96,7 +94,8 @@ class InferenceJob:
         self.start_tokens = np.array(model.start_token, dtype=np.int64)
         self.pad_token = int(model.start_token[0])
         self.device = resolve_device(params.runconfig.device)
-        torch.set_num_threads(params.runconfig.num_threads or len(os.sched_getaffinity(0)))
+        # Ranks on one machine share its cores rather than each taking them all.
+        torch.set_num_threads(params.runconfig.num_threads or max(1, len(os.sched_getaffinity(0)) // shard.local_count))
         self.data = GptHDF5MapDataProcessor(params.inference_input.data_dir, params.inference_input.batch_size,
                                             model.loop_dim, self.pad_token)
         hf_config = load_hf_config(model.checkpoint_path)
@@ -104,6 +103,9 @@ class InferenceJob:
         self.vocab_size = int(hf_config.vocab_size)
         self._check_data_against_model()
         self.stats = RunStats()
+        self.written: set[int] = set()  # steps this run wrote
+        self.shape = ((params.inference_input.batch_size, self.data.max_seq_len) if model.loop_dim == 1
+                      else (self.data.max_seq_len, params.inference_input.batch_size))  # of `predictions`
 
     def _check_data_against_model(self) -> None:
         """The data tool's attributes must agree with the params and the model."""
@@ -131,10 +133,12 @@ class InferenceJob:
         return weights, cache
 
     def run(self) -> RunStats:
-        """Validates, loads, then either checks one forward pass (compile_only) or writes every step."""
-        steps = self.steps()
+        """Validates, loads, then either checks one forward pass (compile_only) or writes this shard's steps."""
+        steps = [step for step in self.steps() if self.shard.owns(step)]
         self.artifacts.mkdir(parents=True, exist_ok=True)
-        (self.artifacts / "params_inference.yaml").write_text(yaml.safe_dump(self.params.to_dict(), sort_keys=False))
+        if self.shard.is_first:
+            write_text_atomic(self.artifacts / "params_inference.yaml",
+                              yaml.safe_dump(self.params.to_dict(), sort_keys=False))
         load_start = time.perf_counter()
         model, _ = load_model(self.params.model.checkpoint_path, self.dtype, self.device)
         log.info("loaded %s (%s, %s) on %s in %.1fs", self.params.model.checkpoint_path, type(model).__name__,
@@ -153,11 +157,56 @@ class InferenceJob:
             self._check_forward(model, engine)
             return self.stats
         self.predictions_dir.mkdir(parents=True, exist_ok=True)
-        log.info("%d samples, %d steps of %d rows, max_seq_len %d; writing to %s", self.data.num_samples, len(steps),
-                 self.params.inference_input.batch_size, self.data.max_seq_len, self.predictions_dir)
-        self._generate(engine, steps)
+        todo = self._resume(steps)
+        log.info("%d samples, %d steps of %d rows (shard %d of %d: %d steps, %d to do), max_seq_len %d; writing to %s",
+                 self.data.num_samples, self.data.num_steps, self.params.inference_input.batch_size, self.shard.index,
+                 self.shard.count, len(steps), len(todo), self.data.max_seq_len, self.predictions_dir)
+        with StopRequest() as stop:
+            self._generate(engine, todo, stop)
+        remaining = [step for step in todo if step not in self.written]
+        self.stats.batches_remaining = len(remaining)
+        self.stats.samples_remaining = sum(self._real_samples(step) for step in remaining)
+        if stop.signum is not None:
+            self.stats.interrupted_by = signal_name(stop.signum)
         self._finish()
         return self.stats
+
+    def _real_samples(self, step: int) -> int:
+        """Samples (not dummy rows) in global step `step`."""
+        batch_size = self.params.inference_input.batch_size
+        return min(batch_size, self.data.num_samples - (step - 1) * batch_size)
+
+    def _resume(self, steps: list[int]) -> list[int]:
+        """The steps still to do: checks (or writes) the manifest, keeps complete files, clears the rest."""
+        manifest = build_manifest(self.params, self.data.files)
+        if self.overwrite:
+            for step in steps:
+                for path in [predictions_path(self.predictions_dir, step), *temp_files(self.predictions_dir, step)]:
+                    path.unlink(missing_ok=True)
+            write_manifest(self.artifacts, manifest)
+            return steps
+        # Every shard writes the manifest when it is missing, before its first file: the content
+        # depends only on the inputs, so shards starting together write the same bytes.
+        if not check_manifest(self.artifacts, manifest):
+            if any(self.predictions_dir.glob("predictions_*.npz")):
+                raise UserError(f"{self.predictions_dir} holds predictions but no manifest.json, so they cannot be "
+                                "checked against this run's inputs; use another --model_dir, or --overwrite")
+            write_manifest(self.artifacts, manifest)
+        todo = []
+        for step in steps:
+            if is_complete(self.predictions_dir, step, self.shape):
+                self.stats.batches_skipped += 1
+                self.stats.samples_skipped += self._real_samples(step)
+                continue
+            if predictions_path(self.predictions_dir, step).exists():
+                log.warning("predictions_%d.npz is damaged or of another shape: redoing it", step)
+            for path in [predictions_path(self.predictions_dir, step), *temp_files(self.predictions_dir, step)]:
+                path.unlink(missing_ok=True)
+            todo.append(step)
+        if self.stats.batches_skipped:
+            log.info("resuming: %d of this shard's %d steps are already on disk and skipped", self.stats.batches_skipped,
+                     len(steps))
+        return todo
 
     def _check_forward(self, model: torch.nn.Module, engine: GenerationEngine) -> None:
         """compile_only: one forward pass over the first sample's prompt (one token 0 if it has none)."""
@@ -198,13 +247,11 @@ class InferenceJob:
                                 f"the model's vocabulary (0..{self.vocab_size - 1})")
             predictions[row, starts[row]:] = self.pad_token
             requests.append(Request(index=int(batch.sample_index[row]), prompt=prompt))
-        self.stats.no_start_token += int((~has_start & ~dummy).sum())
-        self.stats.empty_prompt += int((has_start & (starts == 0) & ~dummy).sum())
         assembly = StepAssembly(predictions, batch.sample_index, prompt_length, np.zeros(size, dtype=np.int32),
                                 reason, remaining=len(requests))
         return assembly, requests
 
-    def _generate(self, engine: GenerationEngine, steps: list[int]) -> None:
+    def _generate(self, engine: GenerationEngine, steps: list[int], stop: Callable[[], bool]) -> None:
         """Feeds the engine batch by batch and writes each step's file as soon as its rows are all done."""
         batch_size = self.params.inference_input.batch_size
         pending: dict[int, StepAssembly] = {}
@@ -212,15 +259,16 @@ class InferenceJob:
 
         def requests() -> Iterator[Request]:
             for batch in self.data.batches(steps):
+                if stop():
+                    return
                 assembly, batch_requests = self._assemble(batch)
-                self.stats.samples += int((batch.sample_index >= 0).sum())
                 pending[batch.step] = assembly
                 if assembly.remaining == 0:
                     self._write(batch.step, pending.pop(batch.step), progress, engine)
                 yield from batch_requests
 
         start = time.perf_counter()
-        for completion in engine.generate(requests()):
+        for completion in engine.generate(requests(), stop):
             step, row = completion.index // batch_size + 1, completion.index % batch_size
             assembly = pending[step]
             begin = assembly.prompt_length[row]
@@ -231,59 +279,44 @@ class InferenceJob:
             if assembly.remaining == 0:
                 self._write(step, pending.pop(step), progress, engine)
         self.stats.generation_seconds = time.perf_counter() - start
-        self.stats.generated_tokens = engine.generated_tokens
         progress.close()
 
-    def _write(self, step: int, assembly: StepAssembly, progress: "Progress", engine: GenerationEngine) -> None:
+    def _write(self, step: int, assembly: StepAssembly, progress: Progress, engine: GenerationEngine) -> None:
+        """Writes one complete step and counts it."""
         write_predictions(self.predictions_dir, step, assembly.arrays(self.params.model.loop_dim))
-        self.stats.batches += 1
-        for reason in assembly.stop_reason[assembly.sample_index >= 0]:
-            self.stats.stop_reasons[str(reason)] = self.stats.stop_reasons.get(str(reason), 0) + 1
-        progress.update(step, self.stats.batches * self.params.inference_input.batch_size, engine.generated_tokens)
+        real = assembly.sample_index >= 0
+        self.written.add(step)
+        self.stats.batches_done += 1
+        self.stats.generated_tokens += int(assembly.num_generated.sum())
+        self.stats.samples_done += int(real.sum())
+        self.stats.rows_without_start_token += int((assembly.stop_reason[real] == "no_start_token").sum())
+        self.stats.rows_with_empty_prompt += int((assembly.stop_reason[real] == "empty_prompt").sum())
+        self.stats.count_reasons(assembly.stop_reason[real])
+        progress.update(step, self.stats.samples_done, engine.generated_tokens)
 
     def _finish(self) -> None:
-        """Logs the totals and writes artifacts/summary.json."""
-        s = self.stats
-        rate = s.generated_tokens / s.generation_seconds if s.generation_seconds else 0.0
-        log.info("done: %d samples in %d steps, %d generated tokens in %.1fs (%.1f tokens/s); stop reasons %s",
-                 s.samples, s.batches, s.generated_tokens, s.generation_seconds, rate, s.stop_reasons)
-        if s.no_start_token or s.empty_prompt:
-            log.warning("%d rows had no start token and %d an empty prompt: left as they are, nothing generated",
-                        s.no_start_token, s.empty_prompt)
-        summary = {
-            "samples": s.samples, "batches": s.batches, "generated_tokens": s.generated_tokens,
-            "generation_seconds": round(s.generation_seconds, 3), "tokens_per_second": round(rate, 2),
-            "rows_without_start_token": s.no_start_token, "rows_with_empty_prompt": s.empty_prompt,
-            "stop_reasons": s.stop_reasons, "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
-            "versions": {"zoo-infer": modelzoo.__version__, "torch": torch.__version__, "python": platform.python_version()},
-        }
-        (self.artifacts / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-
-
-class Progress:
-    """tqdm on a terminal; in a log file (a batch job), one line every `log_steps` written steps."""
-
-    def __init__(self, total_steps: int, log_steps: int) -> None:
-        self.total, self.log_steps, self.done = total_steps, log_steps, 0
-        self.start = time.perf_counter()
-        self.bar = None
-        if sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total_steps, unit="step", desc="inference")
-
-    def update(self, step: int, rows_written: int, generated_tokens: int) -> None:
-        """Called after each predictions file; rows_written counts dummy rows too."""
-        self.done += 1
-        if self.bar is not None:
-            self.bar.update(1)
+        """Logs the totals and writes artifacts/summary.json (per shard too when there are several)."""
+        log_totals(self.stats)
+        device, dtype = str(self.device), str(self.dtype).replace("torch.", "")
+        if self.shard.count == 1:
+            write_json(self.artifacts / "summary.json", summary_of([self.stats], device, dtype, 1))
             return
-        if self.done % self.log_steps == 0 or self.done == self.total:
-            elapsed = max(time.perf_counter() - self.start, 1e-9)
-            eta = elapsed / self.done * (self.total - self.done)
-            log.info("step %d: %d/%d steps written, %.1f samples/s, %.1f generated tokens/s, ETA %.0fs", step,
-                     self.done, self.total, rows_written / elapsed, generated_tokens / elapsed, eta)
+        write_json(shard_stats_path(self.artifacts, self.shard.index), asdict(self.stats))
+        if self.stats.interrupted_by is None:
+            self.shard.barrier()  # torchrun: rank 0 sums every rank's stats once all are written
+        if self.shard.is_first:
+            stats = read_shard_stats(self.artifacts, self.shard.count)
+            write_json(self.artifacts / "summary.json", summary_of(stats, device, dtype, self.shard.count))
 
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+
+def signal_name(signum: int) -> str:
+    import signal
+
+    return signal.Signals(signum).name
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Writes text under a temp name and renames it into place."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

@@ -82,7 +82,8 @@ def test_predictions_match_transformers_and_file_format(tmp_path, tiny_llama, pr
     np.testing.assert_array_equal(steps[1]["num_generated"], [MAX_SEQ_LEN - n for n in PROMPT_LENGTHS[:3]])
     np.testing.assert_array_equal(steps[1]["prompt_length"], PROMPT_LENGTHS[:3])
     summary = json.loads((model_dir / "artifacts" / "summary.json").read_text())
-    assert summary["samples"] == 7 and summary["batches"] == 3
+    assert summary["status"] == "complete"
+    assert summary["samples_done"] == 7 and summary["batches_done"] == 3 and summary["batches_remaining"] == 0
     assert summary["generated_tokens"] == sum(MAX_SEQ_LEN - n for n in PROMPT_LENGTHS)
     assert (model_dir / "artifacts" / "params_inference.yaml").is_file()
 

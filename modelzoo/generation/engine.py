@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -61,12 +61,18 @@ class GenerationEngine:
         self.generated_tokens = 0  # over the engine's life, for throughput reports
 
     @torch.inference_mode()
-    def generate(self, requests: Iterable[Request]) -> Iterator[Completion]:
-        """Yields a Completion for every request, in the order they finish."""
+    def generate(self, requests: Iterable[Request],
+                 should_stop: Callable[[], bool] = lambda: False) -> Iterator[Completion]:
+        """Yields a Completion for every request, in the order they finish.
+
+        `should_stop` is polled before every step: once true, rows in flight are dropped and the
+        generator ends (a preempted job keeps only what it finished).
+        """
         pending = iter(requests)
         free = deque(range(self.num_slots))
+        self.owner = [None] * self.num_slots
         exhausted = False
-        while True:
+        while not should_stop():
             admitted: list[tuple[int, Request]] = []
             while free and not exhausted:
                 request = next(pending, None)

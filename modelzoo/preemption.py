@@ -1,0 +1,43 @@
+"""Graceful stop on SIGTERM / SIGINT / SIGUSR1 (what Slurm sends before a kill or at --signal).
+
+The first signal asks the job to stop taking rows: batches already complete are on disk, rows in
+flight are dropped, and the job exits non-zero within seconds so `--requeue` restarts it and the
+rerun skips every step on disk. A second signal exits at once.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from types import FrameType
+
+log = logging.getLogger("zoo-infer")
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
+class StopRequest:
+    """Installs the handlers; `signum` is the first signal received, None while running."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "StopRequest":
+        for sig in SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def __call__(self) -> bool:
+        """True once a stop was requested (the engine polls this between steps)."""
+        return self.signum is not None
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum is not None:
+            os._exit(128 + signum)  # second signal: the user means it
+        self.signum = signum
+        log.warning("received %s: stopping; finished batches are on disk, rows in flight are dropped "
+                    "(a second signal exits at once)", signal.Signals(signum).name)

@@ -1,0 +1,135 @@
+"""What a run tells its user: progress while it runs, `artifacts/summary.json` when it ends."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import modelzoo
+
+log = logging.getLogger("zoo-infer")
+
+
+@dataclass
+class RunStats:
+    """Counters of one process's run (one shard)."""
+
+    samples_done: int = 0
+    samples_skipped: int = 0  # already on disk from an earlier run
+    samples_remaining: int = 0
+    batches_done: int = 0
+    batches_skipped: int = 0
+    batches_remaining: int = 0
+    generated_tokens: int = 0
+    generation_seconds: float = 0.0
+    rows_without_start_token: int = 0
+    rows_with_empty_prompt: int = 0
+    stop_reasons: dict[str, int] = field(default_factory=dict)
+    interrupted_by: str | None = None  # signal name when the run was stopped early
+
+    def count_reasons(self, reasons: Any) -> None:
+        """Adds the stop reasons of the real rows of one written batch."""
+        for reason in reasons:
+            self.stop_reasons[str(reason)] = self.stop_reasons.get(str(reason), 0) + 1
+
+
+def _versions() -> dict[str, str]:
+    import transformers
+
+    return {"zoo-infer": modelzoo.__version__, "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version()}
+
+
+def summary_of(stats: list[RunStats], device: str, dtype: str, shards: int) -> dict[str, Any]:
+    """One summary over the stats of every shard (shards run side by side: seconds is the longest)."""
+    total: dict[str, Any] = {}
+    for key in ("samples_done", "samples_skipped", "samples_remaining", "batches_done", "batches_skipped",
+                "batches_remaining", "generated_tokens", "rows_without_start_token", "rows_with_empty_prompt"):
+        total[key] = sum(getattr(s, key) for s in stats)
+    seconds = max((s.generation_seconds for s in stats), default=0.0)
+    reasons: dict[str, int] = {}
+    for s in stats:
+        for reason, count in s.stop_reasons.items():
+            reasons[reason] = reasons.get(reason, 0) + count
+    interrupted = sorted({s.interrupted_by for s in stats if s.interrupted_by})
+    complete = total["batches_remaining"] == 0 and len(stats) == shards
+    return {
+        "status": "interrupted by " + ", ".join(interrupted) if interrupted else ("complete" if complete else "partial"),
+        **total,
+        "generation_seconds": round(seconds, 3),
+        "tokens_per_second": round(total["generated_tokens"] / seconds, 2) if seconds else 0.0,
+        "stop_reasons": reasons, "shards_reporting": f"{len(stats)}/{shards}",
+        "device": device, "dtype": dtype, "versions": _versions(),
+    }
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    """Writes JSON atomically (readers never see half a file)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def shard_stats_path(artifacts: Path, index: int) -> Path:
+    return artifacts / f"summary_shard{index}.json"
+
+
+def read_shard_stats(artifacts: Path, shards: int) -> list[RunStats]:
+    """The per-shard stats files present (a shard that has not finished yet has none)."""
+    stats = []
+    for index in range(shards):
+        path = shard_stats_path(artifacts, index)
+        if path.is_file():
+            stats.append(RunStats(**json.loads(path.read_text())))
+    return stats
+
+
+def log_totals(stats: RunStats) -> None:
+    """The closing log lines of one process."""
+    rate = stats.generated_tokens / stats.generation_seconds if stats.generation_seconds else 0.0
+    log.info("%s: %d samples in %d steps written (%d steps skipped as already done, %d remaining), "
+             "%d generated tokens in %.1fs (%.1f tokens/s); stop reasons %s",
+             "interrupted" if stats.interrupted_by else "done", stats.samples_done, stats.batches_done,
+             stats.batches_skipped, stats.batches_remaining, stats.generated_tokens, stats.generation_seconds,
+             rate, stats.stop_reasons)
+    if stats.rows_without_start_token or stats.rows_with_empty_prompt:
+        log.warning("%d rows had no start token and %d an empty prompt: left as they are, nothing generated",
+                    stats.rows_without_start_token, stats.rows_with_empty_prompt)
+
+
+class Progress:
+    """tqdm on a terminal; in a log file (a batch job), one line every `log_steps` written steps."""
+
+    def __init__(self, total_steps: int, log_steps: int) -> None:
+        self.total, self.log_steps, self.done = total_steps, log_steps, 0
+        self.start = time.perf_counter()
+        self.bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, unit="step", desc="inference")
+
+    def update(self, step: int, samples: int, generated_tokens: int) -> None:
+        """Called after each predictions file, with this run's totals so far."""
+        self.done += 1
+        if self.bar is not None:
+            self.bar.update(1)
+            return
+        if self.done % self.log_steps == 0 or self.done == self.total:
+            elapsed = max(time.perf_counter() - self.start, 1e-9)
+            eta = elapsed / self.done * (self.total - self.done)
+            log.info("step %d: %d/%d steps written, %.1f samples/s, %.1f generated tokens/s, ETA %.0fs", step,
+                     self.done, self.total, samples / elapsed, generated_tokens / elapsed, eta)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
