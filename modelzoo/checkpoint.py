@@ -98,8 +98,16 @@ def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
             raise UserError(f"cannot read weights from {file}: {exc}".splitlines()[0]) from exc
 
 
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+
+
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> tuple[nn.Module, Any]:
-    """Builds our implementation of the checkpoint's family and fills it with the checkpoint's weights."""
+    """Builds our implementation of the checkpoint's family and fills it with the checkpoint's weights.
+
+    Weights load by Hugging Face name. A family may fuse several HF weights into one of its own
+    (`fused_weights()`: ours -> the HF names concatenated along dim 0); errors still name HF weights.
+    """
     folder = Path(path)
     hf_config = load_hf_config(folder)
     cls = model_class(hf_config)
@@ -107,34 +115,48 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> tu
     with torch.device("meta"):
         model = cls(config)  # no memory, no random init: every weight comes from the checkpoint
     expected = dict(model.state_dict())
+    fused = {k: v for k, v in getattr(model, "fused_weights", dict)().items() if k in expected}
+    part_of = {source: (target, i) for target, sources in fused.items() for i, source in enumerate(sources)}
     # Checkpoints saved from a base model (GPT-2's `h.0...`, OPT's `decoder...`) lack the prefix
     # the LM-head class puts in front (`transformer.`, `model.`); accept them as transformers does.
-    prefixes = sorted({key.split(".", 1)[0] + "." for key in expected if "." in key})
+    known = set(expected) | set(part_of)
+    prefixes = sorted({key.split(".", 1)[0] + "." for key in known if "." in key})
     loaded: dict[str, torch.Tensor] = {}
+    pieces: dict[str, dict[int, torch.Tensor]] = {}  # fused weights still waiting for some parts
     unexpected: list[str] = []
-    for name, tensor in iter_tensors(weight_files(folder)):
-        if name not in expected:
-            name = next((p + name for p in prefixes if p + name in expected), name)
-        if name not in expected:
-            if not name.endswith(IGNORED_SUFFIXES):
-                unexpected.append(name)
-            continue
+
+    def place(name: str, tensor: torch.Tensor, what: str) -> None:
         if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise UserError(f"weight {name} has shape {tuple(tensor.shape)} in the checkpoint but the config "
+            raise UserError(f"weight {what} has shape {tuple(tensor.shape)} in the checkpoint but the config "
                             f"implies {tuple(expected[name].shape)}")
-        loaded[name] = tensor.to(device=device, dtype=dtype)  # cast tensor by tensor: peak memory stays low
+        loaded[name] = tensor
+
+    for name, tensor in iter_tensors(weight_files(folder)):
+        if name not in known:
+            name = next((p + name for p in prefixes if p + name in known), name)
+        tensor = tensor.to(device=device, dtype=dtype)  # cast tensor by tensor: peak memory stays low
+        if name in part_of:
+            target, index = part_of[name]
+            pieces.setdefault(target, {})[index] = tensor
+            if len(pieces[target]) == len(fused[target]):
+                parts = pieces.pop(target)
+                place(target, torch.cat([parts[i] for i in range(len(parts))]), " + ".join(fused[target]))
+        elif name in expected:
+            place(name, tensor, name)
+        elif not name.endswith(IGNORED_SUFFIXES):
+            unexpected.append(name)
     tied = model.tied_weights()
     for name, source in tied.items():
         if name not in loaded and source in loaded:
             loaded[name] = loaded[source]
-    missing = sorted(set(expected) - set(loaded))
+    missing = []
+    for name in sorted(set(expected) - set(loaded)):
+        got = pieces.get(name, {})
+        missing += [s for i, s in enumerate(fused[name]) if i not in got] if name in fused else [name]
     if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing weights: {', '.join(missing[:8])}" + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
-        if unexpected:
-            parts.append(f"unexpected weights: {', '.join(unexpected[:8])}" + (f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else ""))
-        raise UserError(f"checkpoint {folder} does not match its config ({type(model).__name__}): " + "; ".join(parts))
+        problems = ([f"missing weights: {_listed(missing)}"] if missing else []) + (
+            [f"unexpected weights: {_listed(unexpected)}"] if unexpected else [])
+        raise UserError(f"checkpoint {folder} does not match its config ({type(model).__name__}): " + "; ".join(problems))
     model.load_state_dict(loaded, assign=True)
     for name, source in tied.items():  # keep the tie after assign (one tensor, not two copies)
         if name in loaded and loaded[name] is loaded[source]:

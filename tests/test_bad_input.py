@@ -132,10 +132,12 @@ def test_missing_and_unexpected_weights_are_named(tmp_path, capsys, checkpoint):
     weights = load_file(broken / "model.safetensors")
     weights["model.layers.0.mlp.extra.weight"] = torch.zeros(2)
     del weights["model.norm.weight"]
+    del weights["model.layers.0.self_attn.k_proj.weight"]  # one part of a weight we fuse (qkv_proj)
     save_file(weights, broken / "model.safetensors")
     write_h5(tmp_path / "data", good_rows())
     err = fails(tmp_path, capsys, broken, tmp_path / "data")
-    assert "missing weights: model.norm.weight; unexpected weights: model.layers.0.mlp.extra.weight" in err
+    assert ("missing weights: model.layers.0.self_attn.k_proj.weight, model.norm.weight; "
+            "unexpected weights: model.layers.0.mlp.extra.weight") in err
 
 
 def test_unsupported_architecture(tmp_path, capsys, checkpoint):

@@ -1,7 +1,9 @@
 """The Llama family: Llama 1/2/3, SmolLM2, and Mistral and Qwen2 as aliases.
 
 RMSNorm, rotary embeddings (default, linear, llama3 scaling), grouped-query attention, SwiGLU MLP,
-tied or untied embeddings. Module names equal the Hugging Face ones, so checkpoints load by name.
+tied or untied embeddings. Module names equal the Hugging Face ones, except two fusions that make
+fewer, wider matrix multiplies (the decode step is GEMM-bound): `qkv_proj` = q_proj | k_proj | v_proj
+and `mlp.gate_up_proj` = gate_proj | up_proj, declared in `fused_weights()` for the loader.
 Mistral adds a sliding attention window on every layer; Qwen2 adds biases on q, k, v (not o) and a
 sliding window on the layers its config marks "sliding_attention" (only with use_sliding_window).
 """
@@ -80,17 +82,16 @@ class LlamaAttention(nn.Module):
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         hidden, bias = config.hidden_size, config.attention_bias
-        qkv_bias = bias or config.qkv_bias
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias or config.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
         cos, sin = rotary
-        q = apply_rotary(split_heads(self.q_proj(x), self.num_heads, self.head_dim), cos, sin)  # (B, nh, T, hd)
-        k = apply_rotary(split_heads(self.k_proj(x), self.num_kv_heads, self.head_dim), cos, sin)  # (B, nkv, T, hd)
-        v = split_heads(self.v_proj(x), self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = apply_rotary(split_heads(q, self.num_heads, self.head_dim), cos, sin)  # (B, nh, T, hd)
+        k = apply_rotary(split_heads(k, self.num_kv_heads, self.head_dim), cos, sin)  # (B, nkv, T, hd)
+        v = split_heads(v, self.num_kv_heads, self.head_dim)
         return self.o_proj(cached_attention(q, k, v, self.layer, ctx))
 
 
@@ -134,6 +135,17 @@ class LlamaForCausalLM(nn.Module):
     def tied_weights(self) -> dict[str, str]:
         """Weights that may be absent from a checkpoint because they share another's storage."""
         return {"lm_head.weight": "model.embed_tokens.weight"} if self.config.tie_word_embeddings else {}
+
+    def fused_weights(self) -> dict[str, list[str]]:
+        """Our fused weight -> the Hugging Face weights concatenated (dim 0, in order) to make it."""
+        fused = {}
+        for i in range(self.config.num_layers):
+            prefix = f"model.layers.{i}."
+            for suffix in ("weight", "bias"):
+                fused[f"{prefix}self_attn.qkv_proj.{suffix}"] = [
+                    f"{prefix}self_attn.{name}_proj.{suffix}" for name in ("q", "k", "v")]
+                fused[f"{prefix}mlp.gate_up_proj.{suffix}"] = [f"{prefix}mlp.{name}_proj.{suffix}" for name in ("gate", "up")]
+        return fused
 
     def build_buffers(self, device: torch.device) -> None:
         """Computes the non-persistent buffers (rotary tables) once the weights are on `device`."""
