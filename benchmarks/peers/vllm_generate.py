@@ -1,0 +1,68 @@
+#!/usr/bin/env python
+"""vLLM peer of benchmarks/throughput.py: offline `LLM.generate`, greedy, on the CPU backend.
+
+    python benchmarks/peers/vllm_generate.py --model models/smollm2-135m-instruct \\
+        --tokens_json out/tokens.json --dtype bfloat16 --batch_size 32 --max_tokens 64 --out out/vllm.json
+
+Install notes (vLLM's CPU wheel and the exact torch it needs) are in benchmarks/peers/README.md.
+vLLM starts worker processes, so everything runs under `if __name__ == "__main__":`.
+
+Settings, chosen to match the other engines: the already tokenized prompts go in as
+`{"prompt_token_ids": ...}` (no second tokenization, no chat template applied twice);
+SamplingParams(temperature=0, max_tokens, stop_token_ids=[eos]) is greedy and stops at EOS;
+max_num_seqs=--batch_size caps the sequences decoded together (vLLM's continuous batching, the
+counterpart of zoo-infer's in-flight batching); enable_prefix_caching=False, because the prompt
+set repeats when more than 164 prompts are asked for and every prompt shares the chat template's
+system prefix, which would let vLLM skip prefill work the other engines do; max_model_len is the
+longest prompt plus --max_tokens. Timed: the `generate` call only (not the engine start-up,
+which compiles and profiles). The thread count goes through VLLM_CPU_OMP_THREADS_BIND when the
+caller has not set it.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from _common import base_parser, normalize, read_token_ids, threads, write_result, write_skipped
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Starts the engine, generates, writes the result JSON."""
+    args = base_parser(__doc__).parse_args(argv)
+    token_ids = read_token_ids(args.tokens_json)
+    count = threads(args)
+    # vLLM's CPU backend pins one OpenMP thread per listed core; "0-(n-1)" uses the first n.
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{count - 1}" if count > 1 else "0")
+    try:
+        import vllm
+        from vllm import LLM, SamplingParams
+    except ImportError as exc:
+        write_skipped(args, f"vllm is not importable ({exc})")
+        return 0
+
+    load_start = time.perf_counter()
+    llm = LLM(
+        model=args.model, dtype=args.dtype, max_num_seqs=args.batch_size,
+        max_model_len=max(len(ids) for ids in token_ids) + args.max_tokens,
+        enable_prefix_caching=False, seed=0,
+    )
+    load_seconds = time.perf_counter() - load_start
+    sampling = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, stop_token_ids=[args.eos_id])
+    prompts = [{"prompt_token_ids": list(ids)} for ids in token_ids]
+
+    start = time.perf_counter()  # --- timed: generation only ---
+    outputs = llm.generate(prompts, sampling, use_tqdm=False)
+    seconds = time.perf_counter() - start  # --- end of timed part ---
+    tokens = []
+    for output in outputs:  # in input order
+        completion = output.outputs[0]
+        # finish_reason "stop" with no stop string means a stop token (EOS) ended the row.
+        tokens.append(normalize(list(completion.token_ids), args.eos_id, completion.finish_reason == "stop"))
+    write_result(args, "vllm", tokens, seconds, load_seconds=load_seconds, threads=count,
+                 versions={"vllm": vllm.__version__})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

