@@ -108,7 +108,9 @@ def term_and_requeue(job: str, started: Path) -> dict[str, str]:
     # SIGTERM to the batch shell only, as Slurm does 120 s before the time limit.
     subprocess.run(["scancel", "--batch", "--signal=TERM", job], check=True, env=clean_env())
     wait_for_job(job, lambda i: i.get("JobState") == "PENDING" and int(i.get("Restarts", 0)) >= 1)
-    # A requeued job waits ~2 min before it is eligible again; start it now.
+    # A requeued job waits ~2 min before it is eligible again; start it now, but not within the
+    # second the old run's credential was revoked (slurmd would kill the new run as "revoked").
+    time.sleep(2)
     subprocess.run(["scontrol", "update", f"jobid={job}", "starttime=now"], check=True, env=clean_env())
     return wait_for_job(job, lambda i: i.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"))
 

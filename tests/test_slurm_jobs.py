@@ -74,8 +74,12 @@ def test_preempted_job_is_requeued_and_resumes(job):
         assert time.monotonic() < deadline, log.read_text() if log.exists() else "no log"
         time.sleep(0.05)
     subprocess.run(["scancel", "--batch", "--signal=TERM", job_id], check=True)
-    wait_for_job(job_id, lambda info: int(info.get("Restarts", "0")) >= 1, timeout=120)
-    subprocess.run(["scontrol", "update", f"jobid={job_id}", "starttime=now"], check=False)  # skip the requeue delay
+    wait_for_job(job_id, lambda info: info.get("JobState") == "PENDING" and int(info.get("Restarts", "0")) >= 1,
+                 timeout=120)
+    # Skip Slurm's requeue delay, but not within the second the old run's credential was revoked
+    # (slurmd compares at one-second resolution and would kill the new run as "credential revoked").
+    time.sleep(2)
+    subprocess.run(["scontrol", "update", f"jobid={job_id}", "starttime=now"], check=True)
     wait_for_job(job_id, lambda info: info.get("JobState") == "COMPLETED", timeout=300)
     text = log.read_text()
     assert "interrupted by SIGTERM" in text and "requeued" in text
