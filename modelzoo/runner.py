@@ -23,6 +23,7 @@ from modelzoo.errors import UserError
 from modelzoo.generation.engine import GenerationEngine, Request
 from modelzoo.generation.kv_cache import KVCache
 from modelzoo.manifest import build_manifest, check_manifest, write_manifest
+from modelzoo.models.packed_linear import pack_linear_layers, packing_available
 from modelzoo.params import InferenceParams
 from modelzoo.predictions import is_complete, predictions_path, temp_files, write_predictions
 from modelzoo.preemption import StopRequest
@@ -150,6 +151,8 @@ class InferenceJob:
         if cache > free:
             raise UserError(f"the KV cache needs {cache / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB is available on "
                             f"{self.device}; lower inference_input.batch_size or the data's max_seq_len")
+        if packing_available(self.device, self.dtype):
+            pack_linear_layers(model, self.params.inference_input.batch_size, budget_bytes=(free - cache) // 2)
         engine = GenerationEngine(model, self.params.inference_input.batch_size, self.data.max_seq_len,
                                   [list(s) for s in self.params.model.stop_sequences], self.params.model.max_tokens,
                                   self.device, self.dtype)

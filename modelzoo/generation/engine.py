@@ -3,7 +3,9 @@
 `batch_size` slots decode together, one forward per step for all of them. When a sequence stops,
 its slot takes the next pending request at once (continuous batching), instead of idling until
 every row of its batch is done. Newly admitted prompts are prefilled together, grouped by length
-so that padding stays small.
+so that padding stays small. The decode step always runs every slot (idle ones on a throwaway
+row at position 0): a fixed batch shape costs about the same as a smaller one at these sizes, and
+it is what lets the CPU decode GEMMs use weights prepacked for that shape.
 """
 from __future__ import annotations
 
@@ -57,6 +59,7 @@ class GenerationEngine:
         self.num_generated = torch.zeros(num_slots, dtype=torch.long, device=device)
         self.last_token = torch.zeros(num_slots, dtype=torch.long, device=device)
         self.generated = torch.zeros((num_slots, max_seq_len), dtype=torch.long, device=device)
+        self.active = torch.zeros(num_slots, dtype=torch.bool, device=device)
         self.owner: list[int | None] = [None] * num_slots  # request index held by each slot
         self.generated_tokens = 0  # over the engine's life, for throughput reports
 
@@ -71,6 +74,7 @@ class GenerationEngine:
         pending = iter(requests)
         free = deque(range(self.num_slots))
         self.owner = [None] * self.num_slots
+        self.active.zero_()
         exhausted = False
         while not should_stop():
             admitted: list[tuple[int, Request]] = []
@@ -95,6 +99,7 @@ class GenerationEngine:
                 raise ValueError(f"sample {request.index}: prompt length {len(request.prompt)} leaves no room "
                                  f"in max_seq_len {self.max_seq_len}")
             self.owner[slot] = request.index
+        self.active[[slot for slot, _ in admitted]] = True
         finished = []
         for group in self._length_groups(admitted):
             lengths = [len(r.prompt) for _, r in group]
@@ -130,21 +135,20 @@ class GenerationEngine:
 
     def _decode_step(self) -> list[tuple[int, int]]:
         """One token for every active slot; returns (slot, reason) of those that stopped."""
-        active = [slot for slot, owner in enumerate(self.owner) if owner is not None]
-        slots = None if len(active) == self.num_slots else torch.tensor(active, device=self.device)
-        rows = torch.arange(self.num_slots, device=self.device) if slots is None else slots
-        tokens = self.last_token[rows][:, None]  # (B, 1)
-        positions = (self.seq_len[rows] - 1)[:, None]  # (B, 1): where the fed token sits
-        logits = self.model(tokens, positions, self.cache, slots)
-        next_token = logits.argmax(-1)  # (B,)
-        num_generated = self.num_generated[rows] + 1
-        seq_len = self.seq_len[rows] + 1
-        self.num_generated[rows] = num_generated
-        self.seq_len[rows] = seq_len
-        self.last_token[rows] = next_token
-        self.generated[rows, num_generated - 1] = next_token
-        self.generated_tokens += len(active)
-        return self._done(rows, self.stops.check(slots, next_token, num_generated, seq_len))
+        active = self.active
+        tokens = self.last_token[:, None]  # (S, 1)
+        positions = torch.where(active, self.seq_len - 1, 0)[:, None]  # (S, 1): where the fed token sits
+        logits = self.model(tokens, positions, self.cache, None)
+        next_token = torch.where(active, logits.argmax(-1), self.last_token)  # (S,)
+        num_generated = self.num_generated + active
+        seq_len = self.seq_len + active
+        rows = torch.arange(self.num_slots, device=self.device)
+        column = (num_generated - 1).clamp(min=0)
+        self.generated[rows, column] = torch.where(active, next_token, self.generated[rows, column])
+        self.num_generated, self.seq_len, self.last_token = num_generated, seq_len, next_token
+        self.generated_tokens += int(active.sum())
+        reason = self.stops.check(None, next_token, num_generated, seq_len) * active
+        return self._done(rows, reason)
 
     @staticmethod
     def _done(slots: torch.Tensor, reason: torch.Tensor) -> list[tuple[int, int]]:
@@ -161,5 +165,6 @@ class GenerationEngine:
             tokens = self.generated[slot, :count].cpu().numpy().astype(np.int32)
             index = self.owner[slot]
             self.owner[slot] = None
+            self.active[slot] = False
             free.append(slot)
             yield Completion(index=index, tokens=tokens, reason=REASON_NAMES[reason])
