@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -313,8 +314,7 @@ class InferenceJob:
 
 
 def signal_name(signum: int) -> str:
-    import signal
-
+    """SIGTERM, SIGINT, ..."""
     return signal.Signals(signum).name
 
 

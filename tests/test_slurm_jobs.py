@@ -12,7 +12,7 @@ import pytest
 from transformers import LlamaConfig
 
 from harness import REPO_ROOT, prompt_rows, run_job, save_tiny_model, write_h5, write_params
-from slurm_cluster import ensure_slurm, job_info, sbatch, sbatch_wait, srun, wait_for_job
+from slurm_cluster import ensure_slurm, sbatch, sbatch_wait, srun, wait_for_job
 
 pytestmark = pytest.mark.slurm
 VOCAB = 64
