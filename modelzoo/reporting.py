@@ -126,7 +126,7 @@ class Progress:
         if self.done % self.log_steps == 0 or self.done == self.total:
             elapsed = max(time.perf_counter() - self.start, 1e-9)
             eta = elapsed / self.done * (self.total - self.done)
-            log.info("step %d: %d/%d steps written, %.1f samples/s, %.1f generated tokens/s, ETA %.0fs", step,
+            log.info("step %d: %d/%d steps written, %.2f samples/s, %.1f generated tokens/s, ETA %.0fs", step,
                      self.done, self.total, samples / elapsed, generated_tokens / elapsed, eta)
 
     def close(self) -> None:
