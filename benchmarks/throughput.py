@@ -43,15 +43,13 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import importlib.util
 import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
-import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,7 +62,10 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.prompts import PYPI_NAME, load_prompts  # noqa: E402
+from data_tools import measure  # noqa: E402
 from data_tools.create_inference_h5 import build_rows, load_tokenizer, tokenize_prompts, write_h5  # noqa: E402
+
+run_measured = functools.partial(measure.run_measured, cwd=REPO_ROOT)  # every engine runs from the repo root
 
 BENCH_DIR = Path(__file__).resolve().parent
 PEERS_DIR = BENCH_DIR / "peers"
@@ -80,43 +81,6 @@ COLUMNS = ("engine", "dtype", "status", "generated_tokens", "generation_seconds"
 # --------------------------------------------------------------------------------------------
 # Running one measured process
 # --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Measured:
-    """What the parent measures of one child process."""
-
-    returncode: int
-    process_seconds: float
-    peak_rss_mib: float
-
-
-def run_measured(command: list[str], log_path: Path, timeout_s: float | None = None) -> Measured:
-    """Runs `command` to completion (output to `log_path`) and returns its exit code, wall time
-    and peak RSS.
-
-    os.wait4 returns the resource usage of exactly this child (with the children it waited for),
-    so nothing else running here blurs the number. A child past `timeout_s` is killed.
-    """
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-    with open(log_path, "w") as log:
-        log.write("$ " + " ".join(command) + "\n")
-        log.flush()
-        start = time.perf_counter()
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
-        timer = threading.Timer(timeout_s, proc.kill) if timeout_s else None
-        if timer:
-            timer.start()
-        try:
-            _, status, usage = os.wait4(proc.pid, 0)
-        finally:
-            if timer:
-                timer.cancel()
-        seconds = time.perf_counter() - start
-    proc.returncode = os.waitstatus_to_exitcode(status)  # tell Popen the child is reaped
-    # Linux reports ru_maxrss in KiB.
-    return Measured(proc.returncode, seconds, usage.ru_maxrss / 1024)
 
 
 # --------------------------------------------------------------------------------------------

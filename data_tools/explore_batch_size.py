@@ -32,55 +32,18 @@ import copy
 import csv
 import json
 import os
-import subprocess
 import sys
-import threading
-import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from data_tools.measure import run_measured
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RUN_INFERENCE = REPO_ROOT / "run_inference.py"
 COLUMNS = ("batch_size", "status", "steps", "samples", "generated_tokens", "generation_seconds", "samples_per_s",
            "tokens_per_s", "process_seconds", "peak_rss_mib", "fits_memory", "recommended", "note")
-
-
-@dataclass
-class Measured:
-    """What is measured of one child process from the outside."""
-
-    returncode: int
-    process_seconds: float
-    peak_rss_mib: float
-
-
-def run_measured(command: list[str], log_path: Path, timeout_s: float | None = None) -> Measured:
-    """Runs `command` (output to `log_path`); returns exit code, wall seconds and peak RSS (MiB).
-
-    os.wait4 gives the resource usage of exactly this child, so other processes on the machine
-    do not enter the number. A child still running after `timeout_s` is killed.
-    """
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-    with open(log_path, "w") as log:
-        log.write("$ " + " ".join(command) + "\n")
-        log.flush()
-        start = time.perf_counter()
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        timer = threading.Timer(timeout_s, proc.kill) if timeout_s else None
-        if timer:
-            timer.start()
-        try:
-            _, status, usage = os.wait4(proc.pid, 0)
-        finally:
-            if timer:
-                timer.cancel()
-        seconds = time.perf_counter() - start
-    proc.returncode = os.waitstatus_to_exitcode(status)  # the child is reaped; tell Popen
-    return Measured(proc.returncode, seconds, usage.ru_maxrss / 1024)  # Linux: KiB
 
 
 def available_memory_bytes() -> int:
