@@ -14,7 +14,7 @@ What it does, in order:
      decoding, at most --max_tokens new tokens, stopping at EOS (stop_sequences [[eos]]), and
      --threads CPU threads (default: every core available, zoo-infer's own default):
        - zoo-infer: run_inference.py with a params.yaml written to <out>/params_<dtype>.yaml;
-       - transformers: benchmarks/hf_generate.py, generate() over static left-padded batches;
+       - transformers: benchmarks/peers/hf_generate.py, generate() over static left-padded batches;
        - peers (--peers auto: those installed): vLLM, CTranslate2, llama.cpp's llama-server,
          each through its script in benchmarks/peers/ (install notes: benchmarks/peers/README.md).
      transformers float32 always runs (first): it is the reference of the ratio and equality
@@ -438,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_dtypes = ["float32"] + [d for d in dtypes if d != "float32"]
     print("running (one process at a time):", flush=True)
     for dtype in hf_dtypes:
-        record(*run_child("transformers", BENCH_DIR / "hf_generate.py", args, prep, out, dtype, threads))
+        record(*run_child("transformers", PEERS_DIR / "hf_generate.py", args, prep, out, dtype, threads))
     for dtype in dtypes:
         record(*run_zoo(args, prep, out, dtype, threads))
     for name in peers:

@@ -14,7 +14,7 @@ from transformers import BloomConfig, FalconConfig, MptConfig
 
 from harness import assert_family_matches_transformers
 from modelzoo.errors import UserError
-from modelzoo.models.bloom import bloom_alibi_slopes
+from modelzoo.models.layers import alibi_slopes
 from modelzoo.models.falcon import config_from_hf as falcon_config_from_hf
 from modelzoo.models.mpt import config_from_hf as mpt_config_from_hf
 from modelzoo.models.mpt import mpt_alibi_slopes
@@ -97,6 +97,6 @@ def test_alibi_slopes_are_bit_identical_to_transformers(heads: int) -> None:
     from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
     from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
 
-    assert torch.equal(bloom_alibi_slopes(heads), _get_alibi_slopes(heads, torch.device("cpu")))
+    assert torch.equal(alibi_slopes(heads), _get_alibi_slopes(heads, torch.device("cpu")))
     # MPT's bias at key offset -1 from the last key is exactly -slope.
     assert torch.equal(mpt_alibi_slopes(heads), -build_mpt_alibi_tensor(heads, 2)[:, 0, 0])

@@ -1,8 +1,8 @@
 """What the peer scripts share: their command line, reading the prompts, writing the result.
 
-Every peer script is run by benchmarks/throughput.py as its own process, with the same options as
-benchmarks/hf_generate.py (--model, --tokens_json, --dtype, --batch_size, --max_tokens, --eos_id,
---threads, --out) plus its own. It writes one JSON file: `tokens` (one list of generated ids per
+Every engine script here (the transformers baseline hf_generate.py included) is run by
+benchmarks/throughput.py as its own process, with the same options (--model, --tokens_json, --dtype,
+--batch_size, --max_tokens, --eos_id, --threads, --out) plus its own. It writes one JSON file: `tokens` (one list of generated ids per
 prompt, in input order, cut right after the first EOS, which stays in), `generated_tokens`,
 `generation_seconds` (the generation call only: no imports, no model load) and `versions`; or
 `{"skipped": reason}` when the engine cannot run this configuration here (for instance a dtype

@@ -7,7 +7,6 @@ Face ones, so checkpoints load by name.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +16,7 @@ from torch import nn
 from modelzoo.errors import UserError
 from modelzoo.generation.kv_cache import KVCache
 from modelzoo.models.config import DecoderConfig
-from modelzoo.models.layers import ForwardContext, cached_attention, last_token_states
+from modelzoo.models.layers import ForwardContext, alibi_slopes, cached_attention, last_token_states
 
 
 @dataclass(frozen=True)
@@ -47,19 +46,6 @@ def config_from_hf(hf: Any) -> BloomDecoderConfig:
         residual_post_layernorm=bool(getattr(hf, "apply_residual_connection_post_layernorm", False)),
     )
 
-
-def bloom_alibi_slopes(num_heads: int) -> torch.Tensor:
-    """The ALiBi slopes (heads,) float32, computed as transformers does (float32 torch.pow) so they are
-    bit-identical to it; `layers.alibi_slopes` can differ by one ulp from 11 heads on. Falcon shares them."""
-    closest = 2 ** math.floor(math.log2(num_heads))
-    base = torch.full((), 2 ** (-(2 ** -(math.log2(closest) - 3))), dtype=torch.float32)
-    slopes = torch.pow(base, torch.arange(1, 1 + closest, dtype=torch.int32))
-    if closest != num_heads:
-        # The missing heads take every other slope of the next power of two.
-        extra = torch.full((), 2 ** (-(2 ** -(math.log2(2 * closest) - 3))), dtype=torch.float32)
-        remaining = min(closest, num_heads - closest)
-        slopes = torch.cat([slopes, torch.pow(extra, torch.arange(1, 1 + 2 * remaining, 2, dtype=torch.int32))])
-    return slopes
 
 
 def bloom_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -144,7 +130,7 @@ class BloomForCausalLM(nn.Module):
 
     def build_buffers(self, device: torch.device) -> None:
         """Computes the non-persistent buffers (ALiBi slopes) once the weights are on `device`."""
-        self.alibi_slopes = bloom_alibi_slopes(self.config.num_heads).to(device)
+        self.alibi_slopes = alibi_slopes(self.config.num_heads).to(device)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 slots: torch.Tensor | None, last: torch.Tensor | None = None) -> torch.Tensor:

@@ -24,8 +24,8 @@ from torch import nn
 
 from modelzoo.errors import UserError
 from modelzoo.generation.kv_cache import KVCache
-from modelzoo.models.gpt2 import Conv1D, GPT2Attention, GPT2DecoderConfig, GPT2LMHeadModel, GPT2Model, mlp_activation
-from modelzoo.models.layers import ForwardContext
+from modelzoo.models.gpt2 import Conv1D, GPT2Attention, GPT2DecoderConfig, GPT2LMHeadModel, GPT2Model
+from modelzoo.models.layers import ForwardContext, activation
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,7 @@ class BTLMMLP(nn.Module):
         self.c_fc = Conv1D(config.hidden_size, config.intermediate_size)
         self.c_fc2 = Conv1D(config.hidden_size, config.intermediate_size) if self.swiglu else None
         self.c_proj = Conv1D(config.intermediate_size, config.hidden_size)
-        self.act = F.silu if self.swiglu else mlp_activation(config.hidden_act)
+        self.act = F.silu if self.swiglu else activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.c_fc2 is not None:

@@ -18,10 +18,9 @@ from torch import nn
 
 from modelzoo.errors import UserError
 from modelzoo.generation.kv_cache import KVCache
-from modelzoo.models.bloom import bloom_alibi_slopes
 from modelzoo.models.config import DecoderConfig, RopeConfig
-from modelzoo.models.layers import (ForwardContext, RotaryEmbedding, activation, apply_rotary, cached_attention,
-                                    last_token_states)
+from modelzoo.models.layers import (ForwardContext, RotaryEmbedding, activation, alibi_slopes, apply_rotary,
+                                    cached_attention, last_token_states)
 
 
 @dataclass(frozen=True)
@@ -179,7 +178,7 @@ class FalconForCausalLM(nn.Module):
         if self.rotary is not None:
             self.rotary.build_tables(device)
         else:
-            self.alibi_slopes = bloom_alibi_slopes(self.config.num_heads).to(device)
+            self.alibi_slopes = alibi_slopes(self.config.num_heads).to(device)
 
     def alibi_context(self, cache: KVCache, slots: torch.Tensor | None, positions: torch.Tensor,
                       dtype: torch.dtype) -> ForwardContext:

@@ -7,7 +7,7 @@ transpose of nn.Linear; `Conv1D` below keeps that shape so checkpoints load by n
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -48,15 +48,6 @@ def config_from_hf(hf: Any) -> GPT2DecoderConfig:
         scale_attn_by_inverse_layer_idx=bool(getattr(hf, "scale_attn_by_inverse_layer_idx", False)),
     )
 
-
-def gelu_fast(x: torch.Tensor) -> torch.Tensor:
-    """The tanh GELU of transformers' FastGELUActivation (SantaCoder), same op order."""
-    return 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x)))
-
-
-def mlp_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The MLP activation of a GPT-2-style config: the shared table plus SantaCoder's gelu_fast."""
-    return gelu_fast if name == "gelu_fast" else activation(name)
 
 
 class Conv1D(nn.Module):
@@ -112,7 +103,7 @@ class GPT2MLP(nn.Module):
         super().__init__()
         self.c_fc = self.linear(config.hidden_size, config.intermediate_size)
         self.c_proj = self.linear(config.intermediate_size, config.hidden_size)
-        self.act = mlp_activation(config.hidden_act)
+        self.act = activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.c_proj(self.act(self.c_fc(x)))

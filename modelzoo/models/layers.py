@@ -52,15 +52,17 @@ class ForwardContext:
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:
-    """The ALiBi head slopes of the paper (and of BLOOM): geometric for the nearest power of two,
-    the missing heads taken from every other slope of the next power of two. (num_heads,) float32."""
-    def powers(n: int) -> list[float]:
-        start = 2.0 ** (-(2.0 ** -(math.log2(n) - 3)))
-        return [start ** (i + 1) for i in range(n)]
-
+    """The ALiBi head slopes of the paper, BLOOM and Falcon, (num_heads,) float32: geometric for the
+    nearest power of two, the missing heads from every other slope of the next power of two.
+    Computed as transformers does (float32 torch.pow), so they are bit-identical to its slopes."""
     closest = 2 ** math.floor(math.log2(num_heads))
-    slopes = powers(closest) + powers(2 * closest)[0::2][: num_heads - closest]
-    return torch.tensor(slopes, dtype=torch.float32)
+    base = torch.full((), 2 ** (-(2 ** -(math.log2(closest) - 3))), dtype=torch.float32)
+    slopes = torch.pow(base, torch.arange(1, 1 + closest, dtype=torch.int32))
+    if closest != num_heads:
+        extra = torch.full((), 2 ** (-(2 ** -(math.log2(2 * closest) - 3))), dtype=torch.float32)
+        remaining = min(closest, num_heads - closest)
+        slopes = torch.cat([slopes, torch.pow(extra, torch.arange(1, 1 + 2 * remaining, 2, dtype=torch.int32))])
+    return slopes
 
 
 class RMSNorm(nn.Module):
@@ -171,10 +173,16 @@ def gelu_new(x: torch.Tensor) -> torch.Tensor:
     return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
 
 
+def gelu_fast(x: torch.Tensor) -> torch.Tensor:
+    """The tanh GELU of transformers' FastGELUActivation (SantaCoder), same op order."""
+    return 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x)))
+
+
 ACTIVATIONS = {
     "silu": F.silu,
     "gelu": F.gelu,
     "gelu_new": gelu_new,
+    "gelu_fast": gelu_fast,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "relu": F.relu,
 }

@@ -3,7 +3,7 @@
 
 Run as its own process by throughput.py (so its memory and start-up are its own):
 
-    python benchmarks/hf_generate.py --model models/smollm2-135m-instruct \\
+    python benchmarks/peers/hf_generate.py --model models/smollm2-135m-instruct \\
         --tokens_json out/tokens.json --dtype float32 --batch_size 32 --max_tokens 64 \\
         --out out/hf_float32.json
 
@@ -22,45 +22,23 @@ The output JSON has `tokens` (one list per prompt, in input order), `generated_t
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 import time
-from pathlib import Path
 
-DTYPES = ("float32", "bfloat16", "float16")
-
-
-def cut_after_eos(tokens: list[int], eos_id: int) -> list[int]:
-    """Returns tokens up to and including the first `eos_id` (all of them when there is none)."""
-    return tokens[: tokens.index(eos_id) + 1] if eos_id in tokens else tokens
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """Returns the argument parser (see --help)."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="Hugging Face checkpoint folder")
-    parser.add_argument("--tokens_json", type=Path, required=True, help="JSON with `token_ids`: one list of ids per prompt")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and compute dtype (default: float32)")
-    parser.add_argument("--batch_size", type=int, default=32, help="prompts per generate() call (default: 32)")
-    parser.add_argument("--max_tokens", type=int, default=64, help="max_new_tokens (default: 64)")
-    parser.add_argument("--eos_id", type=int, default=2, help="stop token id, also used as pad id (default: 2)")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (default 0: every core available)")
-    parser.add_argument("--out", type=Path, required=True, help="JSON file to write")
-    return parser
+from _common import base_parser, normalize, read_token_ids, threads, write_result
 
 
 def main(argv: list[str] | None = None) -> int:
     """Loads the model, generates batch by batch, writes the tokens and the timing."""
-    args = build_parser().parse_args(argv)
+    args = base_parser(__doc__).parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
+    import transformers
     from transformers import AutoModelForCausalLM
 
-    # The same thread count zoo-infer uses by default (every core this process may run on).
-    torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
-    token_ids: list[list[int]] = json.loads(args.tokens_json.read_text())["token_ids"]
+    torch.set_num_threads(threads(args))
+    token_ids = read_token_ids(args.tokens_json)
 
     load_start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()
@@ -83,29 +61,12 @@ def main(argv: list[str] | None = None) -> int:
                 input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
                 max_new_tokens=args.max_tokens, eos_token_id=args.eos_id, pad_token_id=args.eos_id,
             )
-            for row in generated[:, width:].tolist():
-                outputs.append(cut_after_eos(row, args.eos_id))
+            outputs += [normalize(row, args.eos_id, stopped_at_eos=False) for row in generated[:, width:].tolist()]
     generation_seconds = time.perf_counter() - start  # --- end of timed part ---
 
-    import transformers
-
-    result = {
-        "engine": "transformers",
-        "dtype": args.dtype,
-        "batch_size": args.batch_size,
-        "max_tokens": args.max_tokens,
-        "num_prompts": len(token_ids),
-        "generated_tokens": sum(len(row) for row in outputs),
-        "generation_seconds": generation_seconds,
-        "load_seconds": load_seconds,
-        "threads": torch.get_num_threads(),
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
-        "tokens": outputs,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result))
-    print(f"transformers {args.dtype}: {result['generated_tokens']} tokens in {generation_seconds:.2f} s "
-          f"({result['generated_tokens'] / max(generation_seconds, 1e-9):.1f} tokens/s)")
+    write_result(args, "transformers", outputs, generation_seconds, load_seconds=load_seconds,
+                 threads=torch.get_num_threads(),
+                 versions={"torch": torch.__version__, "transformers": transformers.__version__})
     return 0
 
 
