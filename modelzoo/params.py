@@ -13,6 +13,8 @@ from modelzoo.errors import UserError
 DATA_PROCESSOR = "GptHDF5MapDataProcessor"
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+WEIGHT_DTYPES = ("int8",)
+SPECULATIVE_METHODS = ("prompt_lookup", "draft_model")
 
 
 def _is_int(value: Any) -> bool:
@@ -35,6 +37,18 @@ def _choice(options: tuple, kind: Callable[[Any], bool] = lambda v: True) -> Cal
         if not kind(value) or value not in options:
             raise UserError(f"{key} must be one of {', '.join(map(str, options))}, got {value!r}")
         return value
+    return check
+
+
+def _float(minimum: float, maximum: float = float("inf"), above_minimum: bool = False) -> Callable[[str, Any], Any]:
+    def check(key: str, value: Any) -> float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        ok = ok and (value > minimum if above_minimum else value >= minimum) and value <= maximum
+        if not ok:
+            low = f"> {minimum}" if above_minimum else f">= {minimum}"
+            high = "" if maximum == float("inf") else f" and <= {maximum}"
+            raise UserError(f"{key} must be a number {low}{high}, got {value!r}")
+        return float(value)
     return check
 
 
@@ -73,15 +87,75 @@ def _stop_sequences(key: str, value: Any) -> tuple[tuple[int, ...], ...]:
 
 
 @dataclass(frozen=True)
+class SpeculativeParams:
+    """`model.speculative:` draft K tokens per step, then verify them in one forward of the model.
+
+    prompt_lookup drafts from earlier n-grams (up to max_ngram tokens) of the row's own prompt and
+    output; draft_model drafts with a smaller checkpoint of the same vocabulary.
+    """
+
+    method: str
+    num_tokens: int = 4
+    checkpoint_path: str | None = None
+    max_ngram: int = 3
+
+
+def _speculative(key: str, value: Any) -> SpeculativeParams | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise UserError(f"{key} must be a mapping such as {{method: prompt_lookup, num_tokens: 4}}, got {value!r}")
+    checks = {"method": _choice(SPECULATIVE_METHODS, lambda v: isinstance(v, str)), "num_tokens": _int(1),
+              "checkpoint_path": _path(nullable=True), "max_ngram": _int(1)}
+    values = {}
+    for name, item in value.items():
+        if name not in checks:
+            raise _unknown_key(f"{key}.", name, list(checks))
+        values[name] = checks[name](f"{key}.{name}", item)
+    if "method" not in values:
+        raise UserError(f"params is missing required key {key}.method ({', '.join(SPECULATIVE_METHODS)})")
+    if values["method"] == "draft_model" and not values.get("checkpoint_path"):
+        raise UserError(f"{key}.checkpoint_path is required with method draft_model (the draft checkpoint folder)")
+    if values["method"] == "prompt_lookup" and values.get("checkpoint_path"):
+        raise UserError(f"{key}.checkpoint_path is only for method draft_model")
+    return SpeculativeParams(**values)
+
+
+@dataclass(frozen=True)
 class ModelParams:
-    """`model:` section: what to run and when a row stops."""
+    """`model:` section: what to run, how tokens are chosen and when a row stops."""
 
     start_token: tuple[int, ...]
     checkpoint_path: str | None = None
     dtype: str = "auto"
+    weight_dtype: str | None = None
     stop_sequences: tuple[tuple[int, ...], ...] = ()
     max_tokens: int | None = None
     loop_dim: int = 1
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    repetition_penalty: float = 1.0
+    no_repeat_ngram_size: int = 0
+    speculative: SpeculativeParams | None = None
+
+    @property
+    def greedy(self) -> bool:
+        """Whether each token is the argmax of the (possibly penalised) logits."""
+        return self.temperature == 0.0
+
+    def check_combinations(self) -> None:
+        """Keys that are valid alone but not together."""
+        if self.greedy and (self.top_k or self.top_p < 1.0):
+            raise UserError("model.top_k and model.top_p only apply when sampling; set model.temperature > 0 "
+                            "(temperature 0 is greedy decoding)")
+        if self.speculative is not None and not self.greedy:
+            raise UserError("model.speculative needs greedy decoding (model.temperature 0): it reproduces greedy "
+                            "outputs exactly, which sampling has no counterpart for here")
+        if self.speculative is not None and (self.repetition_penalty != 1.0 or self.no_repeat_ngram_size):
+            raise UserError("model.speculative cannot be combined with model.repetition_penalty or "
+                            "model.no_repeat_ngram_size")
 
 
 @dataclass(frozen=True)
@@ -102,6 +176,7 @@ class RunConfig:
     device: str = "auto"
     num_threads: int | None = None
     log_steps: int = 10
+    tensor_parallel: int = 1
 
 
 @dataclass(frozen=True)
@@ -128,10 +203,19 @@ SCHEMA: dict[str, tuple[type, dict[str, Callable[[str, Any], Any]]]] = {
     "model": (ModelParams, {
         "checkpoint_path": _path(nullable=True),
         "dtype": _choice(DTYPE_NAMES, lambda v: isinstance(v, str)),
+        "weight_dtype": lambda key, value: None if value is None else _choice(
+            WEIGHT_DTYPES, lambda v: isinstance(v, str))(key, value),
         "start_token": _start_token,
         "stop_sequences": _stop_sequences,
         "max_tokens": _int(1, nullable=True),
         "loop_dim": _choice((0, 1), _is_int),
+        "temperature": _float(0.0),
+        "top_k": _int(0),
+        "top_p": _float(0.0, 1.0, above_minimum=True),
+        "seed": _int(0),
+        "repetition_penalty": _float(0.0, above_minimum=True),
+        "no_repeat_ngram_size": _int(0),
+        "speculative": _speculative,
     }),
     "inference_input": (InputParams, {
         "data_processor": _choice((DATA_PROCESSOR,), lambda v: isinstance(v, str)),
@@ -144,6 +228,7 @@ SCHEMA: dict[str, tuple[type, dict[str, Callable[[str, Any], Any]]]] = {
         "device": _choice(DEVICES, lambda v: isinstance(v, str)),
         "num_threads": _int(1, nullable=True),
         "log_steps": _int(1),
+        "tensor_parallel": _int(1),
     }),
 }
 
@@ -178,7 +263,9 @@ def parse_params(raw: Any) -> InferenceParams:
     for name in raw:
         if name not in SCHEMA:
             raise _unknown_key("", name, list(SCHEMA))
-    return InferenceParams(**{name: _section(name, raw.get(name)) for name in SCHEMA})
+    params = InferenceParams(**{name: _section(name, raw.get(name)) for name in SCHEMA})
+    params.model.check_combinations()
+    return params
 
 
 def load_params(path: str | Path) -> InferenceParams:
@@ -201,4 +288,6 @@ def with_overrides(params: InferenceParams, overrides: dict[str, dict[str, Any]]
         changes = {k: SCHEMA[name][1][k](f"{name}.{k}", v)
                    for k, v in overrides.get(name, {}).items() if v is not None}
         sections[name] = replace(current, **changes)
-    return InferenceParams(**sections)
+    params = InferenceParams(**sections)
+    params.model.check_combinations()
+    return params

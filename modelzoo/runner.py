@@ -93,6 +93,13 @@ class InferenceJob:
         model = params.model
         if not model.checkpoint_path:
             raise UserError("no checkpoint: set model.checkpoint_path in params or pass --checkpoint_path")
+        unsupported = [key for key, on in [
+            ("model.temperature", not model.greedy), ("model.repetition_penalty", model.repetition_penalty != 1.0),
+            ("model.no_repeat_ngram_size", model.no_repeat_ngram_size > 0), ("model.weight_dtype", model.weight_dtype),
+            ("model.speculative", model.speculative), ("runconfig.tensor_parallel", params.runconfig.tensor_parallel > 1)]
+            if on]
+        if unsupported:
+            raise UserError(f"{', '.join(unsupported)}: not implemented yet in this version")
         self.start_tokens = np.array(model.start_token, dtype=np.int64)
         self.pad_token = int(model.start_token[0])
         self.device = resolve_device(params.runconfig.device)
