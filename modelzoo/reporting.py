@@ -34,6 +34,8 @@ class RunStats:
     rows_with_empty_prompt: int = 0
     stop_reasons: dict[str, int] = field(default_factory=dict)
     interrupted_by: str | None = None  # signal name when the run was stopped early
+    drafted_tokens: int = 0  # speculative decoding: tokens proposed for verification
+    accepted_tokens: int = 0  # ... and accepted by the model
 
     def count_reasons(self, reasons: Any) -> None:
         """Adds the stop reasons of the real rows of one written batch."""
@@ -52,7 +54,8 @@ def summary_of(stats: list[RunStats], device: str, dtype: str, shards: int) -> d
     """One summary over the stats of every shard (shards run side by side: seconds is the longest)."""
     total: dict[str, Any] = {}
     for key in ("samples_done", "samples_skipped", "samples_remaining", "batches_done", "batches_skipped",
-                "batches_remaining", "generated_tokens", "rows_without_start_token", "rows_with_empty_prompt"):
+                "batches_remaining", "generated_tokens", "rows_without_start_token", "rows_with_empty_prompt",
+                "drafted_tokens", "accepted_tokens"):
         total[key] = sum(getattr(s, key) for s in stats)
     seconds = max((s.generation_seconds for s in stats), default=0.0)
     reasons: dict[str, int] = {}
@@ -66,6 +69,8 @@ def summary_of(stats: list[RunStats], device: str, dtype: str, shards: int) -> d
         **total,
         "generation_seconds": round(seconds, 3),
         "tokens_per_second": round(total["generated_tokens"] / seconds, 2) if seconds else 0.0,
+        "speculative_acceptance_rate": (round(total["accepted_tokens"] / total["drafted_tokens"], 4)
+                                        if total["drafted_tokens"] else None),
         "stop_reasons": reasons, "shards_reporting": f"{len(stats)}/{shards}",
         "device": device, "dtype": dtype, "versions": _versions(),
     }
@@ -100,6 +105,9 @@ def log_totals(stats: RunStats) -> None:
              "interrupted" if stats.interrupted_by else "done", stats.samples_done, stats.batches_done,
              stats.batches_skipped, stats.batches_remaining, stats.generated_tokens, stats.generation_seconds,
              rate, stats.stop_reasons)
+    if stats.drafted_tokens:
+        log.info("speculative decoding: %d of %d drafted tokens accepted (%.1f%%)", stats.accepted_tokens,
+                 stats.drafted_tokens, 100 * stats.accepted_tokens / stats.drafted_tokens)
     if stats.rows_without_start_token or stats.rows_with_empty_prompt:
         log.warning("%d rows had no start token and %d an empty prompt: left as they are, nothing generated",
                     stats.rows_without_start_token, stats.rows_with_empty_prompt)

@@ -23,6 +23,8 @@ from modelzoo.distributed import Shard
 from modelzoo.errors import UserError
 from modelzoo.generation.engine import GenerationEngine, Request
 from modelzoo.generation.kv_cache import KVCache
+from modelzoo.generation.sampling import TokenChoice
+from modelzoo.generation.speculative import DraftModelDrafter, Drafter, PromptLookupDrafter
 from modelzoo.manifest import build_manifest, check_manifest, write_manifest
 from modelzoo.models.packed_linear import pack_linear_layers, packing_available
 from modelzoo.params import InferenceParams
@@ -94,9 +96,7 @@ class InferenceJob:
         if not model.checkpoint_path:
             raise UserError("no checkpoint: set model.checkpoint_path in params or pass --checkpoint_path")
         unsupported = [key for key, on in [
-            ("model.temperature", not model.greedy), ("model.repetition_penalty", model.repetition_penalty != 1.0),
-            ("model.no_repeat_ngram_size", model.no_repeat_ngram_size > 0), ("model.weight_dtype", model.weight_dtype),
-            ("model.speculative", model.speculative), ("runconfig.tensor_parallel", params.runconfig.tensor_parallel > 1)]
+            ("model.weight_dtype", model.weight_dtype), ("runconfig.tensor_parallel", params.runconfig.tensor_parallel > 1)]
             if on]
         if unsupported:
             raise UserError(f"{', '.join(unsupported)}: not implemented yet in this version")
@@ -141,6 +141,25 @@ class InferenceJob:
                                self.data.max_seq_len, c.head_dim, self.dtype)
         return weights, cache
 
+    def _drafter(self) -> Drafter | None:
+        """The speculative-decoding drafter of `model.speculative`, if any (loads the draft model)."""
+        spec = self.params.model.speculative
+        if spec is None:
+            return None
+        batch_size = self.params.inference_input.batch_size
+        if spec.method == "prompt_lookup":
+            log.info("speculative decoding: prompt lookup, %d tokens per step, n-grams up to %d", spec.num_tokens,
+                     spec.max_ngram)
+            return PromptLookupDrafter(spec.num_tokens, spec.max_ngram)
+        draft, _ = load_model(spec.checkpoint_path, self.dtype, self.device)
+        if draft.config.vocab_size != self.vocab_size:
+            log.warning("the draft model's vocabulary has %d entries, the model's %d: fine if they share a tokenizer "
+                        "and differ only in padding, useless otherwise", draft.config.vocab_size, self.vocab_size)
+        log.info("speculative decoding: draft model %s (%s), %d tokens per step", spec.checkpoint_path,
+                 type(draft).__name__, spec.num_tokens)
+        return DraftModelDrafter(draft, spec.num_tokens, batch_size, self.data.max_seq_len, self.vocab_size,
+                                 self.dtype, self.device)
+
     def run(self) -> RunStats:
         """Validates, loads, then either checks one forward pass (compile_only) or writes this shard's steps."""
         steps = [step for step in self.steps() if self.shard.owns(step)]
@@ -163,7 +182,8 @@ class InferenceJob:
             pack_linear_layers(model, self.params.inference_input.batch_size, budget_bytes=(free - cache) // 2)
         engine = GenerationEngine(model, self.params.inference_input.batch_size, self.data.max_seq_len,
                                   [list(s) for s in self.params.model.stop_sequences], self.params.model.max_tokens,
-                                  self.device, self.dtype)
+                                  self.device, self.dtype, choice=TokenChoice.from_params(self.params.model),
+                                  drafter=self._drafter())
         if self.params.runconfig.compile_only:
             self._check_forward(model, engine)
             return self.stats
@@ -290,6 +310,7 @@ class InferenceJob:
             if assembly.remaining == 0:
                 self._write(step, pending.pop(step), progress, engine)
         self.stats.generation_seconds = time.perf_counter() - start
+        self.stats.drafted_tokens, self.stats.accepted_tokens = engine.drafted_tokens, engine.accepted_tokens
         progress.close()
 
     def _write(self, step: int, assembly: StepAssembly, progress: Progress, engine: GenerationEngine) -> None:

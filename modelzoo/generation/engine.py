@@ -1,4 +1,4 @@
-"""Greedy generation over a fixed set of cache slots, with in-flight refill.
+"""Generation over a fixed set of cache slots, with in-flight refill.
 
 `batch_size` slots decode together, one forward per step for all of them. When a sequence stops,
 its slot takes the next pending request at once (continuous batching), instead of idling until
@@ -6,12 +6,17 @@ every row of its batch is done. Newly admitted prompts are prefilled together, g
 so that padding stays small. The decode step always runs every slot (idle ones on a throwaway
 row at position 0): a fixed batch shape costs about the same as a smaller one at these sizes, and
 it is what lets the CPU decode GEMMs use weights prepacked for that shape.
+
+Tokens are the argmax of the logits unless a `TokenChoice` (sampling, repetition control) is
+given. With a drafter (speculative decoding, greedy only) each step feeds every slot's last token
+and K drafted tokens at once, and keeps the drafts up to the first one the model disagrees with,
+plus the model's own next token: the same tokens plain greedy decoding would produce.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -19,6 +24,10 @@ from torch import nn
 
 from modelzoo.generation.kv_cache import KVCache
 from modelzoo.generation.stopping import CONTINUE, REASON_NAMES, StopChecker
+
+if TYPE_CHECKING:
+    from modelzoo.generation.sampling import TokenChoice
+    from modelzoo.generation.speculative import Drafter
 
 
 @dataclass
@@ -43,25 +52,38 @@ class GenerationEngine:
 
     def __init__(self, model: nn.Module, num_slots: int, max_seq_len: int, stop_sequences: list[list[int]],
                  max_tokens: int | None, device: torch.device, dtype: torch.dtype,
-                 prefill_token_budget: int = 8192) -> None:
+                 prefill_token_budget: int = 8192, choice: TokenChoice | None = None,
+                 drafter: Drafter | None = None) -> None:
         config = model.config
         self.model = model
         self.num_slots = num_slots
         self.max_seq_len = max_seq_len
         self.device = device
         self.prefill_token_budget = prefill_token_budget
+        self.choice = None if choice is None or choice.is_plain_greedy else choice
+        if drafter is not None and self.choice is not None:
+            raise ValueError("speculative decoding needs plain greedy decoding")
+        self.drafter = drafter
         self.cache = KVCache(config.num_layers, num_slots, config.num_kv_heads, max_seq_len, config.head_dim,
                              dtype, device)
         self.stops = StopChecker(stop_sequences, max_tokens, max_seq_len, num_slots, device)
-        # Per-slot state, on the device: tokens in the row (prompt + generated), generated count,
-        # the token to feed next, and the generated tokens themselves.
+        # Per-slot state, on the device: the row's tokens (prompt, then generated), its length, the
+        # prompt length, the token to feed next, the sample index (the random stream's key).
+        self.sequences = torch.zeros((num_slots, max_seq_len), dtype=torch.long, device=device)
         self.seq_len = torch.zeros(num_slots, dtype=torch.long, device=device)
-        self.num_generated = torch.zeros(num_slots, dtype=torch.long, device=device)
+        self.prompt_len = torch.zeros(num_slots, dtype=torch.long, device=device)
         self.last_token = torch.zeros(num_slots, dtype=torch.long, device=device)
-        self.generated = torch.zeros((num_slots, max_seq_len), dtype=torch.long, device=device)
+        self.sample_index = torch.zeros(num_slots, dtype=torch.long, device=device)
         self.active = torch.zeros(num_slots, dtype=torch.bool, device=device)
         self.owner: list[int | None] = [None] * num_slots  # request index held by each slot
         self.generated_tokens = 0  # over the engine's life, for throughput reports
+        self.drafted_tokens = 0  # speculative decoding: drafts proposed for active rows
+        self.accepted_tokens = 0  # ... and drafts the model agreed with
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Fraction of drafted tokens accepted (None without speculative decoding)."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else None
 
     @torch.inference_mode()
     def generate(self, requests: Iterable[Request],
@@ -76,6 +98,7 @@ class GenerationEngine:
         self.owner = [None] * self.num_slots
         self.active.zero_()
         exhausted = False
+        step = self._decode_step if self.drafter is None else self._speculative_step
         while not should_stop():
             admitted: list[tuple[int, Request]] = []
             while free and not exhausted:
@@ -90,7 +113,14 @@ class GenerationEngine:
                 if exhausted:
                     return
                 continue
-            yield from self._release(self._decode_step(), free)
+            yield from self._release(step(), free)
+
+    def _choose(self, logits: torch.Tensor, slots: torch.Tensor | None) -> torch.Tensor:
+        """Next token (B,) from logits (B, vocab) of `slots` (None = every slot, in order)."""
+        if self.choice is None:
+            return logits.argmax(-1)
+        rows = slice(None) if slots is None else slots
+        return self.choice.choose(logits, self.sequences[rows], self.seq_len[rows], self.sample_index[rows])
 
     def _prefill(self, admitted: list[tuple[int, Request]]) -> list[tuple[int, int]]:
         """Runs the prompts of newly admitted requests; returns (slot, reason) of those already done."""
@@ -108,16 +138,21 @@ class GenerationEngine:
             for row, (_, request) in enumerate(group):
                 tokens[row, : len(request.prompt)] = request.prompt
             slots = torch.tensor([slot for slot, _ in group], device=self.device)
+            tokens = torch.from_numpy(tokens).to(self.device)  # (B, T)
             positions = torch.arange(width, device=self.device).expand(len(group), width)  # (B, T)
-            last = torch.tensor(lengths, device=self.device) - 1
-            logits = self.model(torch.from_numpy(tokens).to(self.device), positions, self.cache, slots, last)
-            first = logits.argmax(-1)  # (B,)
-            self.seq_len[slots] = last + 2
-            self.num_generated[slots] = 1
+            prompt_len = torch.tensor(lengths, device=self.device)
+            self.sequences[slots, :width] = tokens
+            self.seq_len[slots] = self.prompt_len[slots] = prompt_len
+            self.sample_index[slots] = torch.tensor([r.index for _, r in group], device=self.device)
+            logits = self.model(tokens, positions, self.cache, slots, prompt_len - 1)
+            if self.drafter is not None:
+                self.drafter.prefill(tokens, positions, slots, prompt_len - 1)
+            first = self._choose(logits, slots)  # (B,)
+            self.sequences[slots, prompt_len] = first
+            self.seq_len[slots] = prompt_len + 1
             self.last_token[slots] = first
-            self.generated[slots, 0] = first
             self.stops.reset(slots)
-            reason = self.stops.check(slots, first, self.num_generated[slots], self.seq_len[slots])
+            reason = self.stops.check(slots, first, torch.ones_like(first), prompt_len + 1)
             finished += self._done(slots, reason)
         self.generated_tokens += len(admitted)
         return finished
@@ -139,16 +174,49 @@ class GenerationEngine:
         tokens = self.last_token[:, None]  # (S, 1)
         positions = torch.where(active, self.seq_len - 1, 0)[:, None]  # (S, 1): where the fed token sits
         logits = self.model(tokens, positions, self.cache, None)
-        next_token = torch.where(active, logits.argmax(-1), self.last_token)  # (S,)
-        num_generated = self.num_generated + active
-        seq_len = self.seq_len + active
-        rows = torch.arange(self.num_slots, device=self.device)
-        column = (num_generated - 1).clamp(min=0)
-        self.generated[rows, column] = torch.where(active, next_token, self.generated[rows, column])
-        self.num_generated, self.seq_len, self.last_token = num_generated, seq_len, next_token
-        self.generated_tokens += int(active.sum())
-        reason = self.stops.check(None, next_token, num_generated, seq_len) * active
-        return self._done(rows, reason)
+        next_token = torch.where(active, self._choose(logits, None), self.last_token)  # (S,)
+        return self._append(next_token, active)
+
+    def _append(self, token: torch.Tensor, rows: torch.Tensor) -> list[tuple[int, int]]:
+        """Appends `token` (S,) to the slots where `rows` (S,) is true; returns (slot, reason) of those that stopped."""
+        slots = torch.arange(self.num_slots, device=self.device)
+        column = self.seq_len.clamp(max=self.max_seq_len - 1)  # rows that append are below max_seq_len
+        self.sequences[slots, column] = torch.where(rows, token, self.sequences[slots, column])
+        self.seq_len = self.seq_len + rows
+        self.last_token = torch.where(rows, token, self.last_token)
+        self.generated_tokens += int(rows.sum())
+        reason = self.stops.check(None, token, self.seq_len - self.prompt_len, self.seq_len, taken=rows)
+        return self._done(slots, reason)
+
+    def _speculative_step(self) -> list[tuple[int, int]]:
+        """Verifies K drafted tokens per slot in one forward; appends the agreed ones plus the model's next.
+
+        Returns (slot, reason) of the slots that stopped. Rows near max_seq_len feed positions clamped
+        to the last one: those keys are only read by queries whose outputs are never used.
+        """
+        active = self.active
+        drafts = self.drafter.propose(self.sequences, self.seq_len, active)  # (S, K)
+        width = drafts.shape[1] + 1
+        offsets = torch.arange(width, device=self.device)
+        positions = torch.where(active[:, None], (self.seq_len - 1)[:, None] + offsets, offsets)
+        positions = positions.clamp(max=self.max_seq_len - 1)  # (S, K + 1)
+        tokens = torch.cat((self.last_token[:, None], drafts), dim=1)  # (S, K + 1)
+        logits = self.model(tokens, positions, self.cache, None, offsets.expand(self.num_slots, width))
+        verified = logits.argmax(-1)  # (S, K + 1): the model's token after each fed one
+        accepted = (drafts == verified[:, :-1]).long().cumprod(1).sum(1)  # (S,) leading drafts agreed with
+        self.drafted_tokens += int(active.sum()) * (width - 1)
+        self.accepted_tokens += int(accepted[active].sum())
+        finished: list[tuple[int, int]] = []
+        emitting = active.clone()
+        for j in range(width):
+            emitting &= accepted >= j
+            if not bool(emitting.any()):
+                break
+            stopped = self._append(verified[:, j], emitting)
+            for slot, _ in stopped:
+                emitting[slot] = False
+            finished += stopped
+        return finished
 
     @staticmethod
     def _done(slots: torch.Tensor, reason: torch.Tensor) -> list[tuple[int, int]]:
@@ -161,8 +229,8 @@ class GenerationEngine:
     def _release(self, finished: list[tuple[int, int]], free: deque) -> Iterator[Completion]:
         """Turns stopped slots into Completions and hands the slots back."""
         for slot, reason in finished:
-            count = int(self.num_generated[slot])
-            tokens = self.generated[slot, :count].cpu().numpy().astype(np.int32)
+            begin, end = int(self.prompt_len[slot]), int(self.seq_len[slot])
+            tokens = self.sequences[slot, begin:end].cpu().numpy().astype(np.int32)
             index = self.owner[slot]
             self.owner[slot] = None
             self.active[slot] = False

@@ -34,16 +34,20 @@ class StopChecker:
         self.history[slots] = -1
 
     def check(self, slots: torch.Tensor | None, tokens: torch.Tensor, num_generated: torch.Tensor,
-              seq_lengths: torch.Tensor) -> torch.Tensor:
+              seq_lengths: torch.Tensor, taken: torch.Tensor | None = None) -> torch.Tensor:
         """Records `tokens` (B,) and returns a reason code per slot (B,), 0 where the slot goes on.
 
         num_generated: (B,) tokens generated so far including `tokens`; seq_lengths: (B,) prompt +
-        generated. Priority when several rules hold: stop sequence, max_tokens, max_seq_len.
+        generated; taken: (B,) bool, the rows that really took a token (None = all); the others
+        keep their history and get 0. Priority when several rules hold: stop sequence, max_tokens,
+        max_seq_len.
         """
         reason = torch.zeros_like(tokens)
         if self.history.shape[1]:
             rows = slice(None) if slots is None else slots
             history = torch.cat((self.history[rows][:, 1:], tokens[:, None]), dim=1)  # (B, K)
+            if taken is not None:
+                history = torch.where(taken[:, None], history, self.history[rows])
             self.history[rows] = history
             # (B, 1, K) vs (1, S, K): a sequence matches when every real entry equals the history.
             equal = (history[:, None, :] == self.sequences[None]) | ~self.valid[None]
@@ -53,4 +57,4 @@ class StopChecker:
             reason[go_on & (num_generated >= self.max_tokens)] = MAX_TOKENS
             go_on = reason == CONTINUE
         reason[go_on & (seq_lengths >= self.max_seq_len)] = MAX_SEQ_LEN
-        return reason
+        return reason if taken is None else reason * taken

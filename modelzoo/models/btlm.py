@@ -106,6 +106,9 @@ class AlibiSlopes(nn.Module):
         slopes = self.slopes.to(torch.float32)[:, 0]  # (heads,)
         if config.alibi_train_seq_len:
             # Dynamic scaling: each row's sequence length so far (its last real position + 1).
+            if last is not None and last.dim() == 2:
+                raise UserError("speculative decoding is not supported with BTLM's dynamic ALiBi scaling "
+                                "(alibi_train_seq_len): its scale depends on each query's own sequence length")
             final = positions[:, -1] if last is None else positions.gather(1, last[:, None])[:, 0]
             length = (final + 1).to(torch.float32)  # (B,)
             scale = torch.where(length > config.alibi_train_seq_len, length / config.alibi_train_seq_len, 1.0)

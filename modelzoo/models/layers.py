@@ -215,7 +215,9 @@ class GatedMLP(nn.Module):
 
 
 def last_token_states(hidden: torch.Tensor, last: torch.Tensor | None) -> torch.Tensor:
-    """Picks the hidden state (B, hidden) at index `last` (B,) of each row; None = the final position."""
+    """The hidden states (B, hidden) at index `last` (B,) of each row (None = the final position),
+    or (B, N, hidden) at several indices `last` (B, N) per row (speculative verification)."""
     if last is None:
         return hidden[:, -1]
-    return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+    rows = torch.arange(hidden.shape[0], device=hidden.device)
+    return hidden[rows if last.dim() == 1 else rows[:, None], last]

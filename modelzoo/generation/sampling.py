@@ -1,0 +1,258 @@
+"""Choosing the next token: repetition control, then greedy or seeded sampling, as `transformers` does it.
+
+The order is that of transformers' `generate()`: the repetition penalty, then the n-gram ban, on the whole row
+(prompt included); then, only when sampling, temperature, top-k and top-p; then softmax and a draw. Everything is
+vectorised over rows and stateless, so the engine can call it for any subset of slots, and speculative decoding
+can pass hypothetical histories.
+
+Randomness is counter-based: the uniform number behind a row's draw is a hash of (seed, sample index, row length),
+never of the row's batch position or of how many draws came before. The same seed therefore gives the same
+tokens whatever the batch size, the number of ranks, the device or a resume in between.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from modelzoo.params import ModelParams
+
+# splitmix64 (Steele, Lea and Flood, 2014): the increment and the two finaliser multipliers, and a second odd
+# constant to step along the row (it must differ from the increment, or (index, length + 1) and (index + 1, length)
+# would share a stream key).
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+_STEP = 0xD1B54A32D192ED03
+_UNIFORM_BITS = 53  # float64 holds 53 bits exactly: u = k / 2**53, k < 2**53
+
+
+def _signed(value: int) -> int:
+    """The int64 whose two's complement bits are `value` mod 2**64."""
+    value &= _MASK64
+    return value - (1 << 64) if value >> 63 else value
+
+
+def splitmix64(value: int) -> int:
+    """splitmix64's finaliser on a Python int (mod 2**64): the reference for `_mix64`, and the seed's own hash."""
+    value &= _MASK64
+    value ^= value >> 30
+    value = (value * _MIX1) & _MASK64
+    value ^= value >> 27
+    value = (value * _MIX2) & _MASK64
+    return value ^ (value >> 31)
+
+
+def _mix64(x: Tensor) -> Tensor:
+    """splitmix64's finaliser on int64 tensors, bit for bit the same as `splitmix64`.
+
+    int64 products wrap mod 2**64 (two's complement) on CPU and CUDA, which is the unsigned product's bits.
+    `>>` on int64 is arithmetic: the copied sign bits are masked off to make it a logical shift.
+    """
+    x = x ^ ((x >> 30) & ((1 << 34) - 1))
+    x = x * _signed(_MIX1)
+    x = x ^ ((x >> 27) & ((1 << 37) - 1))
+    x = x * _signed(_MIX2)
+    return x ^ ((x >> 31) & ((1 << 33) - 1))
+
+
+def uniforms(seed: int, sample_index: Tensor, position: Tensor) -> Tensor:
+    """One uniform number in [0, 1) per row, a pure function of (seed, sample_index, position).
+
+    sample_index, position: (B,) long, the key of the row's random stream and the step along it (the row's
+    length before the new token). Returns (B,) float64 on their device, a multiple of 2**-53.
+    """
+    key = _signed(splitmix64(seed + _GOLDEN))  # the seed is a Python int of any size: hashed here, once
+    h = _mix64(sample_index.long() * _signed(_GOLDEN) + key)
+    h = _mix64(position.long() * _signed(_STEP) + h)
+    bits = (h >> (64 - _UNIFORM_BITS)) & ((1 << _UNIFORM_BITS) - 1)  # the top 53 bits, as a non-negative int64
+    return bits.double() * 2.0 ** -_UNIFORM_BITS
+
+
+def draw(probs: Tensor, u: Tensor) -> Tensor:
+    """Inverse-CDF sampling: for each row, the first token whose cumulative probability exceeds u * total.
+
+    probs: (B, V) non-negative weights, not necessarily normalised; u: (B,) in [0, 1). Returns (B,) long. A token
+    of probability 0 is never picked: the cumulative sum does not rise there, so it never first exceeds the
+    threshold, and the pick is capped at the last token of positive probability (u * total < total, but float64
+    rounding should not be trusted with that). A row with nothing to draw from (total 0 or NaN: softmax of a row
+    that is all -inf) gets token 0, what argmax gives there and so what transformers' greedy search picks.
+    """
+    cdf = probs.double().cumsum(-1)  # (B, V), non-decreasing; float64: a float32 running sum over 150k terms drifts
+    total = cdf[:, -1:].contiguous()  # (B, 1)
+    token = torch.searchsorted(cdf, u.to(cdf)[:, None] * total, right=True)  # (B, 1): first cdf > threshold
+    last = torch.searchsorted(cdf, total, right=False)  # (B, 1): first cdf == total, the last positive token
+    token = torch.minimum(token, last).clamp(max=probs.shape[-1] - 1)
+    return torch.where(total > 0, token, 0).squeeze(1)  # NaN > 0 is False
+
+
+def _valid_ids(sequences: Tensor, lengths: Tensor, vocab_size: int) -> Tensor:
+    """(B, L) ids with every position past the row's length, or out of [0, vocab), set to the spare id vocab_size."""
+    positions = torch.arange(sequences.shape[1], device=sequences.device)
+    valid = (positions[None, :] < lengths[:, None]) & (sequences >= 0) & (sequences < vocab_size)
+    return torch.where(valid, sequences, vocab_size)
+
+
+def apply_repetition_penalty(scores: Tensor, sequences: Tensor, lengths: Tensor, penalty: float) -> Tensor:
+    """transformers' RepetitionPenaltyLogitsProcessor on each row's first lengths[b] tokens.
+
+    Every token present in the row, once however often it occurs: negative scores are multiplied by the penalty,
+    positive ones divided. scores: (B, V) float; sequences: (B, L) long; lengths: (B,) long. Returns (B, V).
+    """
+    vocab_size = scores.shape[-1]
+    ids = _valid_ids(sequences, lengths, vocab_size)  # (B, L); garbage goes to the spare column, dropped below
+    padded = F.pad(scores, (0, 1))  # (B, V + 1)
+    seen = padded.gather(1, ids)
+    seen = torch.where(seen < 0, seen * penalty, seen / penalty)
+    return padded.scatter(1, ids, seen)[:, :vocab_size]
+
+
+def ban_repeated_ngrams(scores: Tensor, sequences: Tensor, lengths: Tensor, ngram_size: int) -> Tensor:
+    """transformers' NoRepeatNGramLogitsProcessor on each row's first lengths[b] tokens.
+
+    Sets to -inf every token that would complete an n-gram already in the row: for each earlier window whose first
+    n - 1 tokens equal the row's last n - 1, the window's last token. Nothing is banned in a row shorter than n.
+    scores: (B, V) float; sequences: (B, L) long; lengths: (B,) long. Returns (B, V).
+    """
+    n = ngram_size
+    num_rows, vocab_size = scores.shape
+    width = sequences.shape[1]
+    if width < n:  # no row holds a whole n-gram
+        return scores
+    windows = sequences.unfold(1, n, 1)  # (B, W, n), W = L - n + 1: window j is tokens j .. j + n - 1
+    # The row's last n - 1 tokens (B, n - 1); rows shorter than n read clamped garbage but have no window below.
+    offsets = torch.arange(n - 1, device=sequences.device)
+    prefix = sequences.gather(1, (lengths[:, None] - (n - 1) + offsets).clamp(0, width - 1))
+    # A window counts when it ends inside the row (j + n <= length). The one starting at the prefix would end at
+    # the new token, so a prefix never bans its own successor.
+    starts = torch.arange(windows.shape[1], device=sequences.device)
+    inside = starts[None, :] <= (lengths[:, None] - n)  # (B, W)
+    matches = (windows[..., :-1] == prefix[:, None, :]).all(-1) & inside  # (B, W); n = 1: every inside window
+    last = windows[..., -1]  # (B, W)
+    banned_ids = torch.where(matches & (last >= 0) & (last < vocab_size), last, vocab_size)
+    banned = torch.zeros((num_rows, vocab_size + 1), dtype=torch.bool, device=scores.device)
+    banned.scatter_(1, banned_ids, True)  # non-matching windows land in the spare column, never unbanning
+    return scores.masked_fill(banned[:, :vocab_size], -float("inf"))
+
+
+def apply_temperature(scores: Tensor, temperature: float) -> Tensor:
+    """transformers' TemperatureLogitsWarper: scores / temperature (B, V).
+
+    A tiny temperature can overflow finite scores to +inf, and softmax then gives NaN (inf - inf). Such rows are
+    divided after subtracting their maximum instead: the same distribution (its temperature -> 0 limit, the
+    argmax), with nothing above 0. Other rows are exactly transformers' result.
+    """
+    scaled = scores / temperature
+    overflow = torch.isposinf(scaled).any(-1, keepdim=True)  # (B, 1)
+    shifted = (scores - scores.amax(-1, keepdim=True)) / temperature
+    return torch.where(overflow, shifted, scaled)
+
+
+def keep_top_k(scores: Tensor, top_k: int) -> Tensor:
+    """transformers' TopKLogitsWarper (min_tokens_to_keep 1): -inf below the k-th largest score; ties with it stay."""
+    k = min(max(top_k, 1), scores.shape[-1])
+    kth = torch.topk(scores, k, dim=-1).values[:, -1:]  # (B, 1)
+    return scores.masked_fill(scores < kth, -float("inf"))
+
+
+def keep_top_p(scores: Tensor, top_p: float) -> Tensor:
+    """transformers' TopPLogitsWarper (min_tokens_to_keep 1): the smallest set of most probable tokens whose
+    probability adds up to top_p or more, the rest -inf.
+
+    Same operations as transformers, so the same float32 boundary: in ascending order, a token goes when the
+    cumulative probability up to it is <= 1 - top_p; the most probable token always stays. Ties at the cut are
+    broken by token id (a stable sort: the lower id goes first), so the result is the same on every device and
+    batch; transformers' default sort is unstable on CPU and may keep another one of the tied tokens there, always
+    as many of them.
+    """
+    sorted_scores, order = torch.sort(scores, dim=-1, descending=False, stable=True)  # (B, V)
+    cumulative = sorted_scores.softmax(-1).cumsum(-1)
+    remove = cumulative <= (1 - top_p)
+    remove[:, -1] = False
+    remove = remove.scatter(1, order, remove)  # back to vocabulary order
+    return scores.masked_fill(remove, -float("inf"))
+
+
+@dataclass(frozen=True)
+class TokenChoice:
+    """How the next token is chosen: the `model:` keys temperature, top_k, top_p, seed, repetition_penalty and
+    no_repeat_ngram_size. temperature 0 is greedy (argmax of the penalised scores); top_k 0 and top_p 1.0 are off.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    repetition_penalty: float = 1.0
+    no_repeat_ngram_size: int = 0
+
+    def __post_init__(self) -> None:
+        checks = {"temperature": self.temperature >= 0, "top_k": self.top_k >= 0, "top_p": 0 < self.top_p <= 1,
+                  "seed": self.seed >= 0, "repetition_penalty": self.repetition_penalty > 0,
+                  "no_repeat_ngram_size": self.no_repeat_ngram_size >= 0}
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(f"TokenChoice.{name} out of range: {getattr(self, name)!r}")
+
+    @classmethod
+    def from_params(cls, model: ModelParams) -> TokenChoice:
+        """The token choice of a validated `model:` section."""
+        return cls(temperature=model.temperature, top_k=model.top_k, top_p=model.top_p, seed=model.seed,
+                   repetition_penalty=model.repetition_penalty, no_repeat_ngram_size=model.no_repeat_ngram_size)
+
+    @property
+    def greedy(self) -> bool:
+        """Whether the token is the argmax of the (possibly penalised) scores; no randomness then."""
+        return self.temperature == 0.0
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether `choose` reads `sequences` (the repetition rules); otherwise only lengths and sample indices."""
+        return self.repetition_penalty != 1.0 or self.no_repeat_ngram_size > 0
+
+    @property
+    def is_plain_greedy(self) -> bool:
+        """Whether the token is the argmax of the raw logits: the engine's fast path."""
+        return self.greedy and not self.needs_history
+
+    def process(self, logits: Tensor, sequences: Tensor | None, lengths: Tensor) -> Tensor:
+        """The scores a token is chosen from, float32 (B, V), as transformers' processors leave them.
+
+        logits: (B, V); sequences: (B, L) long, row b's tokens so far valid in [:lengths[b]] (may be None when
+        not `needs_history`); lengths: (B,) long. Penalties always; temperature, top-k, top-p only when sampling.
+        """
+        scores = logits.float()
+        if self.needs_history and sequences is None:
+            raise ValueError("repetition_penalty and no_repeat_ngram_size need each row's tokens (sequences)")
+        if self.repetition_penalty != 1.0:
+            scores = apply_repetition_penalty(scores, sequences, lengths, self.repetition_penalty)
+        if self.no_repeat_ngram_size > 0:
+            scores = ban_repeated_ngrams(scores, sequences, lengths, self.no_repeat_ngram_size)
+        if not self.greedy:
+            if self.temperature != 1.0:
+                scores = apply_temperature(scores, self.temperature)
+            if self.top_k > 0:
+                scores = keep_top_k(scores, self.top_k)
+            if self.top_p < 1.0:
+                scores = keep_top_p(scores, self.top_p)
+        return scores
+
+    def choose(self, logits: Tensor, sequences: Tensor | None, lengths: Tensor, sample_index: Tensor) -> Tensor:
+        """The next token of every row, (B,) long.
+
+        logits: (B, V) float; sequences: (B, L) long, each row's tokens so far (prompt + generated), valid in
+        [:lengths[b]], anything after is ignored (None is fine when not `needs_history`); lengths: (B,) long;
+        sample_index: (B,) long, the sample's global index. A sampled row's draw depends only on
+        (seed, sample_index[b], lengths[b]) and its own scores. A row whose every token is banned gets token 0
+        (the argmax of all -inf, as in transformers' greedy search; its sampling would fail on NaN probabilities).
+        """
+        if self.is_plain_greedy:
+            return logits.argmax(-1)
+        scores = self.process(logits, sequences, lengths)  # (B, V) float32
+        if self.greedy:
+            return scores.argmax(-1)
+        probs = scores.softmax(-1)  # (B, V): what transformers hands to torch.multinomial
+        return draw(probs, uniforms(self.seed, sample_index, lengths))

@@ -1,0 +1,367 @@
+"""Token choice against transformers' logits processors, and the seeded draw: reproducible and unbiased."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers.generation.logits_process import (LogitsProcessorList, NoRepeatNGramLogitsProcessor,
+                                                    RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+                                                    TopKLogitsWarper, TopPLogitsWarper)
+
+from modelzoo.generation.sampling import (TokenChoice, apply_repetition_penalty, apply_temperature,
+                                          ban_repeated_ngrams, draw, keep_top_k, keep_top_p, splitmix64, uniforms)
+from modelzoo.params import parse_params
+
+NEG_INF = -float("inf")
+# Five-token distribution for the statistical tests.
+PROBS = torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03], dtype=torch.float64)
+
+
+def batch(num_rows: int, width: int, vocab: int, seed: int, garbage: int | None = None):
+    """Random logits (B, V) with both signs, sequences (B, L) and lengths in [1, L] (L and 1 always present).
+
+    Past its length a row holds `garbage` if given, else more random in-vocabulary ids, so that reading past the
+    length would change the result.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_rows, vocab, generator=gen) * 3
+    sequences = torch.randint(0, vocab, (num_rows, width), generator=gen)
+    lengths = torch.randint(1, width + 1, (num_rows,), generator=gen)
+    lengths[0], lengths[-1] = width, 1
+    if garbage is not None:
+        sequences[torch.arange(width)[None, :] >= lengths[:, None]] = garbage
+    return logits, sequences, lengths
+
+
+def per_row(processor, logits, sequences, lengths) -> torch.Tensor:
+    """transformers' processor applied row by row, each fed only its valid prefix."""
+    return torch.cat([processor(sequences[b:b + 1, : int(lengths[b])], logits[b:b + 1].clone())
+                      for b in range(len(logits))])
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equal, -inf included."""
+    return a.shape == b.shape and torch.equal(a, b)
+
+
+def chi_square_sf_df4(x: float) -> float:
+    """Survival function of chi-square with 4 degrees of freedom (closed form: e^{-x/2} (1 + x/2))."""
+    return math.exp(-x / 2) * (1 + x / 2)
+
+
+def chi_square(tokens: torch.Tensor, probs: torch.Tensor) -> float:
+    counts = torch.bincount(tokens, minlength=len(probs)).double()
+    expected = probs * len(tokens)
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def sample(choice: TokenChoice, logits_row: torch.Tensor, sample_index: torch.Tensor, lengths: torch.Tensor):
+    """Draws for many rows sharing one logits row (no penalties, so no sequences needed)."""
+    logits = logits_row.float().expand(len(sample_index), -1)
+    return choice.choose(logits, None, lengths, sample_index)
+
+
+# ---- each processor equals transformers' -------------------------------------------------------------------
+
+@pytest.mark.parametrize("penalty", [0.5, 0.9, 1.3, 2.0])
+@pytest.mark.parametrize("shape", [(1, 1, 7), (5, 12, 10), (8, 40, 50)])
+def test_repetition_penalty_matches_transformers(penalty, shape):
+    logits, sequences, lengths = batch(*shape, seed=shape[1])
+    ours = apply_repetition_penalty(logits, sequences, lengths, penalty)
+    theirs = per_row(RepetitionPenaltyLogitsProcessor(penalty), logits, sequences, lengths)
+    assert same(ours, theirs)
+    assert not torch.equal(ours, logits)
+    if shape[1] > 1:  # the garbage past the length must matter, or this test proves nothing about lengths
+        assert not same(theirs, RepetitionPenaltyLogitsProcessor(penalty)(sequences, logits.clone()))
+    # Out-of-vocabulary and negative garbage past the length is ignored, never indexed.
+    for garbage in (-1, shape[2] + 3):
+        _, bad, _ = batch(*shape, seed=shape[1], garbage=garbage)
+        assert same(apply_repetition_penalty(logits, bad, lengths, penalty), theirs)
+
+
+@pytest.mark.parametrize("ngram_size", [1, 2, 3])
+@pytest.mark.parametrize("shape", [(1, 1, 5), (2, 2, 5), (6, 15, 4), (8, 40, 6)])
+def test_no_repeat_ngram_matches_transformers(ngram_size, shape):
+    logits, sequences, lengths = batch(*shape, seed=7 * shape[1] + ngram_size)
+    lengths[1 % shape[0]] = min(ngram_size - 1, shape[1]) or 1  # a row shorter than n (when possible)
+    ours = ban_repeated_ngrams(logits, sequences, lengths, ngram_size)
+    theirs = per_row(NoRepeatNGramLogitsProcessor(ngram_size), logits, sequences, lengths)
+    assert same(ours, theirs)
+    if shape[1] >= 15:  # small vocabularies and long rows: n-grams repeat, and garbage would ban more
+        assert torch.isneginf(ours).any()
+        assert not same(theirs, NoRepeatNGramLogitsProcessor(ngram_size)(sequences, logits.clone()))
+    for garbage in (-1, shape[2] + 3):
+        _, bad, _ = batch(*shape, seed=7 * shape[1] + ngram_size, garbage=garbage)
+        assert same(ban_repeated_ngrams(logits, bad, lengths, ngram_size), theirs)
+
+
+def test_no_repeat_ngram_by_hand():
+    # Row 0 = 1 2 3 1 2 (then garbage 3 4): the last bigram prefix "2" was followed by 3 -> ban 3 only.
+    # Row 1 = 5 5 5 (n=2): prefix "5" was followed by 5 -> ban 5.  Row 2 = 7: shorter than 2 -> nothing.
+    sequences = torch.tensor([[1, 2, 3, 1, 2, 3, 4], [5, 5, 5, 2, 3, 2, 3], [7, 1, 2, 1, 2, 1, 2]])
+    lengths = torch.tensor([5, 3, 1])
+    banned = torch.isneginf(ban_repeated_ngrams(torch.zeros(3, 8), sequences, lengths, 2))
+    assert banned.nonzero().tolist() == [[0, 3], [1, 5]]
+
+
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 1.7])
+def test_temperature_matches_transformers(temperature):
+    logits, _, _ = batch(6, 1, 30, seed=1)
+    logits[0, :3] = NEG_INF
+    ours = apply_temperature(logits, temperature)
+    assert same(ours, TemperatureLogitsWarper(temperature)(None, logits.clone()))
+    if temperature != 1.0:
+        assert not torch.equal(ours, logits)
+
+
+@pytest.mark.parametrize("top_k", [1, 3, 29, 30, 500])
+def test_top_k_matches_transformers(top_k):
+    logits, _, _ = batch(6, 1, 30, seed=2)
+    logits[0, :10] = NEG_INF  # fewer finite scores than k in that row
+    ours = keep_top_k(logits, top_k)
+    assert same(ours, TopKLogitsWarper(top_k)(None, logits.clone()))
+    kept = torch.isfinite(ours).sum(-1)
+    assert kept[1:].tolist() == [min(top_k, 30)] * 5
+
+
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.8, 0.9, 0.99, 1.0])
+def test_top_p_matches_transformers(top_p):
+    logits, _, _ = batch(16, 1, 40, seed=3)
+    logits[0, 5:] = NEG_INF
+    ours = keep_top_p(logits, top_p)
+    assert same(ours, TopPLogitsWarper(top_p)(None, logits.clone()))
+    kept = torch.isfinite(ours).sum(-1)
+    assert (kept >= 1).all()
+    if top_p < 1.0:
+        assert (kept[1:] < 40).all()
+    # Kept mass reaches top_p, and dropping the least probable kept token would not.
+    probs = logits.softmax(-1)
+    mass = (probs * torch.isfinite(ours)).sum(-1)
+    smallest = torch.where(torch.isfinite(ours), probs, 1.0).amin(-1)
+    assert (mass >= top_p - 1e-6).all() and ((mass - smallest < top_p + 1e-6) | (kept == 1)).all()
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p, penalty, ngram", [
+    (1.0, 0, 1.0, 1.0, 0), (0.7, 5, 0.8, 1.2, 2), (1.5, 0, 0.9, 0.8, 1), (0.4, 20, 1.0, 1.0, 3), (1.0, 3, 0.3, 1.5, 0)])
+def test_pipeline_matches_transformers_chain(temperature, top_k, top_p, penalty, ngram):
+    logits, sequences, lengths = batch(10, 25, 30, seed=4)
+    logits[2, :4] = NEG_INF
+    chain = [RepetitionPenaltyLogitsProcessor(penalty)] if penalty != 1.0 else []
+    chain += [NoRepeatNGramLogitsProcessor(ngram)] if ngram else []
+    chain += [TemperatureLogitsWarper(temperature)] if temperature != 1.0 else []
+    chain += [TopKLogitsWarper(top_k)] if top_k else []
+    chain += [TopPLogitsWarper(top_p)] if top_p < 1.0 else []
+    choice = TokenChoice(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=penalty,
+                         no_repeat_ngram_size=ngram)
+    ours = choice.process(logits, sequences, lengths)
+    theirs = per_row(LogitsProcessorList(chain), logits, sequences, lengths)
+    assert same(ours, theirs)
+    assert torch.equal(ours.softmax(-1), theirs.softmax(-1))
+    # Drawn tokens always come from the filtered distribution.
+    tokens = choice.choose(logits, sequences, lengths, torch.arange(10))
+    assert torch.isfinite(theirs.gather(1, tokens[:, None])).all()
+
+
+@pytest.mark.parametrize("penalty, ngram", [(1.0, 2), (1.8, 0), (0.6, 1), (1.5, 3)])
+def test_greedy_with_penalties_is_argmax_of_transformers_scores(penalty, ngram):
+    logits, sequences, lengths = batch(32, 20, 12, seed=5)
+    chain = [RepetitionPenaltyLogitsProcessor(penalty)] if penalty != 1.0 else []
+    chain += [NoRepeatNGramLogitsProcessor(ngram)] if ngram else []
+    choice = TokenChoice(repetition_penalty=penalty, no_repeat_ngram_size=ngram)
+    assert choice.greedy and not choice.is_plain_greedy
+    tokens = choice.choose(logits, sequences, lengths, torch.arange(32))
+    expected = per_row(LogitsProcessorList(chain), logits, sequences, lengths).argmax(-1)
+    assert torch.equal(tokens, expected)
+    assert not torch.equal(tokens, logits.argmax(-1))  # the penalties changed some choices
+    # Greedy ignores the seed.
+    assert torch.equal(TokenChoice(repetition_penalty=penalty, no_repeat_ngram_size=ngram, seed=9).choose(
+        logits, sequences, lengths, torch.arange(32) + 100), tokens)
+
+
+def test_plain_greedy_is_argmax_of_raw_logits():
+    choice = TokenChoice()
+    assert choice.is_plain_greedy and not choice.needs_history
+    logits = torch.randn(7, 20, dtype=torch.bfloat16)
+    assert torch.equal(choice.choose(logits, None, torch.ones(7, dtype=torch.long), torch.arange(7)),
+                       logits.argmax(-1))
+    assert not TokenChoice(temperature=1.0).is_plain_greedy
+
+
+def test_from_params_and_validation():
+    raw = {"model": {"start_token": 1, "temperature": 0.8, "top_k": 40, "top_p": 0.95, "seed": 3,
+                     "repetition_penalty": 1.1, "no_repeat_ngram_size": 3},
+           "inference_input": {"data_dir": "d", "batch_size": 2}}
+    choice = TokenChoice.from_params(parse_params(raw).model)
+    assert choice == TokenChoice(0.8, 40, 0.95, 3, 1.1, 3)
+    for bad in ({"temperature": -1.0}, {"top_k": -1}, {"top_p": 0.0}, {"top_p": 1.5}, {"seed": -1},
+                {"repetition_penalty": 0.0}, {"no_repeat_ngram_size": -2}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            TokenChoice(**bad)
+    with pytest.raises(ValueError, match="sequences"):
+        TokenChoice(repetition_penalty=1.2).choose(torch.zeros(1, 4), None, torch.ones(1, dtype=torch.long),
+                                                   torch.zeros(1, dtype=torch.long))
+
+
+# ---- the seeded draw ----------------------------------------------------------------------------------------
+
+def test_uniforms_are_splitmix64_of_the_key():
+    """The int64 tensor hash equals the same hash in Python's exact integers (wrapping products, logical shifts)."""
+    keys = [(0, 0, 0), (0, 1, 0), (0, 0, 1), (5, 123456, 789), (2 ** 64 + 7, 2 ** 63 - 1, 2 ** 62), (1, 3, 17)]
+    for seed, index, position in keys:
+        h = splitmix64(index * 0x9E3779B97F4A7C15 + splitmix64(seed + 0x9E3779B97F4A7C15))
+        h = splitmix64(position * 0xD1B54A32D192ED03 + h)
+        u = uniforms(seed, torch.tensor([index]), torch.tensor([position]))
+        assert u.dtype == torch.float64 and float(u) == (h >> 11) / 2 ** 53
+    assert splitmix64(0x9E3779B97F4A7C15) == 0xE220A8397B1DCDAF  # splitmix64's first output from state 0
+    u = uniforms(0, torch.arange(100_000), torch.zeros(100_000, dtype=torch.long))
+    assert 0 <= float(u.min()) and float(u.max()) < 1
+
+
+def test_same_key_same_token_whatever_the_batch():
+    logits, _, lengths = batch(64, 30, 50, seed=6)
+    index = torch.randperm(10_000, generator=torch.Generator().manual_seed(0))[:64]
+    choice = TokenChoice(temperature=1.3, top_k=20, top_p=0.95, seed=11)
+    tokens = choice.choose(logits, None, lengths, index)
+    order = torch.randperm(64)
+    assert torch.equal(choice.choose(logits[order], None, lengths[order], index[order]), tokens[order])
+    split = torch.cat([choice.choose(logits[a:b], None, lengths[a:b], index[a:b])
+                       for a, b in ((0, 1), (1, 8), (8, 9), (9, 64))])
+    assert torch.equal(split, tokens)
+    # A single row alone, e.g. after a resume, draws what it drew inside the batch.
+    assert int(choice.choose(logits[40:41], None, lengths[40:41], index[40:41])) == int(tokens[40])
+
+
+def test_different_keys_give_independent_draws():
+    """Over a uniform 500-token distribution two unrelated streams agree on 1/500 of rows (sd 0.001 over 2000
+    rows); 1% agreement (8 sd) would mean the streams are related."""
+    n, vocab = 2000, 500
+    logits = torch.zeros(vocab)
+    index, length = torch.arange(n), torch.full((n,), 10)
+
+    def tokens(seed=0, shift_index=0, shift_length=0):
+        return sample(TokenChoice(temperature=1.0, seed=seed), logits, index + shift_index, length + shift_length)
+
+    base = tokens()
+    related = {"seed": tokens(seed=1), "sample index": tokens(shift_index=n), "step": tokens(shift_length=1),
+               "seed vs shifted index": tokens(seed=1, shift_index=1),
+               "index vs step": tokens(shift_index=1, shift_length=-1), "seed 2**40": tokens(seed=2 ** 40)}
+    assert len(set(base.tolist())) > 450  # 500 (1 - e^-4) = 491 distinct expected
+    for name, other in related.items():
+        assert (other == base).double().mean() < 0.01, name
+    assert torch.equal(tokens(), base)
+
+
+@pytest.mark.parametrize("axis", ["sample index", "step"])
+def test_empirical_distribution_matches_probabilities(axis):
+    """20,000 draws over 5 tokens: chi-square (4 degrees of freedom) with a p-value above 1e-4, and every
+    frequency within 5 standard deviations (sqrt(p (1 - p) / n) <= 0.0035) of its probability."""
+    n = 20_000
+    keys = torch.arange(n)
+    index, length = (keys, torch.full((n,), 7)) if axis == "sample index" else (torch.full((n,), 3), keys)
+    for seed in (0, 12345):
+        tokens = sample(TokenChoice(temperature=1.0, seed=seed), PROBS.log(), index, length)
+        assert chi_square_sf_df4(chi_square(tokens, PROBS)) > 1e-4
+        freq = torch.bincount(tokens, minlength=5).double() / n
+        assert ((freq - PROBS).abs() <= 5 * (PROBS * (1 - PROBS) / n).sqrt()).all()
+
+
+def test_filtered_tokens_are_never_drawn():
+    n = 20_000
+    index, length = torch.arange(n), torch.full((n,), 5)
+    logits = PROBS.log()
+    # top_k 2 keeps tokens 0 and 1, in ratio 2:1; top_p 0.6 keeps the same two (0.5 < 0.6 <= 0.75).
+    for choice in (TokenChoice(temperature=1.0, top_k=2), TokenChoice(temperature=1.0, top_p=0.6)):
+        tokens = sample(choice, logits, index, length)
+        assert set(tokens.tolist()) == {0, 1}
+        assert abs(float((tokens == 0).double().mean()) - 2 / 3) < 5 * math.sqrt(2 / 9 / n)
+    # -inf logits, first and last included.
+    gapped = torch.tensor([NEG_INF, 0.0, NEG_INF, 1.0, NEG_INF])
+    assert set(sample(TokenChoice(temperature=2.0), gapped, index, length).tolist()) == {1, 3}
+
+
+def test_draw_at_the_extremes_of_u():
+    probs = torch.tensor([[0.0, 0.0, 0.25, 0.0, 0.75, 0.0, 0.0]] * 4)  # exact in binary: the cut is at u = 0.25
+    u = torch.tensor([0.0, 0.25 - 2 ** -53, 0.25, 1 - 2 ** -53], dtype=torch.float64)
+    assert draw(probs, u).tolist() == [2, 2, 4, 4]
+    # Weights need not be normalised, and float32 rounding of the total is harmless.
+    assert draw(probs * 3, u).tolist() == [2, 2, 4, 4]
+    one = torch.tensor([[0.0, 0.0, 1e-30, 0.0]] * 2)
+    assert draw(one, torch.tensor([0.0, 1 - 2 ** -53], dtype=torch.float64)).tolist() == [2, 2]
+    # Nothing to draw from (softmax of all -inf is NaN): token 0.
+    empty = torch.tensor([[0.0, 0.0, 0.0], [float("nan")] * 3])
+    assert draw(empty, torch.tensor([0.5, 0.5], dtype=torch.float64)).tolist() == [0, 0]
+
+
+# ---- edge cases ---------------------------------------------------------------------------------------------
+
+def test_top_k_above_vocab_and_top_p_one_change_nothing():
+    logits, _, lengths = batch(8, 3, 10, seed=8)
+    index = torch.arange(8)
+    plain = TokenChoice(temperature=0.9, seed=2)
+    for choice in (TokenChoice(temperature=0.9, seed=2, top_k=1000), TokenChoice(temperature=0.9, seed=2, top_p=1.0)):
+        assert same(choice.process(logits, None, lengths), plain.process(logits, None, lengths))
+        assert torch.equal(choice.choose(logits, None, lengths, index), plain.choose(logits, None, lengths, index))
+
+
+def test_very_small_temperature_is_argmax():
+    logits, _, lengths = batch(50, 3, 40, seed=9)
+    index = torch.arange(50)
+    assert same(apply_temperature(logits, 1e-6), TemperatureLogitsWarper(1e-6)(None, logits.clone()))
+    for temperature in (1e-6, 1e-38):  # 1e-38 overflows logits / T to inf: rows are shifted by their max first
+        tokens = TokenChoice(temperature=temperature).choose(logits, None, lengths, index)
+        assert torch.equal(tokens, logits.argmax(-1)), temperature
+    assert not torch.isnan(apply_temperature(logits, 1e-38).softmax(-1)).any()
+
+
+def test_all_equal_logits():
+    n = 20_000
+    flat = torch.zeros(4)
+    tokens = sample(TokenChoice(temperature=1.0), flat, torch.arange(n), torch.full((n,), 2))
+    freq = torch.bincount(tokens, minlength=4).double() / n
+    assert ((freq - 0.25).abs() <= 5 * math.sqrt(0.25 * 0.75 / n)).all()  # 5 standard deviations
+    assert int(TokenChoice().choose(flat[None], None, torch.ones(1, dtype=torch.long), torch.zeros(1).long())) == 0
+    # Ties at the top-k cut all stay, as in transformers; at the top-p cut as many stay as in transformers,
+    # the highest ids (stable order).
+    equal = torch.zeros(3, 40)
+    equal[1, 30:] = -1.0  # a tied block, and lower scores
+    assert same(keep_top_k(equal, 3), TopKLogitsWarper(3)(None, equal.clone()))
+    assert torch.isfinite(keep_top_k(equal, 3)).sum(-1).tolist() == [40, 30, 40]
+    ours = keep_top_p(equal, 0.5)
+    theirs = TopPLogitsWarper(0.5)(None, equal.clone())
+    assert torch.isfinite(ours).sum(-1).tolist() == torch.isfinite(theirs).sum(-1).tolist()
+    assert torch.isfinite(ours[0]).nonzero().flatten().tolist() == list(range(20, 40))
+
+
+def test_every_token_banned_falls_back_to_argmax():
+    # n = 1 bans every token already in the row; here that is the whole vocabulary.
+    sequences = torch.tensor([[0, 1, 2, 0], [2, 2, 2, 2]])
+    lengths = torch.tensor([3, 4])
+    logits = torch.tensor([[0.0, 5.0, 1.0], [0.0, 5.0, 1.0]])
+    for temperature in (0.0, 1.0):
+        choice = TokenChoice(temperature=temperature, no_repeat_ngram_size=1)
+        tokens = choice.choose(logits, sequences, lengths, torch.arange(2))
+        assert tokens[0] == 0  # all banned: argmax of all -inf, as transformers' greedy search
+        assert tokens[1] != 2  # 2 is banned
+    assert TokenChoice(no_repeat_ngram_size=1).choose(logits, sequences, lengths, torch.arange(2)).tolist() == [0, 1]
+
+
+def test_half_precision_logits():
+    logits, sequences, lengths = batch(6, 10, 16, seed=10)
+    choice = TokenChoice(temperature=0.8, top_p=0.9, repetition_penalty=1.3, no_repeat_ngram_size=2, seed=4)
+    for dtype in (torch.bfloat16, torch.float16):
+        low = logits.to(dtype)
+        tokens = choice.choose(low, sequences, lengths, torch.arange(6))
+        assert tokens.dtype == torch.long
+        assert torch.equal(tokens, choice.choose(low.float(), sequences, lengths, torch.arange(6)))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_draws_what_cpu_draws():
+    logits, sequences, lengths = batch(256, 40, 300, seed=11)
+    index = torch.arange(256) * 7919
+    choice = TokenChoice(temperature=0.9, top_k=50, top_p=0.9, repetition_penalty=1.2, no_repeat_ngram_size=3, seed=5)
+    cuda = torch.device("cuda")
+    assert torch.equal(uniforms(5, index.to(cuda), lengths.to(cuda)).cpu(), uniforms(5, index, lengths))
+    on_gpu = choice.choose(logits.to(cuda), sequences.to(cuda), lengths.to(cuda), index.to(cuda)).cpu()
+    assert torch.equal(on_gpu, choice.choose(logits, sequences, lengths, index))
