@@ -151,26 +151,28 @@ def zoo_generated(model_dir: Path, num_prompts: int) -> list[list[int] | None]:
     return out
 
 
-def run_zoo(args: argparse.Namespace, prep: Prepared, out: Path, dtype: str, threads: int) -> tuple[dict, list | None]:
-    """zoo-infer's run_inference.py in `dtype`; tokens/s from its summary.json."""
+def run_zoo(args: argparse.Namespace, prep: Prepared, out: Path, dtype: str, threads: int, variant: str = "",
+            model_keys: dict[str, Any] | None = None, batch_size: int | None = None) -> tuple[dict, list | None]:
+    """zoo-infer's run_inference.py in `dtype` (plus `model_keys`, named `variant`); tokens/s from its summary.json."""
     params = {
         "model": {"checkpoint_path": str(Path(args.model).resolve()), "dtype": dtype,
                   "start_token": prep.start_token, "stop_sequences": [[prep.eos_id]],
-                  "max_tokens": args.max_tokens, "loop_dim": 1},
+                  "max_tokens": args.max_tokens, "loop_dim": 1, **(model_keys or {})},
         "inference_input": {"data_processor": "GptHDF5MapDataProcessor", "data_dir": str(prep.data_dir.resolve()),
-                            "batch_size": args.batch_size},
+                            "batch_size": batch_size or args.batch_size},
         "runconfig": {"device": "cpu", "num_threads": threads, "log_steps": 10},
     }
-    params_path = out / f"params_{dtype}.yaml"
+    name = f"{dtype}{'_' + variant if variant else ''}"
+    params_path = out / f"params_{name}.yaml"
     params_path.write_text(yaml.safe_dump(params, sort_keys=False))
-    model_dir = out / f"zoo_{dtype}"
+    model_dir = out / f"zoo_{name}"
     command = [sys.executable, str(REPO_ROOT / "run_inference.py"), "--params", str(params_path),
                "--model_dir", str(model_dir), "--overwrite"]
-    measured = run_measured(command, out / "logs" / f"zoo-infer_{dtype}.log", args.timeout)
+    log_path = out / "logs" / f"zoo-infer_{name}.log"
+    measured = run_measured(command, log_path, args.timeout)
     summary_path = model_dir / "artifacts" / "summary.json"
     if measured.returncode != 0 or not summary_path.is_file():
-        return result_row("zoo-infer", dtype, status=f"failed (exit {measured.returncode})",
-                          note=f"see {out / 'logs' / f'zoo-infer_{dtype}.log'}",
+        return result_row("zoo-infer", dtype, status=f"failed (exit {measured.returncode})", note=f"see {log_path}",
                           process_seconds=measured.process_seconds, peak_rss_mib=measured.peak_rss_mib), None
     summary = json.loads(summary_path.read_text())
     tokens = zoo_generated(model_dir, len(prep.token_ids))
