@@ -28,6 +28,7 @@ from modelzoo.generation.speculative import DraftModelDrafter, Drafter, PromptLo
 from modelzoo.manifest import build_manifest, check_manifest, write_manifest
 from modelzoo.models.packed_linear import pack_linear_layers, packing_available
 from modelzoo.params import InferenceParams
+from modelzoo.precision import arithmetic_dtype
 from modelzoo.predictions import is_complete, predictions_path, temp_files, write_predictions
 from modelzoo.preemption import StopRequest
 from modelzoo.reporting import (Progress, RunStats, log_totals, read_shard_stats, shard_stats_path, summary_of,
@@ -108,7 +109,8 @@ class InferenceJob:
         self.data = GptHDF5MapDataProcessor(params.inference_input.data_dir, params.inference_input.batch_size,
                                             model.loop_dim, self.pad_token)
         hf_config = load_hf_config(model.checkpoint_path)
-        self.dtype = resolve_dtype(model.dtype, hf_config)
+        self.weights_dtype = resolve_dtype(model.dtype, hf_config)  # the values the weights keep
+        self.dtype = arithmetic_dtype(self.weights_dtype, self.device)  # what the arithmetic and KV cache use
         self.vocab_size = int(hf_config.vocab_size)
         self._check_data_against_model()
         self.stats = RunStats()
@@ -141,6 +143,21 @@ class InferenceJob:
                                self.data.max_seq_len, c.head_dim, self.dtype)
         return weights, cache
 
+    def _load(self, checkpoint: str) -> torch.nn.Module:
+        """A checkpoint's model, its weights rounded to the weights' dtype, computing in self.dtype."""
+        model, _ = load_model(checkpoint, self.weights_dtype, self.device)
+        if self.dtype != self.weights_dtype:
+            name = str(self.weights_dtype).replace("torch.", "")
+            log.info("this CPU has no native %s matrix multiplies: weights keep their %s values, arithmetic and "
+                     "KV cache are float32 (faster here; see modelzoo/precision.py)", name, name)
+            model = model.to(self.dtype)
+        return model
+
+    def _dtype_name(self) -> str:
+        """bfloat16, or 'bfloat16 weights, float32 arithmetic' where they differ."""
+        weights, arithmetic = (str(d).replace("torch.", "") for d in (self.weights_dtype, self.dtype))
+        return weights if weights == arithmetic else f"{weights} weights, {arithmetic} arithmetic"
+
     def _drafter(self) -> Drafter | None:
         """The speculative-decoding drafter of `model.speculative`, if any (loads the draft model)."""
         spec = self.params.model.speculative
@@ -151,7 +168,7 @@ class InferenceJob:
             log.info("speculative decoding: prompt lookup, %d tokens per step, n-grams up to %d", spec.num_tokens,
                      spec.max_ngram)
             return PromptLookupDrafter(spec.num_tokens, spec.max_ngram)
-        draft, _ = load_model(spec.checkpoint_path, self.dtype, self.device)
+        draft = self._load(spec.checkpoint_path)
         if draft.config.vocab_size != self.vocab_size:
             log.warning("the draft model's vocabulary has %d entries, the model's %d: fine if they share a tokenizer "
                         "and differ only in padding, useless otherwise", draft.config.vocab_size, self.vocab_size)
@@ -168,9 +185,9 @@ class InferenceJob:
             write_text_atomic(self.artifacts / "params_inference.yaml",
                               yaml.safe_dump(self.params.to_dict(), sort_keys=False))
         load_start = time.perf_counter()
-        model, _ = load_model(self.params.model.checkpoint_path, self.dtype, self.device)
+        model = self._load(self.params.model.checkpoint_path)
         log.info("loaded %s (%s, %s) on %s in %.1fs", self.params.model.checkpoint_path, type(model).__name__,
-                 str(self.dtype).replace("torch.", ""), self.device, time.perf_counter() - load_start)
+                 self._dtype_name(), self.device, time.perf_counter() - load_start)
         weights, cache = self.memory_estimate(model)
         free = available_memory(self.device)
         log.info("memory: weights %.2f GiB + KV cache %.2f GiB (batch_size %d x max_seq_len %d); %.2f GiB available",
@@ -329,7 +346,7 @@ class InferenceJob:
     def _finish(self) -> None:
         """Logs the totals and writes artifacts/summary.json (per shard too when there are several)."""
         log_totals(self.stats)
-        device, dtype = str(self.device), str(self.dtype).replace("torch.", "")
+        device, dtype = str(self.device), self._dtype_name()
         if self.shard.count == 1:
             write_json(self.artifacts / "summary.json", summary_of([self.stats], device, dtype, 1))
             return
