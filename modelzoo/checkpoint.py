@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from modelzoo.errors import UserError
 from modelzoo.models import model_class
+
+if TYPE_CHECKING:
+    from modelzoo.tensor_parallel import TensorParallelGroup
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -80,8 +84,17 @@ def weight_files(folder: Path) -> list[Path]:
     raise UserError(f"checkpoint folder {folder} has no model.safetensors, pytorch_model.bin or shard index")
 
 
-def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every weight in the files, one shard in memory at a time."""
+# What `select` may answer for a weight that this process does not hold at all (tensor parallel).
+SKIP = "skip"
+Select = Callable[[str], Any]  # weight name -> None (all of it), a tuple of slices (that part), or SKIP
+
+
+def iter_tensors(files: list[Path], select: Select | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every weight in the files, one shard in memory at a time.
+
+    `select(name)` narrows what is read: a tensor-parallel rank takes only its rows or columns
+    (safetensors reads just those bytes; a .bin file is loaded whole and sliced), or skips a weight.
+    """
     for file in files:
         try:
             if file.suffix == ".safetensors":
@@ -89,9 +102,18 @@ def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
                 with safe_open(str(file), framework="pt") as shard:
                     for name in shard.keys():
-                        yield name, shard.get_tensor(name)
+                        index = select(name) if select else None
+                        if index is None:
+                            yield name, shard.get_tensor(name)
+                        elif index != SKIP:
+                            yield name, shard.get_slice(name)[index]
             else:
-                yield from torch.load(file, map_location="cpu", weights_only=True).items()
+                for name, tensor in torch.load(file, map_location="cpu", weights_only=True).items():
+                    index = select(name) if select else None
+                    if index is None:
+                        yield name, tensor
+                    elif index != SKIP:
+                        yield name, tensor[index].clone()  # a copy: the whole tensor can be freed
         except UserError:
             raise
         except Exception as exc:  # corrupt or truncated file: name it
@@ -102,18 +124,29 @@ def _listed(names: list[str]) -> str:
     return ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
 
 
-def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> tuple[nn.Module, Any]:
+def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
+               tensor_parallel: TensorParallelGroup | None = None) -> tuple[nn.Module, Any]:
     """Builds our implementation of the checkpoint's family and fills it with the checkpoint's weights.
 
     Weights load by Hugging Face name. A family may fuse several HF weights into one of its own
     (`fused_weights()`: ours -> the HF names concatenated along dim 0); errors still name HF weights.
+    With `tensor_parallel` of size N > 1 the model is built at one rank's size and each weight is
+    read only in the part this rank holds (modelzoo/tensor_parallel.py), fused weights included.
     """
     folder = Path(path)
     hf_config = load_hf_config(folder)
     cls = model_class(hf_config)
     config = cls.config_from_hf(hf_config)
+    plan = None
+    if tensor_parallel is not None and tensor_parallel.size > 1:
+        from modelzoo.tensor_parallel import shard_plan
+
+        plan = shard_plan(cls, hf_config, config, tensor_parallel)
+        config = plan.config
     with torch.device("meta"):
         model = cls(config)  # no memory, no random init: every weight comes from the checkpoint
+        if plan is not None:
+            plan.prepare(model)
     expected = dict(model.state_dict())
     fused = {k: v for k, v in getattr(model, "fused_weights", dict)().items() if k in expected}
     part_of = {source: (target, i) for target, sources in fused.items() for i, source in enumerate(sources)}
@@ -125,15 +158,18 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> tu
     pieces: dict[str, dict[int, torch.Tensor]] = {}  # fused weights still waiting for some parts
     unexpected: list[str] = []
 
+    def canonical(name: str) -> str:
+        return name if name in known else next((p + name for p in prefixes if p + name in known), name)
+
     def place(name: str, tensor: torch.Tensor, what: str) -> None:
         if tuple(tensor.shape) != tuple(expected[name].shape):
             raise UserError(f"weight {what} has shape {tuple(tensor.shape)} in the checkpoint but the config "
                             f"implies {tuple(expected[name].shape)}")
         loaded[name] = tensor
 
-    for name, tensor in iter_tensors(weight_files(folder)):
-        if name not in known:
-            name = next((p + name for p in prefixes if p + name in known), name)
+    select = (lambda name: plan.index(canonical(name))) if plan is not None else None
+    for name, tensor in iter_tensors(weight_files(folder), select):
+        name = canonical(name)
         tensor = tensor.to(device=device, dtype=dtype)  # cast tensor by tensor: peak memory stays low
         if name in part_of:
             target, index = part_of[name]

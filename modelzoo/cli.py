@@ -50,8 +50,13 @@ def main(argv: list[str] | None = None) -> int:
         # torch imports only after the cheap argument checks have had their say
         from modelzoo.distributed import detect_shard
         from modelzoo.runner import InferenceJob
+        from modelzoo.tensor_parallel import check_tensor_parallel
 
-        shard = detect_shard(args.num_shards, args.shard_index)
+        tensor_parallel = params.runconfig.tensor_parallel
+        check_tensor_parallel(params.model.checkpoint_path, tensor_parallel)  # before any process group opens
+        shard = detect_shard(args.num_shards, args.shard_index, tensor_parallel)
+        if not shard.writes:  # tensor parallel: the group's rank 0 speaks for it
+            logging.getLogger("zoo-infer").setLevel(logging.WARNING)
         stats = InferenceJob(params, args.model_dir, shard, overwrite=args.overwrite).run()
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)

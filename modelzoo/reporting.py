@@ -116,11 +116,12 @@ def log_totals(stats: RunStats) -> None:
 class Progress:
     """tqdm on a terminal; in a log file (a batch job), one line every `log_steps` written steps."""
 
-    def __init__(self, total_steps: int, log_steps: int) -> None:
+    def __init__(self, total_steps: int, log_steps: int, show: bool = True) -> None:
         self.total, self.log_steps, self.done = total_steps, log_steps, 0
         self.start = time.perf_counter()
         self.bar = None
-        if sys.stderr.isatty():
+        self.show = show  # False: count silently (tensor-parallel ranks other than 0)
+        if show and sys.stderr.isatty():
             from tqdm import tqdm
 
             self.bar = tqdm(total=total_steps, unit="step", desc="inference")
@@ -131,7 +132,7 @@ class Progress:
         if self.bar is not None:
             self.bar.update(1)
             return
-        if self.done % self.log_steps == 0 or self.done == self.total:
+        if self.show and (self.done % self.log_steps == 0 or self.done == self.total):
             elapsed = max(time.perf_counter() - self.start, 1e-9)
             eta = elapsed / self.done * (self.total - self.done)
             log.info("step %d: %d/%d steps written, %.2f samples/s, %.1f generated tokens/s, ETA %.0fs", step,

@@ -1,7 +1,8 @@
 """The inference job: data -> generation engine -> predictions files.
 
 It owns the steps of its shard, skips those already on disk (same manifest), stops cleanly on a
-preemption signal, and reports progress and a summary.
+preemption signal, and reports progress and a summary. Under tensor parallel every rank of a group
+runs this same job in lockstep; only the group's rank 0 writes files and logs.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from modelzoo.predictions import is_complete, predictions_path, temp_files, writ
 from modelzoo.preemption import StopRequest
 from modelzoo.reporting import (Progress, RunStats, log_totals, read_shard_stats, shard_stats_path, summary_of,
                                 write_json)
+from modelzoo.tensor_parallel import AgreedStop, TensorParallelGroup, open_group
 
 log = logging.getLogger("zoo-infer")
 
@@ -97,10 +99,14 @@ class InferenceJob:
         if not model.checkpoint_path:
             raise UserError("no checkpoint: set model.checkpoint_path in params or pass --checkpoint_path")
         unsupported = [key for key, on in [
-            ("model.weight_dtype", model.weight_dtype), ("runconfig.tensor_parallel", params.runconfig.tensor_parallel > 1)]
-            if on]
+            ("model.weight_dtype", model.weight_dtype)] if on]
         if unsupported:
             raise UserError(f"{', '.join(unsupported)}: not implemented yet in this version")
+        if params.runconfig.tensor_parallel != shard.tp_size:
+            raise UserError(f"runconfig.tensor_parallel is {params.runconfig.tensor_parallel} but this process is one "
+                            f"of {shard.tp_size} tensor-parallel ranks; launch with torchrun "
+                            f"--nproc_per_node={params.runconfig.tensor_parallel} run_inference.py ...")
+        self.writes = shard.writes  # tensor parallel: only rank 0 of the group writes files
         self.start_tokens = np.array(model.start_token, dtype=np.int64)
         self.pad_token = int(model.start_token[0])
         self.device = resolve_device(params.runconfig.device)
@@ -137,15 +143,17 @@ class InferenceJob:
 
     def memory_estimate(self, model: torch.nn.Module) -> tuple[int, int]:
         """(weight bytes, KV cache bytes) for batch_size x max_seq_len."""
-        weights = sum(t.numel() * t.element_size() for t in {id(t): t for t in model.state_dict().values()}.values())
+        tensors = {id(t): t for t in model.state_dict(keep_vars=True).values()}  # a tied weight: one Parameter, once
+        weights = sum(t.numel() * t.element_size() for t in tensors.values())
         c = model.config
         cache = KVCache.nbytes(c.num_layers, self.params.inference_input.batch_size, c.num_kv_heads,
                                self.data.max_seq_len, c.head_dim, self.dtype)
         return weights, cache
 
-    def _load(self, checkpoint: str) -> torch.nn.Module:
-        """A checkpoint's model, its weights rounded to the weights' dtype, computing in self.dtype."""
-        model, _ = load_model(checkpoint, self.weights_dtype, self.device)
+    def _load(self, checkpoint: str, tensor_parallel: TensorParallelGroup | None = None) -> torch.nn.Module:
+        """A checkpoint's model (this rank's share of it under tensor parallel), its weights rounded to the
+        weights' dtype, computing in self.dtype. A draft model is whole on every rank."""
+        model, _ = load_model(checkpoint, self.weights_dtype, self.device, tensor_parallel)
         if self.dtype != self.weights_dtype:
             name = str(self.weights_dtype).replace("torch.", "")
             log.info("this CPU has no native %s matrix multiplies: weights keep their %s values, arithmetic and "
@@ -181,17 +189,24 @@ class InferenceJob:
         """Validates, loads, then either checks one forward pass (compile_only) or writes this shard's steps."""
         steps = [step for step in self.steps() if self.shard.owns(step)]
         self.artifacts.mkdir(parents=True, exist_ok=True)
-        if self.shard.is_first:
+        if self.shard.is_first and self.writes:
             write_text_atomic(self.artifacts / "params_inference.yaml",
                               yaml.safe_dump(self.params.to_dict(), sort_keys=False))
+        self.tp: TensorParallelGroup = open_group(self.shard, self.device)
         load_start = time.perf_counter()
-        model = self._load(self.params.model.checkpoint_path)
+        model = self._load(self.params.model.checkpoint_path, self.tp)
         log.info("loaded %s (%s, %s) on %s in %.1fs", self.params.model.checkpoint_path, type(model).__name__,
                  self._dtype_name(), self.device, time.perf_counter() - load_start)
         weights, cache = self.memory_estimate(model)
         free = available_memory(self.device)
         log.info("memory: weights %.2f GiB + KV cache %.2f GiB (batch_size %d x max_seq_len %d); %.2f GiB available",
                  weights / 2**30, cache / 2**30, self.params.inference_input.batch_size, self.data.max_seq_len, free / 2**30)
+        if self.tp.size > 1:
+            c, n = model.config, self.tp.size  # the config of one rank's share
+            log.info("tensor parallel %d: each rank holds %d of %d query heads, %d of %d kv heads, %d of %d MLP columns "
+                     "and 1/%d of the vocabulary rows: this rank %.1f MiB of weights, %.1f MiB of KV cache", n,
+                     c.num_heads, c.num_heads * n, c.num_kv_heads, c.num_kv_heads * n, c.intermediate_size,
+                     c.intermediate_size * n, n, weights / 2**20, cache / 2**20)
         if cache > free:
             raise UserError(f"the KV cache needs {cache / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB is available on "
                             f"{self.device}; lower inference_input.batch_size or the data's max_seq_len")
@@ -206,10 +221,13 @@ class InferenceJob:
             return self.stats
         self.predictions_dir.mkdir(parents=True, exist_ok=True)
         todo = self._resume(steps)
+        if self.tp.size > 1:  # the group runs the same steps: its rank 0 decided which
+            todo = self.tp.first_ranks_choice(todo, steps)
         log.info("%d samples, %d steps of %d rows (shard %d of %d: %d steps, %d to do), max_seq_len %d; writing to %s",
                  self.data.num_samples, self.data.num_steps, self.params.inference_input.batch_size, self.shard.index,
                  self.shard.count, len(steps), len(todo), self.data.max_seq_len, self.predictions_dir)
-        with StopRequest() as stop:
+        with StopRequest() as request:
+            stop = AgreedStop(request, self.tp) if self.tp.size > 1 else request
             self._generate(engine, todo, stop)
         remaining = [step for step in todo if step not in self.written]
         self.stats.batches_remaining = len(remaining)
@@ -225,13 +243,17 @@ class InferenceJob:
         return min(batch_size, self.data.num_samples - (step - 1) * batch_size)
 
     def _resume(self, steps: list[int]) -> list[int]:
-        """The steps still to do: checks (or writes) the manifest, keeps complete files, clears the rest."""
+        """The steps still to do: checks (or writes) the manifest, keeps complete files, clears the rest.
+
+        Tensor-parallel ranks other than 0 only check (and so fail with the same errors): they write nothing.
+        """
         manifest = build_manifest(self.params, self.data.files)
         if self.overwrite:
-            for step in steps:
-                for path in [predictions_path(self.predictions_dir, step), *temp_files(self.predictions_dir, step)]:
-                    path.unlink(missing_ok=True)
-            write_manifest(self.artifacts, manifest)
+            if self.writes:
+                for step in steps:
+                    for path in [predictions_path(self.predictions_dir, step), *temp_files(self.predictions_dir, step)]:
+                        path.unlink(missing_ok=True)
+                write_manifest(self.artifacts, manifest)
             return steps
         # Every shard writes the manifest when it is missing, before its first file: the content
         # depends only on the inputs, so shards starting together write the same bytes.
@@ -239,17 +261,19 @@ class InferenceJob:
             if any(self.predictions_dir.glob("predictions_*.npz")):
                 raise UserError(f"{self.predictions_dir} holds predictions but no manifest.json, so they cannot be "
                                 "checked against this run's inputs; use another --model_dir, or --overwrite")
-            write_manifest(self.artifacts, manifest)
+            if self.writes:
+                write_manifest(self.artifacts, manifest)
         todo = []
         for step in steps:
             if is_complete(self.predictions_dir, step, self.shape):
                 self.stats.batches_skipped += 1
                 self.stats.samples_skipped += self._real_samples(step)
                 continue
-            if predictions_path(self.predictions_dir, step).exists():
-                log.warning("predictions_%d.npz is damaged or of another shape: redoing it", step)
-            for path in [predictions_path(self.predictions_dir, step), *temp_files(self.predictions_dir, step)]:
-                path.unlink(missing_ok=True)
+            if self.writes:
+                if predictions_path(self.predictions_dir, step).exists():
+                    log.warning("predictions_%d.npz is damaged or of another shape: redoing it", step)
+                for path in [predictions_path(self.predictions_dir, step), *temp_files(self.predictions_dir, step)]:
+                    path.unlink(missing_ok=True)
             todo.append(step)
         if self.stats.batches_skipped:
             log.info("resuming: %d of this shard's %d steps are already on disk and skipped", self.stats.batches_skipped,
@@ -303,7 +327,7 @@ class InferenceJob:
         """Feeds the engine batch by batch and writes each step's file as soon as its rows are all done."""
         batch_size = self.params.inference_input.batch_size
         pending: dict[int, StepAssembly] = {}
-        progress = Progress(len(steps), self.params.runconfig.log_steps)
+        progress = Progress(len(steps), self.params.runconfig.log_steps, show=self.writes)
 
         def requests() -> Iterator[Request]:
             for batch in self.data.batches(steps):
@@ -331,8 +355,9 @@ class InferenceJob:
         progress.close()
 
     def _write(self, step: int, assembly: StepAssembly, progress: Progress, engine: GenerationEngine) -> None:
-        """Writes one complete step and counts it."""
-        write_predictions(self.predictions_dir, step, assembly.arrays(self.params.model.loop_dim))
+        """Writes one complete step (rank 0 of a tensor-parallel group) and counts it (every rank)."""
+        if self.writes:
+            write_predictions(self.predictions_dir, step, assembly.arrays(self.params.model.loop_dim))
         real = assembly.sample_index >= 0
         self.written.add(step)
         self.stats.batches_done += 1
@@ -348,12 +373,14 @@ class InferenceJob:
         log_totals(self.stats)
         device, dtype = str(self.device), self._dtype_name()
         if self.shard.count == 1:
-            write_json(self.artifacts / "summary.json", summary_of([self.stats], device, dtype, 1))
+            if self.writes:
+                write_json(self.artifacts / "summary.json", summary_of([self.stats], device, dtype, 1))
             return
-        write_json(shard_stats_path(self.artifacts, self.shard.index), asdict(self.stats))
+        if self.writes:
+            write_json(shard_stats_path(self.artifacts, self.shard.index), asdict(self.stats))
         if self.stats.interrupted_by is None:
             self.shard.barrier()  # torchrun: rank 0 sums every rank's stats once all are written
-        if self.shard.is_first:
+        if self.shard.is_first and self.writes:
             stats = read_shard_stats(self.artifacts, self.shard.count)
             write_json(self.artifacts / "summary.json", summary_of(stats, device, dtype, self.shard.count))
 

