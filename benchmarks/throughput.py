@@ -223,7 +223,7 @@ def run_child(engine: str, script: Path, args: argparse.Namespace, prep: Prepare
 def python_imports(python: str, module: str, timeout_s: float = 300) -> str | None:
     """Why `python -c 'import module'` fails (its last error line), or None when it works."""
     try:
-        proc = subprocess.run([python, "-c", f"import {module}"], capture_output=True, text=True,
+        proc = subprocess.run([python, "-c", f"import {module}"], capture_output=True, text=True, check=False,
                               timeout=timeout_s, cwd=REPO_ROOT)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"cannot run {python} ({exc})"
