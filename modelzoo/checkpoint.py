@@ -6,16 +6,19 @@ unexpected weight is named in the error.
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
 from modelzoo.errors import UserError
 from modelzoo.models import model_class
+from modelzoo.quantization import quantize_modules, quantize_rows, scale_name
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -80,11 +83,46 @@ def weight_files(folder: Path) -> list[Path]:
     raise UserError(f"checkpoint folder {folder} has no model.safetensors, pytorch_model.bin or shard index")
 
 
-def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every weight in the files, one shard in memory at a time."""
+# safetensors dtype names -> torch dtypes
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool}
+
+
+def read_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of a .safetensors file, each read with plain file reads into its own memory.
+
+    The format: an 8-byte little-endian header size, a JSON header {name: {dtype, shape, data_offsets
+    [begin, end) counted from the end of the header}}, then the data.
+    """
+    with open(file, "rb") as handle:
+        size = int.from_bytes(handle.read(8), "little")
+        header = json.loads(handle.read(size))
+        header.pop("__metadata__", None)
+        for name, info in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):  # file order
+            begin, end = info["data_offsets"]
+            dtype = SAFETENSORS_DTYPES[info["dtype"]]
+            data = bytearray(end - begin)
+            handle.seek(8 + size + begin)
+            if handle.readinto(data) != len(data):
+                raise ValueError(f"the file ends inside {name}")
+            tensor = torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
+            yield name, tensor.reshape(info["shape"])
+
+
+def iter_tensors(files: list[Path], mapped: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every weight in the files, one shard in memory at a time.
+
+    mapped: safetensors tensors view a memory map of the file (safe_open), used where they lie.
+    Every page read stays resident in this process while the file is mapped, so a loader that
+    converts each weight and drops it (int8) passes mapped=False: each tensor is read into its own
+    memory, freed as soon as the loader lets it go.
+    """
     for file in files:
         try:
-            if file.suffix == ".safetensors":
+            if file.suffix == ".safetensors" and not mapped:
+                yield from read_safetensors(file)
+            elif file.suffix == ".safetensors":
                 from safetensors import safe_open
 
                 with safe_open(str(file), framework="pt") as shard:
@@ -98,23 +136,47 @@ def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
             raise UserError(f"cannot read weights from {file}: {exc}".splitlines()[0]) from exc
 
 
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    libc = ctypes.CDLL(None)  # the C library this process already uses
+    return getattr(libc, "malloc_trim", None)  # glibc only
+
+
+def release_freed_memory() -> None:
+    """Asks the C allocator to give freed memory back to the system (glibc's malloc_trim; a no-op
+    elsewhere). Loading int8 weights frees one full-precision tensor per weight, and malloc keeps
+    much of that memory between the int8 tensors allocated meanwhile. Measured loading SmolLM2-135M
+    in a process at 220 MiB: peak RSS 598 MiB without this, 478 MiB with it (float32: 871 MiB)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
 def _listed(names: list[str]) -> str:
     return ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
 
 
-def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> tuple[nn.Module, Any]:
+def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
+               weight_dtype: str | None = None) -> tuple[nn.Module, Any]:
     """Builds our implementation of the checkpoint's family and fills it with the checkpoint's weights.
 
     Weights load by Hugging Face name. A family may fuse several HF weights into one of its own
     (`fused_weights()`: ours -> the HF names concatenated along dim 0); errors still name HF weights.
+    weight_dtype "int8": the linear layers and the token embedding are swapped for int8 ones before
+    loading (modelzoo/quantization.py) and each of their weights is quantized as soon as it (or its
+    fused concatenation) is complete, so at most one of them is ever held in full precision.
     """
+    if weight_dtype not in (None, "int8"):
+        raise ValueError(f"weight_dtype must be None or 'int8', got {weight_dtype!r}")
     folder = Path(path)
     hf_config = load_hf_config(folder)
     cls = model_class(hf_config)
     config = cls.config_from_hf(hf_config)
     with torch.device("meta"):
         model = cls(config)  # no memory, no random init: every weight comes from the checkpoint
-    expected = dict(model.state_dict())
+    expected = dict(model.state_dict())  # names and full-precision shapes, as the checkpoint stores them
+    # int8 weight name -> stored transposed (Conv1D); the model now expects int8 weights and their scales
+    quantized = quantize_modules(model, dtype) if weight_dtype == "int8" else {}
     fused = {k: v for k, v in getattr(model, "fused_weights", dict)().items() if k in expected}
     part_of = {source: (target, i) for target, sources in fused.items() for i, source in enumerate(sources)}
     # Checkpoints saved from a base model (GPT-2's `h.0...`, OPT's `decoder...`) lack the prefix
@@ -129,18 +191,24 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> tu
         if tuple(tensor.shape) != tuple(expected[name].shape):
             raise UserError(f"weight {what} has shape {tuple(tensor.shape)} in the checkpoint but the config "
                             f"implies {tuple(expected[name].shape)}")
-        loaded[name] = tensor
+        if name in quantized:  # quantized from the checkpoint's precision; the full tensor is dropped here
+            loaded[name], loaded[scale_name(name)] = quantize_rows(tensor.T if quantized[name] else tensor)
+            release_freed_memory()
+        else:
+            loaded[name] = tensor
 
-    for name, tensor in iter_tensors(weight_files(folder)):
+    for name, tensor in iter_tensors(weight_files(folder), mapped=not quantized):
         if name not in known:
             name = next((p + name for p in prefixes if p + name in known), name)
-        tensor = tensor.to(device=device, dtype=dtype)  # cast tensor by tensor: peak memory stays low
+        # Cast tensor by tensor, so peak memory stays low; a weight to quantize keeps its precision until then.
+        to_quantize = part_of.get(name, (name,))[0] in quantized
+        tensor = tensor.to(device=device, dtype=None if to_quantize else dtype)
         if name in part_of:
             target, index = part_of[name]
             pieces.setdefault(target, {})[index] = tensor
             if len(pieces[target]) == len(fused[target]):
-                parts = pieces.pop(target)
-                place(target, torch.cat([parts[i] for i in range(len(parts))]), " + ".join(fused[target]))
+                parts = pieces.pop(target)  # emptied while concatenating: no full-precision part outlives the cat
+                place(target, torch.cat([parts.pop(i) for i in range(len(parts))]), " + ".join(fused[target]))
         elif name in expected:
             place(name, tensor, name)
         elif not name.endswith(IGNORED_SUFFIXES):
@@ -149,6 +217,8 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> tu
     for name, source in tied.items():
         if name not in loaded and source in loaded:
             loaded[name] = loaded[source]
+            if name in quantized:  # one int8 tensor and one scale vector for both
+                loaded[scale_name(name)] = loaded[scale_name(source)]
     missing = []
     for name in sorted(set(expected) - set(loaded)):
         got = pieces.get(name, {})

@@ -28,6 +28,7 @@ from modelzoo.models.packed_linear import pack_linear_layers, packing_available
 from modelzoo.params import InferenceParams
 from modelzoo.predictions import is_complete, predictions_path, temp_files, write_predictions
 from modelzoo.preemption import StopRequest
+from modelzoo.quantization import int8_summary
 from modelzoo.reporting import (Progress, RunStats, log_totals, read_shard_stats, shard_stats_path, summary_of,
                                 write_json)
 
@@ -95,8 +96,8 @@ class InferenceJob:
             raise UserError("no checkpoint: set model.checkpoint_path in params or pass --checkpoint_path")
         unsupported = [key for key, on in [
             ("model.temperature", not model.greedy), ("model.repetition_penalty", model.repetition_penalty != 1.0),
-            ("model.no_repeat_ngram_size", model.no_repeat_ngram_size > 0), ("model.weight_dtype", model.weight_dtype),
-            ("model.speculative", model.speculative), ("runconfig.tensor_parallel", params.runconfig.tensor_parallel > 1)]
+            ("model.no_repeat_ngram_size", model.no_repeat_ngram_size > 0), ("model.speculative", model.speculative),
+            ("runconfig.tensor_parallel", params.runconfig.tensor_parallel > 1)]
             if on]
         if unsupported:
             raise UserError(f"{', '.join(unsupported)}: not implemented yet in this version")
@@ -135,7 +136,9 @@ class InferenceJob:
 
     def memory_estimate(self, model: torch.nn.Module) -> tuple[int, int]:
         """(weight bytes, KV cache bytes) for batch_size x max_seq_len."""
-        weights = sum(t.numel() * t.element_size() for t in {id(t): t for t in model.state_dict().values()}.values())
+        # state_dict() gives a new tensor object per name, so a tied pair is told apart by its storage.
+        unique = {t.data_ptr(): t for t in model.state_dict().values()}
+        weights = sum(t.numel() * t.element_size() for t in unique.values())
         c = model.config
         cache = KVCache.nbytes(c.num_layers, self.params.inference_input.batch_size, c.num_kv_heads,
                                self.data.max_seq_len, c.head_dim, self.dtype)
@@ -149,17 +152,25 @@ class InferenceJob:
             write_text_atomic(self.artifacts / "params_inference.yaml",
                               yaml.safe_dump(self.params.to_dict(), sort_keys=False))
         load_start = time.perf_counter()
-        model, _ = load_model(self.params.model.checkpoint_path, self.dtype, self.device)
-        log.info("loaded %s (%s, %s) on %s in %.1fs", self.params.model.checkpoint_path, type(model).__name__,
-                 str(self.dtype).replace("torch.", ""), self.device, time.perf_counter() - load_start)
+        weight_dtype = self.params.model.weight_dtype
+        model, _ = load_model(self.params.model.checkpoint_path, self.dtype, self.device, weight_dtype)
+        log.info("loaded %s (%s, %s%s) on %s in %.1fs", self.params.model.checkpoint_path, type(model).__name__,
+                 str(self.dtype).replace("torch.", ""), f", {weight_dtype} weights" if weight_dtype else "",
+                 self.device, time.perf_counter() - load_start)
+        if weight_dtype == "int8":
+            q = int8_summary(model, self.dtype)
+            log.info("int8 weights: %d linear layers and %d token embedding quantized per output channel: %.1f MiB "
+                     "instead of %.1f MiB in %s, %.1f MiB saved", q.linear_layers, q.embeddings, q.int8_bytes / 2**20,
+                     q.full_bytes / 2**20, str(self.dtype).replace("torch.", ""), q.saved_bytes / 2**20)
         weights, cache = self.memory_estimate(model)
         free = available_memory(self.device)
-        log.info("memory: weights %.2f GiB + KV cache %.2f GiB (batch_size %d x max_seq_len %d); %.2f GiB available",
-                 weights / 2**30, cache / 2**30, self.params.inference_input.batch_size, self.data.max_seq_len, free / 2**30)
+        log.info("memory: weights %.2f GiB%s + KV cache %.2f GiB (batch_size %d x max_seq_len %d); %.2f GiB available",
+                 weights / 2**30, f" ({weight_dtype})" if weight_dtype else "", cache / 2**30,
+                 self.params.inference_input.batch_size, self.data.max_seq_len, free / 2**30)
         if cache > free:
             raise UserError(f"the KV cache needs {cache / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB is available on "
                             f"{self.device}; lower inference_input.batch_size or the data's max_seq_len")
-        if packing_available(self.device, self.dtype):
+        if packing_available(self.device, self.dtype) and not weight_dtype:  # MKL packs float32 weights only
             pack_linear_layers(model, self.params.inference_input.batch_size, budget_bytes=(free - cache) // 2)
         engine = GenerationEngine(model, self.params.inference_input.batch_size, self.data.max_seq_len,
                                   [list(s) for s in self.params.model.stop_sequences], self.params.model.max_tokens,
