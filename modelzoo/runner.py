@@ -32,6 +32,7 @@ from modelzoo.params import InferenceParams
 from modelzoo.precision import arithmetic_dtype
 from modelzoo.predictions import is_complete, predictions_path, temp_files, write_predictions
 from modelzoo.preemption import StopRequest
+from modelzoo.quantization import int8_summary
 from modelzoo.reporting import (Progress, RunStats, log_totals, read_shard_stats, shard_stats_path, summary_of,
                                 write_json)
 from modelzoo.tensor_parallel import AgreedStop, TensorParallelGroup, open_group
@@ -98,10 +99,6 @@ class InferenceJob:
         model = params.model
         if not model.checkpoint_path:
             raise UserError("no checkpoint: set model.checkpoint_path in params or pass --checkpoint_path")
-        unsupported = [key for key, on in [
-            ("model.weight_dtype", model.weight_dtype)] if on]
-        if unsupported:
-            raise UserError(f"{', '.join(unsupported)}: not implemented yet in this version")
         if params.runconfig.tensor_parallel != shard.tp_size:
             raise UserError(f"runconfig.tensor_parallel is {params.runconfig.tensor_parallel} but this process is one "
                             f"of {shard.tp_size} tensor-parallel ranks; launch with torchrun "
@@ -143,18 +140,26 @@ class InferenceJob:
 
     def memory_estimate(self, model: torch.nn.Module) -> tuple[int, int]:
         """(weight bytes, KV cache bytes) for batch_size x max_seq_len."""
-        tensors = {id(t): t for t in model.state_dict(keep_vars=True).values()}  # a tied weight: one Parameter, once
-        weights = sum(t.numel() * t.element_size() for t in tensors.values())
+        # a tied weight is one tensor: count each storage once
+        unique = {t.data_ptr(): t for t in model.state_dict(keep_vars=True).values()}
+        weights = sum(t.numel() * t.element_size() for t in unique.values())
         c = model.config
         cache = KVCache.nbytes(c.num_layers, self.params.inference_input.batch_size, c.num_kv_heads,
                                self.data.max_seq_len, c.head_dim, self.dtype)
         return weights, cache
 
-    def _load(self, checkpoint: str, tensor_parallel: TensorParallelGroup | None = None) -> torch.nn.Module:
-        """A checkpoint's model (this rank's share of it under tensor parallel), its weights rounded to the
-        weights' dtype, computing in self.dtype. A draft model is whole on every rank."""
-        model, _ = load_model(checkpoint, self.weights_dtype, self.device, tensor_parallel)
-        if self.dtype != self.weights_dtype:
+    def _load(self, checkpoint: str, tensor_parallel: TensorParallelGroup | None = None,
+              weight_dtype: str | None = None) -> torch.nn.Module:
+        """A checkpoint's model (this rank's share of it under tensor parallel), computing in self.dtype.
+
+        Half-precision weights computing in float32 are rounded to their dtype first; int8 weights are
+        quantized from the checkpoint's values, and their small companions (norms, biases, scales)
+        load straight in the arithmetic dtype. A draft model is whole on every rank.
+        """
+        rounded = self.dtype != self.weights_dtype and not weight_dtype
+        model, _ = load_model(checkpoint, self.weights_dtype if rounded else self.dtype, self.device, tensor_parallel,
+                              weight_dtype)
+        if rounded:
             name = str(self.weights_dtype).replace("torch.", "")
             log.info("this CPU has no native %s matrix multiplies: weights keep their %s values, arithmetic and "
                      "KV cache are float32 (faster here; see modelzoo/precision.py)", name, name)
@@ -194,13 +199,21 @@ class InferenceJob:
                               yaml.safe_dump(self.params.to_dict(), sort_keys=False))
         self.tp: TensorParallelGroup = open_group(self.shard, self.device)
         load_start = time.perf_counter()
-        model = self._load(self.params.model.checkpoint_path, self.tp)
-        log.info("loaded %s (%s, %s) on %s in %.1fs", self.params.model.checkpoint_path, type(model).__name__,
-                 self._dtype_name(), self.device, time.perf_counter() - load_start)
+        weight_dtype = self.params.model.weight_dtype
+        model = self._load(self.params.model.checkpoint_path, self.tp, weight_dtype)
+        log.info("loaded %s (%s, %s%s) on %s in %.1fs", self.params.model.checkpoint_path, type(model).__name__,
+                 self._dtype_name(), f", {weight_dtype} weights" if weight_dtype else "", self.device,
+                 time.perf_counter() - load_start)
+        if weight_dtype == "int8":
+            q = int8_summary(model, self.dtype)
+            log.info("int8 weights: %d linear layers and %d token embedding quantized per output channel: %.1f MiB "
+                     "instead of %.1f MiB in %s, %.1f MiB saved", q.linear_layers, q.embeddings, q.int8_bytes / 2**20,
+                     q.full_bytes / 2**20, str(self.dtype).replace("torch.", ""), q.saved_bytes / 2**20)
         weights, cache = self.memory_estimate(model)
         free = available_memory(self.device)
-        log.info("memory: weights %.2f GiB + KV cache %.2f GiB (batch_size %d x max_seq_len %d); %.2f GiB available",
-                 weights / 2**30, cache / 2**30, self.params.inference_input.batch_size, self.data.max_seq_len, free / 2**30)
+        log.info("memory: weights %.2f GiB%s + KV cache %.2f GiB (batch_size %d x max_seq_len %d); %.2f GiB available",
+                 weights / 2**30, f" ({weight_dtype})" if weight_dtype else "", cache / 2**30,
+                 self.params.inference_input.batch_size, self.data.max_seq_len, free / 2**30)
         if self.tp.size > 1:
             c, n = model.config, self.tp.size  # the config of one rank's share
             log.info("tensor parallel %d: each rank holds %d of %d query heads, %d of %d kv heads, %d of %d MLP columns "
@@ -210,7 +223,7 @@ class InferenceJob:
         if cache > free:
             raise UserError(f"the KV cache needs {cache / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB is available on "
                             f"{self.device}; lower inference_input.batch_size or the data's max_seq_len")
-        if packing_available(self.device, self.dtype):
+        if packing_available(self.device, self.dtype) and not weight_dtype:  # MKL packs float32 weights only
             pack_linear_layers(model, self.params.inference_input.batch_size, budget_bytes=(free - cache) // 2)
         engine = GenerationEngine(model, self.params.inference_input.batch_size, self.data.max_seq_len,
                                   [list(s) for s in self.params.model.stop_sequences], self.params.model.max_tokens,

@@ -61,11 +61,12 @@ def write_h5(folder: Path, rows: np.ndarray, loop_dim: int = 1, name: str = "dat
 
 def write_params(path: Path, checkpoint: Path, data_dir: Path, batch_size: int, start_token: int | list[int],
                  stop_sequences: list[list[int]] | None = None, max_tokens: int | None = None, loop_dim: int = 1,
-                 dtype: str = "float32", **runconfig: Any) -> Path:
+                 dtype: str = "float32", weight_dtype: str | None = None, **runconfig: Any) -> Path:
     """A params.yaml for the runner."""
     params = {
         "model": {"checkpoint_path": str(checkpoint), "dtype": dtype, "start_token": start_token,
-                  "stop_sequences": stop_sequences or [], "max_tokens": max_tokens, "loop_dim": loop_dim},
+                  "stop_sequences": stop_sequences or [], "max_tokens": max_tokens, "loop_dim": loop_dim,
+                  **({"weight_dtype": weight_dtype} if weight_dtype else {})},
         "inference_input": {"data_processor": "GptHDF5MapDataProcessor", "data_dir": str(data_dir),
                             "batch_size": batch_size},
         "runconfig": {"device": "cpu", **runconfig},
