@@ -224,7 +224,10 @@ class InferenceJob:
             raise UserError(f"the KV cache needs {cache / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB is available on "
                             f"{self.device}; lower inference_input.batch_size or the data's max_seq_len")
         if packing_available(self.device, self.dtype) and not weight_dtype:  # MKL packs float32 weights only
-            pack_linear_layers(model, self.params.inference_input.batch_size, budget_bytes=(free - cache) // 2)
+            # Every decode forward has batch_size rows, times K + 1 when it verifies K drafted tokens per row.
+            spec = self.params.model.speculative
+            rows = self.params.inference_input.batch_size * (1 + (spec.num_tokens if spec else 0))
+            pack_linear_layers(model, rows, budget_bytes=(free - cache) // 2)
         engine = GenerationEngine(model, self.params.inference_input.batch_size, self.data.max_seq_len,
                                   [list(s) for s in self.params.model.stop_sequences], self.params.model.max_tokens,
                                   self.device, self.dtype, choice=TokenChoice.from_params(self.params.model),
