@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from modelzoo.generation.ngrams import earlier_occurrences
 from modelzoo.params import ModelParams
 
 # splitmix64 (Steele, Lea and Flood, 2014): the increment and the two finaliser multipliers, and a second odd
@@ -119,20 +120,13 @@ def ban_repeated_ngrams(scores: Tensor, sequences: Tensor, lengths: Tensor, ngra
     """
     n = ngram_size
     num_rows, vocab_size = scores.shape
-    width = sequences.shape[1]
-    if width < n:  # no row holds a whole n-gram
+    if sequences.shape[1] < n:  # no row holds a whole n-gram
         return scores
-    windows = sequences.unfold(1, n, 1)  # (B, W, n), W = L - n + 1: window j is tokens j .. j + n - 1
-    # The row's last n - 1 tokens (B, n - 1); rows shorter than n read clamped garbage but have no window below.
-    offsets = torch.arange(n - 1, device=sequences.device)
-    prefix = sequences.gather(1, (lengths[:, None] - (n - 1) + offsets).clamp(0, width - 1))
-    # A window counts when it ends inside the row (j + n <= length). The one starting at the prefix would end at
-    # the new token, so a prefix never bans its own successor.
-    starts = torch.arange(windows.shape[1], device=sequences.device)
-    inside = starts[None, :] <= (lengths[:, None] - n)  # (B, W)
-    matches = (windows[..., :-1] == prefix[:, None, :]).all(-1) & inside  # (B, W); n = 1: every inside window
-    last = windows[..., -1]  # (B, W)
-    banned_ids = torch.where(matches & (last >= 0) & (last < vocab_size), last, vocab_size)
+    # Earlier windows whose first n - 1 tokens are the row's last n - 1, and the token after each (B, L - n + 1).
+    # The window starting at the row's own last n - 1 tokens would end at the new token, so none bans its successor.
+    matches = earlier_occurrences(sequences, lengths, n - 1)
+    successor = sequences[:, n - 1:]
+    banned_ids = torch.where(matches & (successor >= 0) & (successor < vocab_size), successor, vocab_size)
     banned = torch.zeros((num_rows, vocab_size + 1), dtype=torch.bool, device=scores.device)
     banned.scatter_(1, banned_ids, True)  # non-matching windows land in the spare column, never unbanning
     return scores.masked_fill(banned[:, :vocab_size], -float("inf"))

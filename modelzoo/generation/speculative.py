@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from modelzoo.generation.kv_cache import KVCache
+from modelzoo.generation.ngrams import earlier_occurrences
 
 
 class Drafter(Protocol):
@@ -48,12 +49,7 @@ class PromptLookupDrafter:
         # Where the continuation begins for each row: after the best match found so far, -1 = none.
         begin = torch.full((slots,), -1, dtype=torch.long, device=device)
         for n in range(min(self.max_ngram, width - 1), 0, -1):
-            suffix_at = (lengths - n).clamp(min=0)  # (S,) the last n tokens start here
-            suffix = sequences.gather(1, suffix_at[:, None] + torch.arange(n, device=device))  # (S, n)
-            windows = sequences.unfold(1, n, 1)  # (S, width - n + 1, n): the n-gram starting at each index
-            found = (windows == suffix[:, None, :]).all(-1)  # (S, width - n + 1)
-            # An earlier occurrence: it must end before the suffix's last token, so a continuation exists.
-            found &= starts[None, : found.shape[1]] < (lengths - n)[:, None]
+            found = earlier_occurrences(sequences, lengths, n)  # (S, width - n): an earlier copy with a successor
             latest = torch.where(found, starts[None, : found.shape[1]], -1).max(dim=1).values  # (S,)
             begin = torch.where((begin < 0) & (latest >= 0), latest + n, begin)
         # A continuation that runs past the row's end wraps around to its own start (a repeating
