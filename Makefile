@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo test clean
+.PHONY: setup kernels demo test clean
 
 # The environment: torch first (local CPU build), then the project with its test and convert extras.
 $(STAMP): setup.cfg pyproject.toml scripts/setup_env.sh
@@ -17,7 +17,12 @@ $(STAMP): setup.cfg pyproject.toml scripts/setup_env.sh
 $(MODEL)/config.json: $(STAMP) data_tools/prepare_default_model.py
 	$(PY) data_tools/prepare_default_model.py --output_dir $(MODEL)
 
-setup: $(STAMP) $(MODEL)/config.json
+# The C++ CPU kernels, compiled for this machine (a no-op when up to date). Without a compiler this
+# warns and zoo-infer runs its PyTorch code path instead.
+kernels: $(STAMP)
+	$(PY) -m modelzoo.kernels || echo "warning: C++ CPU kernels not built; the PyTorch code path will be used"
+
+setup: $(STAMP) $(MODEL)/config.json kernels
 
 # Tokenize the example prompts, run the job on SmolLM2-135M-Instruct, print the completions.
 demo: setup

@@ -52,7 +52,7 @@ class GenerationEngine:
 
     def __init__(self, model: nn.Module, num_slots: int, max_seq_len: int, stop_sequences: list[list[int]],
                  max_tokens: int | None, device: torch.device, dtype: torch.dtype,
-                 prefill_token_budget: int = 8192, choice: TokenChoice | None = None,
+                 prefill_token_budget: int = 2048, choice: TokenChoice | None = None,
                  drafter: Drafter | None = None) -> None:
         config = model.config
         self.model = model

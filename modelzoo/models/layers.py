@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from modelzoo.generation.kv_cache import KVCache
+from modelzoo.kernels import cpu_kernels
 from modelzoo.models.config import RopeConfig
 
 
@@ -24,6 +26,10 @@ class ForwardContext:
     "every slot, in order" (the fast path: cache reads are views). length: number of cache positions
     attended over (max position + 1). mask: (B, 1, T, length) bool, True where a key is visible, or,
     with ALiBi, an additive float bias (B, heads, T, length) with -inf where a key is hidden.
+    fresh: every row's positions are 0 .. T-1 (new prompts), so attention needs only this forward's
+    own keys and values, not the cache. windowed: the sliding window hides some key.
+    key_ranges: for one token per row over every slot (a decode step), each row's visible cache
+    positions [start, end) as two (B,) tensors, for the C++ decode kernel; None otherwise.
     """
 
     cache: KVCache
@@ -31,6 +37,9 @@ class ForwardContext:
     positions: torch.Tensor
     length: int
     mask: torch.Tensor
+    fresh: bool = False
+    windowed: bool = False
+    key_ranges: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(cls, cache: KVCache, slots: torch.Tensor | None, positions: torch.Tensor,
@@ -48,7 +57,15 @@ class ForwardContext:
         if alibi_slopes is not None:
             bias = alibi_slopes[None, :, None, None] * keys.to(torch.float32)[None, None, None, :]
             mask = bias.masked_fill(~mask, float("-inf")).to(dtype)  # (B, heads, T, length)
-        return cls(cache, slots, positions, length, mask)
+        width = positions.shape[1]
+        fresh = width > 1 and bool((positions == keys[:width]).all())  # one sync, prefill only
+        windowed = sliding_window is not None and length > sliding_window
+        key_ranges = None
+        if width == 1 and slots is None:
+            end = positions[:, 0] + 1
+            start = (end - sliding_window).clamp(min=0) if windowed else torch.zeros_like(end)
+            key_ranges = (start, end)
+        return cls(cache, slots, positions, length, mask, fresh, windowed, key_ranges)
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:
@@ -153,6 +170,17 @@ def split_heads(x: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
     return x.view(batch, seq, num_heads, head_dim).transpose(1, 2)
 
 
+def decode_kernel(q: torch.Tensor, ctx: ForwardContext) -> ModuleType | None:
+    """The C++ kernel module where it handles this attention (a decode step over every slot, float32
+    on the CPU, no ALiBi bias, 1 to 8 query heads per kv head, head_dim a multiple of 16 up to 256)."""
+    if ctx.key_ranges is None or q.device.type != "cpu" or q.dtype != torch.float32 or ctx.mask.dtype != torch.bool:
+        return None
+    heads, head_dim, kv_heads = q.shape[1], q.shape[3], ctx.cache.keys[0].shape[1]
+    if head_dim % 16 or head_dim > 256 or heads % kv_heads or heads // kv_heads > 8:
+        return None
+    return cpu_kernels()
+
+
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                      ctx: ForwardContext, scale: float | None = None) -> torch.Tensor:
     """Stores this step's k, v in the cache and attends q over everything cached so far.
@@ -161,9 +189,21 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: i
     Returns (B, T, heads * hd).
     """
     ctx.cache.update(layer, ctx.slots, ctx.positions, k, v)
-    keys, values = ctx.cache.read(layer, ctx.slots, ctx.length)  # (B, kv_heads, length, hd)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.mask, scale=scale,
-                                         enable_gqa=q.shape[1] != keys.shape[1])
+    kernel = decode_kernel(q, ctx)
+    if kernel is not None:  # one token per slot, float32 on the CPU: read only each row's filled part
+        batch, heads, _, head_dim = q.shape
+        start, end = ctx.key_ranges
+        out = kernel.decode_attention(q.reshape(batch, heads, head_dim), ctx.cache.keys[layer], ctx.cache.values[layer],
+                                      start, end, head_dim ** -0.5 if scale is None else scale)  # (B, heads, hd)
+        return out.view(batch, 1, heads * head_dim)
+    if ctx.fresh:  # new prompts: their own keys are all there is to attend to
+        keys, values = k, v  # (B, kv_heads, T, hd), T == length
+    else:
+        keys, values = ctx.cache.read(layer, ctx.slots, ctx.length)  # (B, kv_heads, length, hd)
+    # Plain causal attention over fresh keys lets SDPA skip the hidden half instead of masking it.
+    causal = ctx.fresh and not ctx.windowed and ctx.mask.dtype == torch.bool
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=None if causal else ctx.mask,
+                                         is_causal=causal, scale=scale, enable_gqa=q.shape[1] != keys.shape[1])
     batch, heads, seq, head_dim = out.shape
     return out.transpose(1, 2).reshape(batch, seq, heads * head_dim)
 

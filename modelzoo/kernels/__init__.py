@@ -1,0 +1,62 @@
+"""Optional C++ CPU kernels, compiled once per machine type with torch.utils.cpp_extension.
+
+`make setup` builds them (`python -m modelzoo.kernels`); a process that finds them missing builds
+them itself (about a minute, once), and one that cannot (no C++ compiler) logs why and runs the
+PyTorch code path instead: the kernels change speed, not results beyond float rounding.
+
+They are compiled with -march=native, so the build directory is keyed by this CPU's instruction
+sets and the torch version: nodes of another CPU type sharing the checkout build their own copy
+instead of loading one that could hit an illegal instruction.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import platform
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger("zoo-infer")
+
+SOURCES = [Path(__file__).with_name("decode_attention.cpp")]
+BUILD_ROOT = Path(__file__).with_name("build")
+
+
+def _machine_key() -> str:
+    """Hash of what the compiled code depends on: CPU instruction sets, architecture, torch version."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = " ".join(sorted(line.split(":", 1)[1].split()))
+                break
+    except OSError:
+        pass
+    text = f"{platform.machine()} {flags} {torch.__version__}"
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
+def kernel_build_dir() -> Path:
+    """Where this machine type's build lives."""
+    return BUILD_ROOT / _machine_key()
+
+
+@functools.cache
+def cpu_kernels() -> ModuleType | None:
+    """The compiled kernel module, building it if needed; None where it cannot be built."""
+    from torch.utils import cpp_extension
+
+    build_dir = kernel_build_dir()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return cpp_extension.load(name="zoo_infer_cpu_kernels", sources=[str(s) for s in SOURCES],
+                                  build_directory=str(build_dir), extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
+                                  extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as error:  # no compiler, no headers, a failed build: the torch path still works
+        log.warning("C++ CPU kernels unavailable (%s: %s); using the PyTorch code path", type(error).__name__,
+                    str(error).strip().splitlines()[-1] if str(error).strip() else "")
+        return None
+
