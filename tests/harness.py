@@ -141,6 +141,19 @@ def family_prompts(vocab_size: int, lengths: Sequence[int] = (3, 11, 1, 23, 6, 4
     return [rng.integers(0, vocab_size, size=n).tolist() for n in lengths]
 
 
+def shared_prefix_prompts(vocab_size: int, prefix_len: int = 20, seed: int = 1) -> list[list[int]]:
+    """Prompts most of which start with one `prefix_len`-token prefix (a chat template's), with tails
+    of mixed lengths; also one prompt that is the prefix alone and one that starts otherwise. The
+    first three share the prefix, so an engine with 3 slots finds it in its first admission."""
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(0, vocab_size, size=prefix_len).tolist()
+    tails = [rng.integers(0, vocab_size, size=n).tolist() for n in (4, 9, 1, 15, 30)]
+    other = rng.integers(0, vocab_size, size=12).tolist()
+    other[0] = (prefix[0] + 1) % vocab_size
+    return [prefix + tails[0], prefix + tails[1], prefix + tails[2], other, prefix, prefix + tails[3],
+            prefix + tails[4]]
+
+
 def our_last_logits(checkpoint: Path, prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
     """Our model's logits at the last prompt position, one prompt at a time: (vocab,) each."""
     from modelzoo.checkpoint import load_model
@@ -167,12 +180,14 @@ def hf_last_logits(checkpoint: Path, prompts: Sequence[Sequence[int]]) -> list[t
 
 
 def assert_family_matches_transformers(config: Any, tmp_path: Path, max_seq_len: int = 64, batch_size: int = 3,
-                                       max_tokens: int = 16, seed: int = 0) -> None:
+                                       max_tokens: int = 16, seed: int = 0,
+                                       prompts: Sequence[Sequence[int]] | None = None) -> None:
     """The family contract: a tiny random checkpoint of `config` gives, through run_inference.py,
-    greedy predictions token-exact with transformers (fp32), and last-position logits within 1e-4."""
+    greedy predictions token-exact with transformers (fp32), and last-position logits within 1e-4.
+    prompts: default family_prompts(vocab, seed)."""
     checkpoint = save_tiny_model(config, tmp_path / "checkpoint", seed=seed)
     vocab = config.vocab_size
-    prompts = family_prompts(vocab, seed=seed)
+    prompts = family_prompts(vocab, seed=seed) if prompts is None else prompts
     for ours, theirs in zip(our_last_logits(checkpoint, prompts), hf_last_logits(checkpoint, prompts)):
         torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
     data = tmp_path / "data"

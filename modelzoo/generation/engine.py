@@ -3,7 +3,8 @@
 `batch_size` slots decode together, one forward per step for all of them. When a sequence stops,
 its slot takes the next pending request at once (continuous batching), instead of idling until
 every row of its batch is done. Newly admitted prompts are prefilled together, grouped by length
-so that padding stays small. The decode step always runs every slot (idle ones on a throwaway
+so that padding stays small; a prefix they all share (a chat template) is prefilled only once
+(`SharedPrefix`). The decode step always runs every slot (idle ones on a throwaway
 row at position 0): a fixed batch shape costs about the same as a smaller one at these sizes, and
 it is what lets the CPU decode GEMMs use weights prepacked for that shape.
 
@@ -14,6 +15,7 @@ plus the model's own next token: the same tokens plain greedy decoding would pro
 """
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator
@@ -23,11 +25,14 @@ import torch
 from torch import nn
 
 from modelzoo.generation.kv_cache import KVCache
+from modelzoo.generation.shared_prefix import SharedPrefix
 from modelzoo.generation.stopping import CONTINUE, REASON_NAMES, StopChecker
 
 if TYPE_CHECKING:
     from modelzoo.generation.sampling import TokenChoice
     from modelzoo.generation.speculative import Drafter
+
+log = logging.getLogger("zoo-infer")
 
 
 @dataclass
@@ -76,6 +81,10 @@ class GenerationEngine:
         self.sample_index = torch.zeros(num_slots, dtype=torch.long, device=device)
         self.active = torch.zeros(num_slots, dtype=torch.bool, device=device)
         self.owner: list[int | None] = [None] * num_slots  # request index held by each slot
+        # The prompt prefix shared by the first admitted requests, once known (not with a drafter: a
+        # draft model would need the prefix's keys too).
+        self.shared_prefix: SharedPrefix | None = None
+        self.shared_prefix_decided = drafter is not None
         self.generated_tokens = 0  # over the engine's life, for throughput reports
         self.drafted_tokens = 0  # speculative decoding: drafts proposed for active rows
         self.accepted_tokens = 0  # ... and drafts the model agreed with
@@ -130,23 +139,36 @@ class GenerationEngine:
                                  f"in max_seq_len {self.max_seq_len}")
             self.owner[slot] = request.index
         self.active[[slot for slot, _ in admitted]] = True
+        if not self.shared_prefix_decided and len(admitted) >= 2:
+            self.shared_prefix_decided = True
+            self.shared_prefix = SharedPrefix.compute(self.model, self.cache, [r.prompt for _, r in admitted],
+                                                      admitted[0][0], self.device)
+            if self.shared_prefix is not None:
+                log.info("the first %d prompts share a %d-token prefix: prefilled once, its keys and values copied "
+                         "into every slot whose prompt starts with it", len(admitted), len(self.shared_prefix))
         finished = []
-        for group in self._length_groups(admitted):
-            lengths = [len(r.prompt) for _, r in group]
+        for offset, group in self._prefill_groups(admitted):
+            suffixes = [r.prompt[offset:] for _, r in group]  # what is left to run after the shared prefix
+            lengths = [len(suffix) for suffix in suffixes]
             width = max(lengths)
             tokens = np.zeros((len(group), width), dtype=np.int64)  # right-padded; padding is never attended
-            for row, (_, request) in enumerate(group):
-                tokens[row, : len(request.prompt)] = request.prompt
+            for row, suffix in enumerate(suffixes):
+                tokens[row, : len(suffix)] = suffix
             slots = torch.tensor([slot for slot, _ in group], device=self.device)
             tokens = torch.from_numpy(tokens).to(self.device)  # (B, T)
-            positions = torch.arange(width, device=self.device).expand(len(group), width)  # (B, T)
-            prompt_len = torch.tensor(lengths, device=self.device)
-            self.sequences[slots, :width] = tokens
+            positions = offset + torch.arange(width, device=self.device).expand(len(group), width)  # (B, T)
+            suffix_len = torch.tensor(lengths, device=self.device)
+            prompt_len = offset + suffix_len
+            if offset:
+                self.shared_prefix.copy_into(self.cache, slots)
+                self.sequences[slots, :offset] = torch.from_numpy(self.shared_prefix.tokens.astype(np.int64)).to(
+                    self.device)
+            self.sequences[slots, offset: offset + width] = tokens
             self.seq_len[slots] = self.prompt_len[slots] = prompt_len
             self.sample_index[slots] = torch.tensor([r.index for _, r in group], device=self.device)
-            logits = self.model(tokens, positions, self.cache, slots, prompt_len - 1)
+            logits = self.model(tokens, positions, self.cache, slots, suffix_len - 1)
             if self.drafter is not None:
-                self.drafter.prefill(tokens, positions, slots, prompt_len - 1)
+                self.drafter.prefill(tokens, positions, slots, suffix_len - 1)
             first = self._choose(logits, slots)  # (B,)
             self.sequences[slots, prompt_len] = first
             self.seq_len[slots] = prompt_len + 1
@@ -157,15 +179,22 @@ class GenerationEngine:
         self.generated_tokens += len(admitted)
         return finished
 
-    def _length_groups(self, admitted: list[tuple[int, Request]]) -> list[list[tuple[int, Request]]]:
-        """Splits admitted requests, sorted by prompt length, into groups of at most the token budget."""
-        ordered = sorted(admitted, key=lambda item: len(item[1].prompt))
-        groups: list[list[tuple[int, Request]]] = [[]]
-        for item in ordered:
+    def _prefill_groups(self, admitted: list[tuple[int, Request]]) -> list[tuple[int, list[tuple[int, Request]]]]:
+        """Splits admitted requests into (offset, group): offset = the shared prefix's length for prompts
+        that start with it, else 0; within an offset, sorted by length, each group within the token budget."""
+        def offset(request: Request) -> int:
+            shared = self.shared_prefix
+            return len(shared) if shared is not None and shared.starts(request.prompt) else 0
+
+        ordered = sorted(((offset(r), slot, r) for slot, r in admitted), key=lambda item: (item[0], len(item[2].prompt)))
+        groups: list[tuple[int, list[tuple[int, Request]]]] = []
+        for start, slot, request in ordered:
+            rows = len(request.prompt) - start
             # Sorted ascending, so the newcomer is the longest: the padded group is (n + 1) x its length.
-            if groups[-1] and (len(groups[-1]) + 1) * len(item[1].prompt) > self.prefill_token_budget:
-                groups.append([])
-            groups[-1].append(item)
+            if (not groups or groups[-1][0] != start
+                    or (len(groups[-1][1]) + 1) * rows > self.prefill_token_budget):
+                groups.append((start, []))
+            groups[-1][1].append((slot, request))
         return groups
 
     def _decode_step(self) -> list[tuple[int, int]]:
