@@ -1,5 +1,5 @@
-"""The C++ decode-attention kernel against a float64 softmax reference, its input checks, and the
-engine with and without it."""
+"""The C++ cached-attention kernel against a float64 softmax reference (and the cache writes it does
+first), its input checks, and the engine with and without it."""
 from __future__ import annotations
 
 import math
@@ -19,82 +19,118 @@ kernels = cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="the C++ kernels could not be built here")
 
 
-def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: torch.Tensor, end: torch.Tensor,
-              scale: float) -> torch.Tensor:
-    """softmax(q k^T * scale) v per slot over keys [start, end), in float64; q (S, H, D) -> (S, H, D)."""
-    group = q.shape[1] // keys.shape[1]
+def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, start: torch.Tensor,
+              end: torch.Tensor, scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale) v for each query over its row's keys [start, end), in float64;
+    q (B, T, H, D) -> (B, T, H, D)."""
+    group = q.shape[2] // keys.shape[1]
     out = torch.empty(q.shape, dtype=torch.float64)
-    for s in range(q.shape[0]):
-        k = keys[s, :, start[s]:end[s]].double().repeat_interleave(group, 0)  # (H, n, D)
-        v = values[s, :, start[s]:end[s]].double().repeat_interleave(group, 0)
-        weights = torch.softmax((k @ q[s].double()[:, :, None])[..., 0] * scale, -1)  # (H, n)
-        out[s] = (weights[:, None, :] @ v)[:, 0]
+    for b, slot in enumerate(slots.tolist()):
+        for t in range(q.shape[1]):
+            lo, hi = int(start[b, t]), int(end[b, t])
+            k = keys[slot, :, lo:hi].double().repeat_interleave(group, 0)  # (H, n, D)
+            v = values[slot, :, lo:hi].double().repeat_interleave(group, 0)
+            weights = torch.softmax((k @ q[b, t].double()[:, :, None])[..., 0] * scale, -1)  # (H, n)
+            out[b, t] = (weights[:, None, :] @ v)[:, 0]
     return out
 
 
+def random_call(group: int, head_dim: int, positions: torch.Tensor, window: int | None = None, seed: int = 0):
+    """Inputs for rows at `positions` (B, T) of a 6-slot, 70-position cache with 2 kv heads."""
+    generator = torch.Generator().manual_seed(seed)
+    batch, width = positions.shape
+    kv_heads = 2
+    q = torch.randn(batch, width, kv_heads * group, head_dim, generator=generator)
+    keys = torch.randn(6, kv_heads, 70, head_dim, generator=generator) * 2
+    values = torch.randn(6, kv_heads, 70, head_dim, generator=generator)
+    new_keys = torch.randn(batch, width, kv_heads, head_dim, generator=generator)
+    new_values = torch.randn(batch, width, kv_heads, head_dim, generator=generator)
+    slots = torch.tensor([5, 0, 3, 1, 2])[:batch]
+    end = positions + 1
+    start = (end - window).clamp(min=0) if window else torch.zeros_like(end)
+    return q, new_keys, new_values, keys, values, slots, start, end
+
+
+def check_against_reference(q, new_keys, new_values, keys, values, slots, start, end):
+    expected_keys, expected_values = keys.clone(), values.clone()
+    for b, slot in enumerate(slots.tolist()):  # the call stores the forward's keys and values first
+        expected_keys[slot, :, end[b] - 1] = new_keys[b].transpose(0, 1)
+        expected_values[slot, :, end[b] - 1] = new_values[b].transpose(0, 1)
+    scale = 1 / math.sqrt(q.shape[-1])
+    out = kernels.cached_attention(q, new_keys, new_values, keys, values, slots, start, end, scale)
+    assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)
+    torch.testing.assert_close(out.double(), reference(q, keys, values, slots, start, end, scale), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 6, 7, 8])
-@pytest.mark.parametrize("head_dim", [16, 64, 128])
-def test_kernel_matches_float64_softmax(group, head_dim):
-    generator = torch.Generator().manual_seed(group * 1000 + head_dim)
-    slots, kv_heads, max_len = 5, 2, 70
-    q = torch.randn(slots, kv_heads * group, head_dim, generator=generator)
-    keys = torch.randn(slots, kv_heads, max_len, head_dim, generator=generator) * 2
-    values = torch.randn(slots, kv_heads, max_len, head_dim, generator=generator)
-    end = torch.tensor([1, 17, 70, 33, 16])  # lengths around the 16-key blocks, one row full
-    start = torch.tensor([0, 0, 50, 16, 15])  # sliding windows: start > 0, one single key
-    scale = 1 / math.sqrt(head_dim)
-    out = kernels.decode_attention(q, keys, values, start, end, scale)
-    torch.testing.assert_close(out.double(), reference(q, keys, values, start, end, scale), rtol=1e-5, atol=1e-6)
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
+def test_decode_step_matches_float64_softmax(group, head_dim):
+    positions = torch.tensor([[0], [16], [69], [32], [15]])  # around the 16-key blocks; one row full
+    check_against_reference(*random_call(group, head_dim, positions, seed=group * 1000 + head_dim))
 
 
-def test_kernel_reads_a_strided_cache_view_and_ignores_positions_past_end():
-    q = torch.randn(3, 4, 32)
-    cache = torch.randn(3, 2, 40, 32)
-    end = torch.tensor([5, 40, 12])
-    start = torch.zeros(3, dtype=torch.long)
-    expected = kernels.decode_attention(q, cache, cache, start, end, 0.3)
-    poisoned = cache.clone()
-    for s, e in enumerate(end.tolist()):
-        poisoned[s, :, e:] = float("nan")  # never read
-    torch.testing.assert_close(kernels.decode_attention(q, poisoned, poisoned, start, end, 0.3), expected, rtol=0, atol=0)
-    wide = torch.randn(3, 2, 60, 32)
-    wide[:, :, :40] = cache  # (S, Hkv, 40, D) view with the stride of a 60-position cache
-    out = kernels.decode_attention(q, wide[:, :, :40], wide[:, :, :40], start, end, 0.3)
+@pytest.mark.parametrize("window", [None, 8])
+def test_prefill_and_verification_rows_match_float64_softmax(window):
+    causal = torch.arange(33).expand(3, 33)  # new prompts: each query sees the keys up to its own
+    check_against_reference(*random_call(3, 64, causal, window))
+    offset = 20 + torch.arange(5).expand(2, 5)  # after a shared prefix, or K = 4 drafts to verify
+    check_against_reference(*random_call(4, 32, offset, window))
+
+
+def test_kernel_ignores_positions_past_end_and_reads_a_strided_cache_view():
+    q, new_keys, new_values, keys, values, slots, start, end = random_call(2, 32, torch.tensor([[4], [39], [11]]))
+    expected = kernels.cached_attention(q, new_keys, new_values, keys, values, slots, start, end, 0.3)
+    poisoned = keys.clone(), values.clone()
+    for b, slot in enumerate(slots.tolist()):
+        for cache in poisoned:
+            cache[slot, :, int(end[b, 0]):] = float("nan")  # never read
+    out = kernels.cached_attention(q, new_keys, new_values, *poisoned, slots, start, end, 0.3)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    wide_keys, wide_values = torch.randn(6, 2, 90, 32), torch.randn(6, 2, 90, 32)
+    wide_keys[:, :, :70], wide_values[:, :, :70] = keys, values  # a view with the stride of a longer cache
+    out = kernels.cached_attention(q, new_keys, new_values, wide_keys[:, :, :70], wide_values[:, :, :70], slots, start,
+                                   end, 0.3)
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(start=torch.tensor([3, 0])), "outside the cache"),
-    (dict(end=torch.tensor([4, 9])), "outside the cache"),
-    (dict(end=torch.tensor([0, 4])), "outside the cache"),
-    (dict(q=torch.randn(2, 18, 16)), "1 to 8 query heads per kv head"),
-    (dict(q=torch.randn(2, 4, 16).double()), "float32 only"),
-    (dict(q=torch.randn(2, 16, 4).transpose(1, 2)), "contiguous"),
+    (dict(start=torch.tensor([[3], [0]])), "outside the cache"),
+    (dict(end=torch.tensor([[4], [9]])), "outside the cache"),
+    (dict(end=torch.tensor([[0], [4]])), "outside the cache"),
+    (dict(slots=torch.tensor([0, 2])), "outside the cache's 2 slots"),
+    (dict(slots=torch.tensor([0])), "one slot per row"),
+    (dict(q=torch.randn(2, 1, 18, 16)), "1 to 8 query heads per kv head"),
+    (dict(q=torch.randn(2, 1, 4, 16).double()), "float32 only"),
+    (dict(q=torch.randn(2, 1, 16, 4).transpose(2, 3)), "contiguous"),
     (dict(keys=torch.randn(2, 2, 16, 8).transpose(2, 3)), "cache rows must be contiguous"),
-    (dict(q=torch.randn(2, 4, 8), keys=torch.randn(2, 2, 8, 8), values=torch.randn(2, 2, 8, 8)), "multiple of 16"),
+    (dict(q=torch.randn(2, 1, 4, 8), new_keys=torch.randn(2, 1, 2, 8), new_values=torch.randn(2, 1, 2, 8),
+          keys=torch.randn(2, 2, 8, 8), values=torch.randn(2, 2, 8, 8)), "head_dim 16, 32, 64 or 128"),
+    (dict(new_keys=torch.randn(2, 1, 3, 16)), r"new keys and values must be \(B, T, Hkv, D\)"),
+    (dict(new_values=torch.randn(2, 1, 16, 2).transpose(2, 3)), "must be contiguous"),
 ])
 def test_kernel_rejects_bad_inputs(change, message):
-    inputs = dict(q=torch.randn(2, 4, 16), keys=torch.randn(2, 2, 8, 16), values=torch.randn(2, 2, 8, 16),
-                  start=torch.tensor([0, 0]), end=torch.tensor([3, 8]))
+    inputs = dict(q=torch.randn(2, 1, 4, 16), new_keys=torch.randn(2, 1, 2, 16), new_values=torch.randn(2, 1, 2, 16),
+                  keys=torch.randn(2, 2, 8, 16), values=torch.randn(2, 2, 8, 16), slots=torch.tensor([0, 1]),
+                  start=torch.tensor([[0], [0]]), end=torch.tensor([[3], [8]]))
     inputs.update(change)
     with pytest.raises(RuntimeError, match=message):
-        kernels.decode_attention(inputs["q"], inputs["keys"], inputs["values"], inputs["start"], inputs["end"], 1.0)
+        kernels.cached_attention(*inputs.values(), 1.0)
 
 
 def generate_all(checkpoint, prompts, monkeypatch, use_kernel: bool) -> dict[int, list[int]]:
     calls = []
-    real = layers.decode_kernel
+    real = layers.attention_kernel
 
     def counted(q, ctx):
         module = real(q, ctx) if use_kernel else None
         calls.append(module is not None)
         return module
 
-    monkeypatch.setattr(layers, "decode_kernel", counted)
+    monkeypatch.setattr(layers, "attention_kernel", counted)
     model, _ = load_model(checkpoint, torch.float32, torch.device("cpu"))
     engine = GenerationEngine(model, 3, 64, [], 12, torch.device("cpu"), torch.float32)
     out = {c.index: c.tokens.tolist() for c in engine.generate(Request(i, np.array(p)) for i, p in enumerate(prompts))}
-    assert any(calls) == use_kernel
+    assert all(calls) if use_kernel else not any(calls)
     return out
 
 

@@ -28,8 +28,8 @@ class ForwardContext:
     with ALiBi, an additive float bias (B, heads, T, length) with -inf where a key is hidden.
     fresh: every row's positions are 0 .. T-1 (new prompts), so attention needs only this forward's
     own keys and values, not the cache. windowed: the sliding window hides some key.
-    key_ranges: for one token per row over every slot (a decode step), each row's visible cache
-    positions [start, end) as two (B,) tensors, for the C++ decode kernel; None otherwise.
+    key_ranges: each query's visible cache positions [start, end), two (B, T) tensors, for the C++
+    attention kernel (end = position + 1; start > 0 only under a sliding window).
     """
 
     cache: KVCache
@@ -60,12 +60,9 @@ class ForwardContext:
         width = positions.shape[1]
         fresh = width > 1 and bool((positions == keys[:width]).all())  # one sync, prefill only
         windowed = sliding_window is not None and length > sliding_window
-        key_ranges = None
-        if width == 1 and slots is None:
-            end = positions[:, 0] + 1
-            start = (end - sliding_window).clamp(min=0) if windowed else torch.zeros_like(end)
-            key_ranges = (start, end)
-        return cls(cache, slots, positions, length, mask, fresh, windowed, key_ranges)
+        end = positions + 1
+        start = (end - sliding_window).clamp(min=0) if windowed else torch.zeros_like(end)
+        return cls(cache, slots, positions, length, mask, fresh, windowed, (start, end))
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:
@@ -170,13 +167,13 @@ def split_heads(x: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
     return x.view(batch, seq, num_heads, head_dim).transpose(1, 2)
 
 
-def decode_kernel(q: torch.Tensor, ctx: ForwardContext) -> ModuleType | None:
-    """The C++ kernel module where it handles this attention (a decode step over every slot, float32
-    on the CPU, no ALiBi bias, 1 to 8 query heads per kv head, head_dim a multiple of 16 up to 256)."""
-    if ctx.key_ranges is None or q.device.type != "cpu" or q.dtype != torch.float32 or ctx.mask.dtype != torch.bool:
+def attention_kernel(q: torch.Tensor, ctx: ForwardContext) -> ModuleType | None:
+    """The C++ kernel module where it handles this attention (float32 on the CPU, no ALiBi bias, 1 to 8
+    query heads per kv head, head_dim 16, 32, 64 or 128); None for the PyTorch path."""
+    if q.device.type != "cpu" or q.dtype != torch.float32 or ctx.mask.dtype != torch.bool:
         return None
     heads, head_dim, kv_heads = q.shape[1], q.shape[3], ctx.cache.keys[0].shape[1]
-    if head_dim % 16 or head_dim > 256 or heads % kv_heads or heads // kv_heads > 8:
+    if head_dim not in (16, 32, 64, 128) or heads % kv_heads or heads // kv_heads > 8:
         return None
     return cpu_kernels()
 
@@ -188,14 +185,16 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: i
     q: (B, heads, T, hd); k, v: (B, kv_heads, T, hd). scale: None = 1 / sqrt(hd).
     Returns (B, T, heads * hd).
     """
-    ctx.cache.update(layer, ctx.slots, ctx.positions, k, v)
-    kernel = decode_kernel(q, ctx)
-    if kernel is not None:  # one token per slot, float32 on the CPU: read only each row's filled part
-        batch, heads, _, head_dim = q.shape
+    batch, heads, seq, head_dim = q.shape
+    kernel = attention_kernel(q, ctx)
+    if kernel is not None:  # stores k, v and reads only the keys each query sees, in one C++ call
+        rows = torch.arange(batch, device=q.device) if ctx.slots is None else ctx.slots
         start, end = ctx.key_ranges
-        out = kernel.decode_attention(q.reshape(batch, heads, head_dim), ctx.cache.keys[layer], ctx.cache.values[layer],
-                                      start, end, head_dim ** -0.5 if scale is None else scale)  # (B, heads, hd)
-        return out.view(batch, 1, heads * head_dim)
+        out = kernel.cached_attention(q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(),
+                                      v.transpose(1, 2).contiguous(), ctx.cache.keys[layer], ctx.cache.values[layer],
+                                      rows, start, end, head_dim ** -0.5 if scale is None else scale)  # (B, T, heads, hd)
+        return out.view(batch, seq, heads * head_dim)
+    ctx.cache.update(layer, ctx.slots, ctx.positions, k, v)
     if ctx.fresh:  # new prompts: their own keys are all there is to attend to
         keys, values = k, v  # (B, kv_heads, T, hd), T == length
     else:
@@ -204,7 +203,6 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: i
     causal = ctx.fresh and not ctx.windowed and ctx.mask.dtype == torch.bool
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=None if causal else ctx.mask,
                                          is_causal=causal, scale=scale, enable_gqa=q.shape[1] != keys.shape[1])
-    batch, heads, seq, head_dim = out.shape
     return out.transpose(1, 2).reshape(batch, seq, heads * head_dim)
 
 

@@ -1,0 +1,266 @@
+// Attention over a slot KV cache, on the CPU, in float32: decode steps, speculative verification and
+// prefill alike.
+//
+// Each query attends over its own row's cached keys [start, end) (end = its position + 1, start > 0
+// under a sliding window): only the filled part of each row is read, however long the longest row
+// of the batch is, and causal prefill skips the hidden keys instead of masking them. Grouped-query
+// attention reads each key and value once for all the query heads that share it. The forward's new
+// keys and values are written into the cache first, by the same call. Work is split over
+// (row, kv head, query) triples on PyTorch's own OpenMP threads, handed out one at a time since
+// rows differ in length.
+//
+// The arithmetic is softmax(q . k * scale) @ v with the maximum subtracted before exp, as in
+// PyTorch's attention; the summation order and exp's last bits differ (rounding at the 1e-7 level).
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// 16 floats in one register (AVX-512) or two (AVX2): GCC / Clang vector extensions, no intrinsics.
+typedef float vec16 __attribute__((vector_size(64)));
+constexpr int64_t W = 16;
+
+inline vec16 load16(const float* p) {
+  vec16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof v); }
+
+typedef int32_t lanes16 __attribute__((vector_size(64)));
+
+// Sixteen vectors in, their sixteen horizontal sums out (lane i = sum of v[i]), by four halving
+// steps of shuffles instead of sixteen separate reductions.
+inline vec16 horizontal_sums(vec16* v) {
+  static const lanes16 low[4] = {
+      {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+      {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},
+      {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29},
+      {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}};
+  static const lanes16 high[4] = {
+      {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31},
+      {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31},
+      {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31},
+      {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31}};
+  // Step t pairs vectors holding 2^t groups each (v0's, v1's...) into one holding 2^(t+1) halves.
+  for (int step = 0, count = W; step < 4; ++step, count /= 2) {
+    for (int i = 0; i < count / 2; ++i) {
+      v[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], low[step]) + __builtin_shuffle(v[2 * i], v[2 * i + 1], high[step]);
+    }
+  }
+  return v[0];
+}
+
+typedef int32_t ints16 __attribute__((vector_size(64)));
+
+// exp(x) for x <= 0 (a softmax's shifted scores), 16 at a time, within 2 ulp of expf, in plain vector
+// arithmetic (glibc's expf is a scalar call). Cephes' method: x = n ln2 + r, |r| <= ln2 / 2, exp(r)
+// by a degree-6 polynomial, 2^n written into the floats' exponent bits.
+inline vec16 exp_nonpositive(vec16 x) {
+  const vec16 lowest = vec16{} - 87.0f;  // below, expf is subnormal or 0; the weight is negligible either way
+  x = x < lowest ? lowest : x;
+  const vec16 shifter = vec16{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to the nearest integer
+  const vec16 n = (x * 1.44269504088896341f + shifter) - shifter;
+  const vec16 r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  vec16 p = vec16{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const vec16 y = p * r * r + r + 1.0f;
+  const ints16 bits = (__builtin_convertvector(n, ints16) + 127) << 23;
+  vec16 power;
+  std::memcpy(&power, &bits, sizeof power);
+  return y * power;
+}
+
+// row[0, n) <- softmax(row[0, n)); room for n rounded up to 16 (the tail is padded and ignored).
+inline void softmax_in_place(float* row, int64_t n) {
+  const int64_t padded = (n + W - 1) / W * W;
+  const float peak = *std::max_element(row, row + n);
+  std::fill(row + n, row + padded, -std::numeric_limits<float>::infinity());
+  vec16 totals{};
+  for (int64_t j = 0; j < padded; j += W) {
+    const vec16 e = exp_nonpositive(load16(row + j) - peak);
+    const vec16 weights = load16(row + j) == -std::numeric_limits<float>::infinity() ? vec16{} : e;
+    store16(row + j, weights);
+    totals += weights;
+  }
+  float total = 0.f;
+  for (int64_t i = 0; i < W; ++i) total += totals[i];
+  const float inverse = 1.f / total;
+  for (int64_t j = 0; j < padded; j += W) store16(row + j, load16(row + j) * inverse);
+}
+
+// Attention of G query heads (G, C * 16) over n keys and values (n, C * 16) each; writes out
+// (G, C * 16). G and C are compile-time, so the heads' dot products and sums stay in registers.
+// scores: room for G rows of n rounded up to 16 floats.
+template <int G, int C>
+void attend_group(const float* q, const float* k, const float* v, float* out, int64_t n, float scale,
+                  float* scores) {
+  constexpr int64_t D = C * W;
+  const int64_t stride = (n + W - 1) / W * W;  // one padded score row per head
+  vec16 qv[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) qv[g][c] = load16(q + g * D + c * W);
+  // Scores, sixteen keys at a time: one dot-product vector per key and head, then reduced together.
+  vec16 dots[G][W];
+  for (int64_t first = 0; first < n; first += W) {
+    const int64_t count = std::min<int64_t>(W, n - first);
+    for (int64_t i = 0; i < W; ++i) {
+      if (i >= count) {
+        for (int g = 0; g < G; ++g) dots[g][i] = vec16{};
+        continue;
+      }
+      const float* key = k + (first + i) * D;
+      vec16 part[C];
+      for (int c = 0; c < C; ++c) part[c] = load16(key + c * W);
+      for (int g = 0; g < G; ++g) {
+        vec16 dot = qv[g][0] * part[0];
+        for (int c = 1; c < C; ++c) dot += qv[g][c] * part[c];
+        dots[g][i] = dot;
+      }
+    }
+    for (int g = 0; g < G; ++g) store16(scores + g * stride + first, horizontal_sums(dots[g]) * scale);
+  }
+  for (int g = 0; g < G; ++g) softmax_in_place(scores + g * stride, n);
+  // Weighted values: every head's sums, all C chunks, in registers over one pass of the values.
+  vec16 acc[G][C] = {};
+  for (int64_t j = 0; j < n; ++j) {
+    vec16 value[C];
+    for (int c = 0; c < C; ++c) value[c] = load16(v + j * D + c * W);
+    for (int g = 0; g < G; ++g) {
+      const float weight = scores[g * stride + j];
+      for (int c = 0; c < C; ++c) acc[g][c] += weight * value[c];
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) store16(out + g * D + c * W, acc[g][c]);
+}
+
+using AttendGroup = void (*)(const float*, const float*, const float*, float*, int64_t, float, float*);
+
+template <int G>
+AttendGroup attend_group_for_chunks(int64_t C) {
+  switch (C) {
+    case 1: return attend_group<G, 1>;
+    case 2: return attend_group<G, 2>;
+    case 4: return attend_group<G, 4>;
+    case 8: return attend_group<G, 8>;
+    default: return nullptr;
+  }
+}
+
+// The instance for G query heads per kv head (1 to 8) and head_dim D (16, 32, 64 or 128); nullptr
+// for other shapes.
+AttendGroup attend_group_for(int64_t G, int64_t D) {
+  if (D % W) return nullptr;
+  switch (G) {
+    case 1: return attend_group_for_chunks<1>(D / W);
+    case 2: return attend_group_for_chunks<2>(D / W);
+    case 3: return attend_group_for_chunks<3>(D / W);
+    case 4: return attend_group_for_chunks<4>(D / W);
+    case 5: return attend_group_for_chunks<5>(D / W);
+    case 6: return attend_group_for_chunks<6>(D / W);
+    case 7: return attend_group_for_chunks<7>(D / W);
+    case 8: return attend_group_for_chunks<8>(D / W);
+    default: return nullptr;
+  }
+}
+
+// Writes new_keys, new_values (B, T, Hkv, D) at positions ends - 1 of cache rows `slots`, then attends
+// each query of q (B, T, H, D) over its row's keys [start, end). keys, values: (S, Hkv, M, D),
+// contiguous in their last two dims; slots: (B,); starts, ends: (B, T). Returns (B, T, H, D).
+torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& new_keys, const torch::Tensor& new_values,
+                               const torch::Tensor& keys, const torch::Tensor& values, const torch::Tensor& slots,
+                               const torch::Tensor& starts, const torch::Tensor& ends, double scale) {
+  const std::vector<torch::Tensor> floats = {q, new_keys, new_values, keys, values};
+  for (const auto& t : floats) {
+    TORCH_CHECK(t.device().is_cpu(), "CPU tensors only");
+    TORCH_CHECK(t.scalar_type() == at::kFloat, "float32 only");
+  }
+  TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.sizes() == keys.sizes(), "q (B, T, H, D), cache (S, Hkv, M, D)");
+  TORCH_CHECK(q.is_contiguous() && new_keys.is_contiguous() && new_values.is_contiguous(),
+              "q and the new keys and values must be contiguous");
+  TORCH_CHECK(keys.stride(3) == 1 && keys.stride(2) == keys.size(3) && values.stride(3) == 1 &&
+                  values.stride(2) == values.size(3), "cache rows must be contiguous");
+  const int64_t B = q.size(0), T = q.size(1), H = q.size(2), D = q.size(3);
+  const int64_t S = keys.size(0), Hkv = keys.size(1), M = keys.size(2);
+  TORCH_CHECK(keys.size(3) == D && H % Hkv == 0, "q and cache shapes disagree");
+  TORCH_CHECK(new_keys.sizes() == at::IntArrayRef({B, T, Hkv, D}) && new_values.sizes() == new_keys.sizes(),
+              "new keys and values must be (B, T, Hkv, D)");
+  TORCH_CHECK(slots.numel() == B && starts.numel() == B * T && ends.numel() == B * T,
+              "one slot per row, one start and end per query");
+  const int64_t G = H / Hkv;
+  const AttendGroup attend = attend_group_for(G, D);
+  TORCH_CHECK(attend != nullptr, "1 to 8 query heads per kv head and head_dim 16, 32, 64 or 128, not ", G, " and ", D);
+  auto slots64 = slots.to(at::kLong).contiguous();
+  auto starts64 = starts.to(at::kLong).contiguous();
+  auto ends64 = ends.to(at::kLong).contiguous();
+  const int64_t* slot = slots64.data_ptr<int64_t>();
+  const int64_t* start = starts64.data_ptr<int64_t>();
+  const int64_t* end = ends64.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(0 <= slot[b] && slot[b] < S, "row ", b, ": slot ", slot[b], " outside the cache's ", S, " slots");
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t i = b * T + t;
+      TORCH_CHECK(0 <= start[i] && start[i] < end[i] && end[i] <= M, "row ", b, " query ", t, ": keys [", start[i],
+                  ", ", end[i], ") outside the cache's ", M, " positions");
+    }
+  }
+  auto out = torch::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* nkp = new_keys.data_ptr<float>();
+  const float* nvp = new_values.data_ptr<float>();
+  float* kp = keys.data_ptr<float>();
+  float* vp = values.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t ks0 = keys.stride(0), ks1 = keys.stride(1), vs0 = values.stride(0), vs1 = values.stride(1);
+  const float fscale = static_cast<float>(scale);
+  const int threads = std::max(1, at::get_num_threads());
+
+  // The new keys first: a query reads those of earlier queries of its row.
+  for (int64_t i = 0; i < B * T; ++i) {
+    const int64_t b = i / T;
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const int64_t source = (i * Hkv + h) * D;
+      std::memcpy(kp + slot[b] * ks0 + h * ks1 + (end[i] - 1) * D, nkp + source, D * sizeof(float));
+      std::memcpy(vp + slot[b] * vs0 + h * vs1 + (end[i] - 1) * D, nvp + source, D * sizeof(float));
+    }
+  }
+  // Tasks (row, kv head, query), consecutive ones sharing a row's keys while they are in cache.
+  const int64_t tasks = B * Hkv * T;
+#pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(threads, tasks)))
+  {
+    std::vector<float> scores;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < tasks; ++task) {
+      const int64_t b = task / (Hkv * T), h = task / T % Hkv, t = task % T;
+      const int64_t i = b * T + t, lo = start[i], n = end[i] - lo;
+      const float* k = kp + slot[b] * ks0 + h * ks1 + lo * D;
+      const float* v = vp + slot[b] * vs0 + h * vs1 + lo * D;
+      const int64_t heads = (i * H + h * G) * D;  // the G query heads of kv head h
+      scores.resize(G * ((n + W - 1) / W * W));
+      attend(qp + heads, k, v, op + heads, n, fscale, scores.data());
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("cached_attention", &cached_attention,
+        "Writes the new keys and values (B, T, Hkv, D) at ends - 1 of cache rows `slots`, then attends each "
+        "query of q (B, T, H, D) over its row's cached keys [start, end): cache (S, Hkv, M, D)");
+}
