@@ -57,7 +57,7 @@ class GenerationEngine:
 
     def __init__(self, model: nn.Module, num_slots: int, max_seq_len: int, stop_sequences: list[list[int]],
                  max_tokens: int | None, device: torch.device, dtype: torch.dtype,
-                 prefill_token_budget: int = 2048, choice: TokenChoice | None = None,
+                 prefill_token_budget: int = 1024, choice: TokenChoice | None = None,
                  drafter: Drafter | None = None) -> None:
         config = model.config
         self.model = model
@@ -186,14 +186,14 @@ class GenerationEngine:
             shared = self.shared_prefix
             return len(shared) if shared is not None and shared.starts(request.prompt) else 0
 
-        ordered = sorted(((offset(r), slot, r) for slot, r in admitted), key=lambda item: (item[0], len(item[2].prompt)))
+        ordered = sorted(((offset(r), slot, r) for slot, r in admitted),
+                         key=lambda item: (item[0], len(item[2].prompt)))
         groups: list[tuple[int, list[tuple[int, Request]]]] = []
-        for start, slot, request in ordered:
-            rows = len(request.prompt) - start
-            # Sorted ascending, so the newcomer is the longest: the padded group is (n + 1) x its length.
-            if (not groups or groups[-1][0] != start
-                    or (len(groups[-1][1]) + 1) * rows > self.prefill_token_budget):
-                groups.append((start, []))
+        for skipped, slot, request in ordered:
+            width = len(request.prompt) - skipped
+            # Sorted ascending, so the newcomer is the longest: the padded group is (n + 1) x its width.
+            if not groups or groups[-1][0] != skipped or (len(groups[-1][1]) + 1) * width > self.prefill_token_budget:
+                groups.append((skipped, []))
             groups[-1][1].append((slot, request))
         return groups
 

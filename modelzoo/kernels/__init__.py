@@ -53,7 +53,7 @@ def cpu_kernels() -> ModuleType | None:
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
         return cpp_extension.load(name="zoo_infer_cpu_kernels", sources=[str(s) for s in SOURCES],
-                                  build_directory=str(build_dir), extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
+                                  build_directory=str(build_dir), extra_cflags=["-O3", "-march=native", "-fopenmp"],
                                   extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as error:  # no compiler, no headers, a failed build: the torch path still works
         log.warning("C++ CPU kernels unavailable (%s: %s); using the PyTorch code path", type(error).__name__,

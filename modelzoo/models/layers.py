@@ -26,10 +26,10 @@ class ForwardContext:
     "every slot, in order" (the fast path: cache reads are views). length: number of cache positions
     attended over (max position + 1). mask: (B, 1, T, length) bool, True where a key is visible, or,
     with ALiBi, an additive float bias (B, heads, T, length) with -inf where a key is hidden.
-    fresh: every row's positions are 0 .. T-1 (new prompts), so attention needs only this forward's
-    own keys and values, not the cache. windowed: the sliding window hides some key.
     key_ranges: each query's visible cache positions [start, end), two (B, T) tensors, for the C++
     attention kernel (end = position + 1; start > 0 only under a sliding window).
+    fresh: every row's positions are 0 .. T-1 (new prompts), so attention needs only this forward's
+    own keys and values, not the cache. windowed: the sliding window hides some key.
     """
 
     cache: KVCache
@@ -37,9 +37,9 @@ class ForwardContext:
     positions: torch.Tensor
     length: int
     mask: torch.Tensor
+    key_ranges: tuple[torch.Tensor, torch.Tensor]
     fresh: bool = False
     windowed: bool = False
-    key_ranges: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(cls, cache: KVCache, slots: torch.Tensor | None, positions: torch.Tensor,
@@ -62,7 +62,7 @@ class ForwardContext:
         windowed = sliding_window is not None and length > sliding_window
         end = positions + 1
         start = (end - sliding_window).clamp(min=0) if windowed else torch.zeros_like(end)
-        return cls(cache, slots, positions, length, mask, fresh, windowed, (start, end))
+        return cls(cache, slots, positions, length, mask, (start, end), fresh, windowed)
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:
@@ -190,9 +190,9 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: i
     if kernel is not None:  # stores k, v and reads only the keys each query sees, in one C++ call
         rows = torch.arange(batch, device=q.device) if ctx.slots is None else ctx.slots
         start, end = ctx.key_ranges
-        out = kernel.cached_attention(q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(),
-                                      v.transpose(1, 2).contiguous(), ctx.cache.keys[layer], ctx.cache.values[layer],
-                                      rows, start, end, head_dim ** -0.5 if scale is None else scale)  # (B, T, heads, hd)
+        q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))  # (B, T, heads or kv_heads, hd)
+        out = kernel.cached_attention(q, k, v, ctx.cache.keys[layer], ctx.cache.values[layer], rows, start, end,
+                                      head_dim ** -0.5 if scale is None else scale)  # (B, T, heads, hd)
         return out.view(batch, seq, heads * head_dim)
     ctx.cache.update(layer, ctx.slots, ctx.positions, k, v)
     if ctx.fresh:  # new prompts: their own keys are all there is to attend to
