@@ -11,12 +11,25 @@ from transformers import LlamaConfig
 
 from modelzoo.checkpoint import load_model
 from modelzoo.generation.engine import GenerationEngine, Request
+import modelzoo.kernels
 from modelzoo.kernels import cpu_kernels
 from modelzoo.models import layers
 from tests.harness import family_prompts, save_tiny_model
 
 kernels = cpu_kernels()
-pytestmark = pytest.mark.skipif(kernels is None, reason="the C++ kernels could not be built here")
+needs_kernels = pytest.mark.skipif(kernels is None, reason="the C++ kernels could not be built here")
+
+
+def test_a_failed_build_falls_back_with_a_warning(tmp_path, monkeypatch, caplog):
+    from torch.utils import cpp_extension
+
+    def no_compiler(**_):
+        raise RuntimeError("Error building extension\ng++: command not found")
+
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    monkeypatch.setattr(modelzoo.kernels, "BUILD_ROOT", tmp_path)
+    assert modelzoo.kernels.cpu_kernels.__wrapped__() is None
+    assert "C++ CPU kernels unavailable (RuntimeError: g++: command not found)" in caplog.text
 
 
 def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, start: torch.Tensor,
@@ -62,6 +75,7 @@ def check_against_reference(q, new_keys, new_values, keys, values, slots, start,
     torch.testing.assert_close(out.double(), reference(q, keys, values, slots, start, end, scale), rtol=1e-5, atol=1e-6)
 
 
+@needs_kernels
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 6, 7, 8])
 @pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
 def test_decode_step_matches_float64_softmax(group, head_dim):
@@ -69,6 +83,7 @@ def test_decode_step_matches_float64_softmax(group, head_dim):
     check_against_reference(*random_call(group, head_dim, positions, seed=group * 1000 + head_dim))
 
 
+@needs_kernels
 @pytest.mark.parametrize("window", [None, 8])
 def test_prefill_and_verification_rows_match_float64_softmax(window):
     causal = torch.arange(33).expand(3, 33)  # new prompts: each query sees the keys up to its own
@@ -77,6 +92,7 @@ def test_prefill_and_verification_rows_match_float64_softmax(window):
     check_against_reference(*random_call(4, 32, offset, window))
 
 
+@needs_kernels
 def test_kernel_ignores_positions_past_end_and_reads_a_strided_cache_view():
     q, new_keys, new_values, keys, values, slots, start, end = random_call(2, 32, torch.tensor([[4], [39], [11]]))
     expected = kernels.cached_attention(q, new_keys, new_values, keys, values, slots, start, end, 0.3)
@@ -93,6 +109,7 @@ def test_kernel_ignores_positions_past_end_and_reads_a_strided_cache_view():
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
+@needs_kernels
 @pytest.mark.parametrize("change, message", [
     (dict(start=torch.tensor([[3], [0]])), "outside the cache"),
     (dict(end=torch.tensor([[4], [9]])), "outside the cache"),
@@ -134,6 +151,7 @@ def generate_all(checkpoint, prompts, monkeypatch, use_kernel: bool) -> dict[int
     return out
 
 
+@needs_kernels
 def test_engine_gives_the_same_tokens_with_and_without_the_kernel(tmp_path, monkeypatch):
     config = LlamaConfig(vocab_size=96, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64)

@@ -50,13 +50,16 @@ def cpu_kernels() -> ModuleType | None:
     from torch.utils import cpp_extension
 
     build_dir = kernel_build_dir()
-    build_dir.mkdir(parents=True, exist_ok=True)
     try:
-        return cpp_extension.load(name="zoo_infer_cpu_kernels", sources=[str(s) for s in SOURCES],
-                                  build_directory=str(build_dir), extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                                  extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as error:  # no compiler, no headers, a failed build: the torch path still works
-        log.warning("C++ CPU kernels unavailable (%s: %s); using the PyTorch code path", type(error).__name__,
-                    str(error).strip().splitlines()[-1] if str(error).strip() else "")
+        build_dir.mkdir(parents=True, exist_ok=True)
+        module = cpp_extension.load(name="zoo_infer_cpu_kernels", sources=[str(s) for s in SOURCES],
+                                    build_directory=str(build_dir), extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                                    extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as error:  # no compiler, no headers, a read-only checkout: the torch path still works
+        reason = str(error).strip().splitlines()[-1] if str(error).strip() else ""
+        log.warning("C++ CPU kernels unavailable (%s: %s); attention runs the PyTorch code path",
+                    type(error).__name__, reason)
         return None
+    log.info("C++ CPU attention kernel loaded from %s", build_dir)
+    return module
 
