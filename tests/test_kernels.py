@@ -14,7 +14,7 @@ from modelzoo.generation.engine import GenerationEngine, Request
 import modelzoo.kernels
 from modelzoo.kernels import cpu_kernels
 from modelzoo.models import layers
-from tests.harness import family_prompts, save_tiny_model
+from harness import family_prompts, save_tiny_model
 
 kernels = cpu_kernels()
 needs_kernels = pytest.mark.skipif(kernels is None, reason="the C++ kernels could not be built here")

@@ -161,8 +161,7 @@ class GenerationEngine:
             prompt_len = offset + suffix_len
             if offset:
                 self.shared_prefix.copy_into(self.cache, slots)
-                self.sequences[slots, :offset] = torch.from_numpy(self.shared_prefix.tokens.astype(np.int64)).to(
-                    self.device)
+                self.sequences[slots, :offset] = self.shared_prefix.ids
             self.sequences[slots, offset: offset + width] = tokens
             self.seq_len[slots] = self.prompt_len[slots] = prompt_len
             self.sample_index[slots] = torch.tensor([r.index for _, r in group], device=self.device)

@@ -30,10 +30,12 @@ def common_prefix(prompts: list[np.ndarray]) -> np.ndarray:
 
 
 class SharedPrefix:
-    """The tokens of a shared prefix (P,) and their keys and values, (kv_heads, P, head_dim) per layer."""
+    """The tokens of a shared prefix (P,), as numpy and as a device tensor, and their keys and values,
+    (kv_heads, P, head_dim) per layer."""
 
-    def __init__(self, tokens: np.ndarray, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-        self.tokens, self.keys, self.values = tokens, keys, values
+    def __init__(self, tokens: np.ndarray, ids: torch.Tensor, keys: list[torch.Tensor],
+                 values: list[torch.Tensor]) -> None:
+        self.tokens, self.ids, self.keys, self.values = tokens, ids, keys, values
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -48,12 +50,11 @@ class SharedPrefix:
         tokens = common_prefix(prompts)
         if len(tokens) < MIN_SHARED_TOKENS:
             return None
-        length = len(tokens)
-        ids = torch.from_numpy(tokens.astype(np.int64))[None].to(device)  # (1, P)
-        model(ids, torch.arange(length, device=device)[None], cache, torch.tensor([slot], device=device))
-        keys = [k[slot, :, :length].clone() for k in cache.keys]
-        values = [v[slot, :, :length].clone() for v in cache.values]
-        return cls(tokens, keys, values)
+        length, row = len(tokens), torch.tensor([slot], device=device)
+        ids = torch.from_numpy(tokens.astype(np.int64)).to(device)  # (P,)
+        model(ids[None], torch.arange(length, device=device)[None], cache, row)
+        stored = [cache.read(layer, row, length) for layer in range(len(cache.keys))]  # (1, kv_heads, P, hd) each
+        return cls(tokens, ids, [k[0] for k, _ in stored], [v[0] for _, v in stored])
 
     def starts(self, prompt: np.ndarray) -> bool:
         """Whether `prompt` begins with the prefix and has at least one token after it."""
@@ -61,6 +62,7 @@ class SharedPrefix:
 
     def copy_into(self, cache: KVCache, slots: torch.Tensor) -> None:
         """Writes the prefix's keys and values at positions 0 .. P-1 of cache rows `slots` (B,)."""
+        batch = len(slots)
+        positions = torch.arange(len(self.tokens), device=slots.device).expand(batch, -1)  # (B, P)
         for layer, (keys, values) in enumerate(zip(self.keys, self.values)):
-            cache.keys[layer][slots, :, : len(self.tokens)] = keys
-            cache.values[layer][slots, :, : len(self.tokens)] = values
+            cache.update(layer, slots, positions, keys.expand(batch, -1, -1, -1), values.expand(batch, -1, -1, -1))
