@@ -1,5 +1,6 @@
-"""The C++ cached-attention kernel against a float64 softmax reference (and the cache writes it does
-first), its input checks, and the engine with and without it."""
+"""The C++ kernels: cached attention against a float64 softmax reference (and the cache writes it does
+first), with the rotary embedding it can apply; the fused RMSNorm and SiLU-gate ops bit for bit
+against the PyTorch spelling they replace; their input checks; the engine with and without them."""
 from __future__ import annotations
 
 import math
@@ -7,6 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import LlamaConfig
 
 from modelzoo.checkpoint import load_model
@@ -14,6 +16,8 @@ from modelzoo.generation.engine import GenerationEngine, Request
 import modelzoo.kernels
 from modelzoo.kernels import cpu_kernels
 from modelzoo.models import layers
+from modelzoo.models.config import RopeConfig
+from modelzoo.models.layers import RotaryEmbedding, apply_rotary
 from harness import family_prompts, save_tiny_model
 
 kernels = cpu_kernels()
@@ -134,6 +138,86 @@ def test_kernel_rejects_bad_inputs(change, message):
         kernels.cached_attention(*inputs.values(), 1.0)
 
 
+@needs_kernels
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_rotary_inside_the_kernel_equals_rotating_first(head_dim):
+    """q, k, v as strided views of one fused projection, rotated by the kernel: the cache holds the keys
+    apply_rotary gives, bit for bit, and the output equals the kernel's on pre-rotated inputs."""
+    generator = torch.Generator().manual_seed(head_dim)
+    batch, width, heads, kv_heads = 3, 5, 6, 2
+    qkv = torch.randn(batch, width, (heads + 2 * kv_heads) * head_dim, generator=generator)
+    q, k, v = qkv.view(batch, width, heads + 2 * kv_heads, head_dim).split((heads, kv_heads, kv_heads), dim=2)
+    rope = RotaryEmbedding(RopeConfig(theta=10000.0), head_dim, 64)
+    rope.build_tables(torch.device("cpu"))
+    positions = 30 + torch.arange(width).expand(batch, width)
+    cos, sin = rope(positions, torch.float32)  # (B, 1, T, hd)
+    keys, values = torch.randn(4, kv_heads, 64, head_dim, generator=generator), torch.randn(4, kv_heads, 64, head_dim)
+    slots, start, end = torch.tensor([3, 0, 2]), torch.zeros_like(positions), positions + 1
+    rotated_keys, rotated_values = keys.clone(), values.clone()
+    out = kernels.cached_attention(q, k, v, rotated_keys, rotated_values, slots, start, end, 0.125, cos[:, 0], sin[:, 0])
+    q_rotated = apply_rotary(q.transpose(1, 2), cos, sin).transpose(1, 2).contiguous()
+    k_rotated = apply_rotary(k.transpose(1, 2), cos, sin).transpose(1, 2).contiguous()
+    expected = kernels.cached_attention(q_rotated, k_rotated, v.contiguous(), keys, values, slots, start, end, 0.125)
+    assert torch.equal(rotated_keys, keys) and torch.equal(rotated_values, values)
+    assert torch.equal(out, expected)
+
+
+@needs_kernels
+@pytest.mark.parametrize("change, message", [
+    (dict(cos=torch.randn(2, 1, 16), sin=None), "cos and sin come together"),
+    (dict(cos=torch.randn(2, 1, 8), sin=torch.randn(2, 1, 8)), r"cos and sin must be contiguous float32 \(B, T, D\)"),
+    (dict(cos=torch.randn(2, 1, 32)[..., ::2], sin=torch.randn(2, 1, 16)), "must be contiguous"),
+])
+def test_kernel_rejects_bad_rotary_tables(change, message):
+    inputs = dict(q=torch.randn(2, 1, 4, 16), new_keys=torch.randn(2, 1, 2, 16), new_values=torch.randn(2, 1, 2, 16),
+                  keys=torch.randn(2, 2, 8, 16), values=torch.randn(2, 2, 8, 16), slots=torch.tensor([0, 1]),
+                  start=torch.tensor([[0], [0]]), end=torch.tensor([[3], [8]]), scale=1.0)
+    inputs.update(change)
+    with pytest.raises(RuntimeError, match=message):
+        kernels.cached_attention(*inputs.values())
+
+
+def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm, spelled out."""
+    variance = x.pow(2).mean(-1, keepdim=True)
+    return weight * (x * torch.rsqrt(variance + eps))
+
+
+@needs_kernels
+@pytest.mark.parametrize("width", [8, 40, 64, 576, 960, 2048])  # below, at and past the sum's cascade levels
+def test_rms_norm_is_bitwise_torch(width):
+    generator = torch.Generator().manual_seed(width)
+    x, delta = torch.randn(2, 150, width, generator=generator) * 3, torch.randn(2, 150, width, generator=generator)
+    weight = torch.randn(width, generator=generator)
+    assert torch.equal(kernels.rms_norm(x, weight, 1e-5), torch_rms_norm(x, weight, 1e-5))
+    summed = x.clone()
+    normed = kernels.add_rms_norm_(summed, delta, weight, 1e-6)
+    assert torch.equal(summed, x + delta)
+    assert torch.equal(normed, torch_rms_norm(x + delta, weight, 1e-6))
+
+
+@needs_kernels
+@pytest.mark.parametrize("width", [1536, 64, 37])  # 37: a tail past ATen's two-vector blocks
+def test_silu_mul_is_bitwise_torch(width):
+    gate_up = torch.randn(4, 9, 2 * width, generator=torch.Generator().manual_seed(width)) * 5
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(kernels.silu_mul(gate_up), F.silu(gate) * up)
+
+
+@needs_kernels
+@pytest.mark.parametrize("call, message", [
+    (lambda: kernels.rms_norm(torch.randn(4, 8).t(), torch.randn(4), 1e-5), "contiguous float32"),
+    (lambda: kernels.rms_norm(torch.randn(4, 8).double(), torch.randn(8), 1e-5), "contiguous float32"),
+    (lambda: kernels.rms_norm(torch.randn(4, 8), torch.randn(7), 1e-5), r"weight must be float32 \(n,\)"),
+    (lambda: kernels.add_rms_norm_(torch.randn(4, 8), torch.randn(4, 7), torch.randn(8), 1e-5), "shaped like x"),
+    (lambda: kernels.silu_mul(torch.randn(4, 7)), "must be even"),
+    (lambda: kernels.silu_mul(torch.randn(8, 4).t()), "contiguous float32"),
+])
+def test_fused_ops_reject_bad_inputs(call, message):
+    with pytest.raises(RuntimeError, match=message):
+        call()
+
+
 def generate_all(checkpoint, prompts, monkeypatch, use_kernel: bool) -> dict[int, list[int]]:
     calls = []
     real = layers.attention_kernel
@@ -144,6 +228,7 @@ def generate_all(checkpoint, prompts, monkeypatch, use_kernel: bool) -> dict[int
         return module
 
     monkeypatch.setattr(layers, "attention_kernel", counted)
+    monkeypatch.setattr(layers, "fused_kernels", (lambda x: kernels) if use_kernel else (lambda x: None))
     model, _ = load_model(checkpoint, torch.float32, torch.device("cpu"))
     engine = GenerationEngine(model, 3, 64, [], 12, torch.device("cpu"), torch.float32)
     out = {c.index: c.tokens.tolist() for c in engine.generate(Request(i, np.array(p)) for i, p in enumerate(prompts))}
@@ -152,7 +237,7 @@ def generate_all(checkpoint, prompts, monkeypatch, use_kernel: bool) -> dict[int
 
 
 @needs_kernels
-def test_engine_gives_the_same_tokens_with_and_without_the_kernel(tmp_path, monkeypatch):
+def test_engine_gives_the_same_tokens_with_and_without_the_kernels(tmp_path, monkeypatch):
     config = LlamaConfig(vocab_size=96, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64)
     checkpoint = save_tiny_model(config, tmp_path / "llama")

@@ -21,7 +21,7 @@ import torch
 
 log = logging.getLogger("zoo-infer")
 
-SOURCES = [Path(__file__).with_name("cached_attention.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("bindings.cpp", "cached_attention.cpp", "decoder_ops.cpp")]
 BUILD_ROOT = Path(__file__).with_name("build")
 
 

@@ -5,13 +5,14 @@
 // under a sliding window): only the filled part of each row is read, however long the longest row
 // of the batch is, and causal prefill skips the hidden keys instead of masking them. Grouped-query
 // attention reads each key and value once for all the query heads that share it. The forward's new
-// keys and values are written into the cache first, by the same call. Work is split over
-// (row, kv head, query) triples on PyTorch's own OpenMP threads, handed out one at a time since
-// rows differ in length.
+// keys and values are written into the cache first, by the same call, rotated first where the
+// caller passes the rotary tables (so are the queries): q, k and v may be strided views of one
+// fused projection. Work is split over (row, kv head, query) triples on PyTorch's own OpenMP
+// threads, handed out one at a time since rows differ in length.
 //
 // The arithmetic is softmax(q . k * scale) @ v with the maximum subtracted before exp, as in
 // PyTorch's attention; the summation order and exp's last bits differ (rounding at the 1e-7 level).
-#include <torch/extension.h>
+#include "kernels.h"
 
 #include <ATen/Parallel.h>
 
@@ -22,6 +23,7 @@
 #include <limits>
 #include <vector>
 
+namespace zoo {
 namespace {
 
 // 16 floats in one register (AVX-512) or two (AVX2): GCC / Clang vector extensions, no intrinsics.
@@ -178,20 +180,25 @@ AttendGroup attend_group_for(int64_t G, int64_t D) {
   }
 }
 
+}  // namespace
+
 // Writes new_keys, new_values (B, T, Hkv, D) at positions ends - 1 of cache rows `slots`, then attends
-// each query of q (B, T, H, D) over its row's keys [start, end). keys, values: (S, Hkv, M, D),
-// contiguous in their last two dims; slots: (B,); starts, ends: (B, T). Returns (B, T, H, D).
+// each query of q (B, T, H, D) over its row's keys [start, end). q, new_keys, new_values: any strides
+// with each head's D floats contiguous. keys, values: (S, Hkv, M, D), contiguous in their last two
+// dims; slots: (B,); starts, ends: (B, T); cos, sin: none, or (B, T, D) contiguous to rotate q and
+// the new keys by. Returns (B, T, H, D).
 torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& new_keys, const torch::Tensor& new_values,
                                const torch::Tensor& keys, const torch::Tensor& values, const torch::Tensor& slots,
-                               const torch::Tensor& starts, const torch::Tensor& ends, double scale) {
+                               const torch::Tensor& starts, const torch::Tensor& ends, double scale,
+                               const c10::optional<torch::Tensor>& cos, const c10::optional<torch::Tensor>& sin) {
   const std::vector<torch::Tensor> floats = {q, new_keys, new_values, keys, values};
   for (const auto& t : floats) {
     TORCH_CHECK(t.device().is_cpu(), "CPU tensors only");
     TORCH_CHECK(t.scalar_type() == at::kFloat, "float32 only");
   }
   TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.sizes() == keys.sizes(), "q (B, T, H, D), cache (S, Hkv, M, D)");
-  TORCH_CHECK(q.is_contiguous() && new_keys.is_contiguous() && new_values.is_contiguous(),
-              "q and the new keys and values must be contiguous");
+  TORCH_CHECK(q.stride(3) == 1 && new_keys.stride(3) == 1 && new_values.stride(3) == 1,
+              "each head of q and of the new keys and values must be contiguous");
   TORCH_CHECK(keys.stride(3) == 1 && keys.stride(2) == keys.size(3) && values.stride(3) == 1 &&
                   values.stride(2) == values.size(3), "cache rows must be contiguous");
   const int64_t B = q.size(0), T = q.size(1), H = q.size(2), D = q.size(3);
@@ -201,6 +208,15 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& new_
               "new keys and values must be (B, T, Hkv, D)");
   TORCH_CHECK(slots.numel() == B && starts.numel() == B * T && ends.numel() == B * T,
               "one slot per row, one start and end per query");
+  TORCH_CHECK(cos.has_value() == sin.has_value(), "cos and sin come together");
+  const bool rotary = cos.has_value();
+  if (rotary) {
+    for (const auto& table : {*cos, *sin}) {
+      TORCH_CHECK(table.sizes() == at::IntArrayRef({B, T, D}) && table.is_contiguous() &&
+                      table.scalar_type() == at::kFloat && table.device().is_cpu(),
+                  "cos and sin must be contiguous float32 (B, T, D)");
+    }
+  }
   const int64_t G = H / Hkv;
   const AttendGroup attend = attend_group_for(G, D);
   TORCH_CHECK(attend != nullptr, "1 to 8 query heads per kv head and head_dim 16, 32, 64 or 128, not ", G, " and ", D);
@@ -218,49 +234,65 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& new_
                   ", ", end[i], ") outside the cache's ", M, " positions");
     }
   }
-  auto out = torch::empty_like(q);
+  auto out = torch::empty({B, T, H, D}, q.options());
   const float* qp = q.data_ptr<float>();
   const float* nkp = new_keys.data_ptr<float>();
   const float* nvp = new_values.data_ptr<float>();
+  const float* cosp = rotary ? cos->data_ptr<float>() : nullptr;
+  const float* sinp = rotary ? sin->data_ptr<float>() : nullptr;
   float* kp = keys.data_ptr<float>();
   float* vp = values.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t ks0 = keys.stride(0), ks1 = keys.stride(1), vs0 = values.stride(0), vs1 = values.stride(1);
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2);
   const float fscale = static_cast<float>(scale);
   const int threads = std::max(1, at::get_num_threads());
 
   // The new keys first: a query reads those of earlier queries of its row.
   for (int64_t i = 0; i < B * T; ++i) {
-    const int64_t b = i / T;
+    const int64_t b = i / T, t = i % T;
     for (int64_t h = 0; h < Hkv; ++h) {
-      const int64_t source = (i * Hkv + h) * D;
-      std::memcpy(kp + slot[b] * ks0 + h * ks1 + (end[i] - 1) * D, nkp + source, D * sizeof(float));
-      std::memcpy(vp + slot[b] * vs0 + h * vs1 + (end[i] - 1) * D, nvp + source, D * sizeof(float));
+      const float* key = nkp + b * new_keys.stride(0) + t * new_keys.stride(1) + h * new_keys.stride(2);
+      const float* value = nvp + b * new_values.stride(0) + t * new_values.stride(1) + h * new_values.stride(2);
+      float* key_slot = kp + slot[b] * ks0 + h * ks1 + (end[i] - 1) * D;
+      if (rotary) {
+        rotate_half(key, cosp + i * D, sinp + i * D, key_slot, D);
+      } else {
+        std::memcpy(key_slot, key, D * sizeof(float));
+      }
+      std::memcpy(vp + slot[b] * vs0 + h * vs1 + (end[i] - 1) * D, value, D * sizeof(float));
     }
   }
   // Tasks (row, kv head, query), consecutive ones sharing a row's keys while they are in cache.
   const int64_t tasks = B * Hkv * T;
+  const bool gather = rotary || qs2 != D;  // the G query heads are not one contiguous block as given
 #pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(threads, tasks)))
   {
     std::vector<float> scores;
+    std::vector<float> queries(gather ? G * D : 0);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < tasks; ++task) {
       const int64_t b = task / (Hkv * T), h = task / T % Hkv, t = task % T;
       const int64_t i = b * T + t, lo = start[i], n = end[i] - lo;
       const float* k = kp + slot[b] * ks0 + h * ks1 + lo * D;
       const float* v = vp + slot[b] * vs0 + h * vs1 + lo * D;
-      const int64_t heads = (i * H + h * G) * D;  // the G query heads of kv head h
+      const float* query = qp + b * qs0 + t * qs1 + h * G * qs2;  // the G heads of kv head h
+      if (gather) {
+        for (int64_t g = 0; g < G; ++g) {
+          const float* head = query + g * qs2;
+          if (rotary) {
+            rotate_half(head, cosp + i * D, sinp + i * D, queries.data() + g * D, D);
+          } else {
+            std::memcpy(queries.data() + g * D, head, D * sizeof(float));
+          }
+        }
+        query = queries.data();
+      }
       scores.resize(G * ((n + W - 1) / W * W));
-      attend(qp + heads, k, v, op + heads, n, fscale, scores.data());
+      attend(query, k, v, op + (i * H + h * G) * D, n, fscale, scores.data());
     }
   }
   return out;
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("cached_attention", &cached_attention,
-        "Writes the new keys and values (B, T, Hkv, D) at ends - 1 of cache rows `slots`, then attends each "
-        "query of q (B, T, H, D) over its row's cached keys [start, end): cache (S, Hkv, M, D)");
-}
+}  // namespace zoo

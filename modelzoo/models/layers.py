@@ -79,8 +79,16 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
     return slopes
 
 
+def fused_kernels(x: torch.Tensor) -> ModuleType | None:
+    """The C++ kernel module where its fused ops take `x` (float32 on the CPU); None for PyTorch's ops."""
+    if x.device.type != "cpu" or x.dtype != torch.float32:
+        return None
+    return cpu_kernels()
+
+
 class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in float32 as in transformers' LlamaRMSNorm."""
+    """Root-mean-square norm, computed in float32 as in transformers' LlamaRMSNorm (one C++ call
+    where the kernels are built, with the same result bit for bit)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -88,10 +96,22 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernels = fused_kernels(x)
+        if kernels is not None:
+            return kernels.rms_norm(x.contiguous(), self.weight, self.eps)
         dtype = x.dtype
         x = x.to(torch.float32)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, norm(x + delta)): the residual add and the next norm, in one C++ call where it
+        can (which then updates x in place)."""
+        kernels = fused_kernels(x)
+        if kernels is not None and x.is_contiguous() and delta.is_contiguous() and delta.dtype == x.dtype:
+            return x, kernels.add_rms_norm_(x, delta, self.weight, self.eps)
+        x = x + delta
+        return x, self(x)
 
 
 def rope_inverse_frequencies(rope: RopeConfig, dim: int) -> torch.Tensor:
@@ -178,22 +198,28 @@ def attention_kernel(q: torch.Tensor, ctx: ForwardContext) -> ModuleType | None:
     return cpu_kernels()
 
 
-def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                     ctx: ForwardContext, scale: float | None = None) -> torch.Tensor:
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, ctx: ForwardContext,
+                     scale: float | None = None,
+                     rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Stores this step's k, v in the cache and attends q over everything cached so far.
 
-    q: (B, heads, T, hd); k, v: (B, kv_heads, T, hd). scale: None = 1 / sqrt(hd).
-    Returns (B, T, heads * hd).
+    q: (B, heads, T, hd); k, v: (B, kv_heads, T, hd); any strides with each head's hd features
+    contiguous (views of one fused projection are fine). scale: None = 1 / sqrt(hd). rotary: the
+    (cos, sin) tables (B, 1, T, hd) of `RotaryEmbedding` to rotate q and k by first (two-halves
+    layout, the whole head), or None. Returns (B, T, heads * hd).
     """
     batch, heads, seq, head_dim = q.shape
     kernel = attention_kernel(q, ctx)
-    if kernel is not None:  # stores k, v and reads only the keys each query sees, in one C++ call
+    if kernel is not None:  # rotates, stores k, v and reads only the keys each query sees, in one C++ call
         rows = torch.arange(batch, device=q.device) if ctx.slots is None else ctx.slots
         start, end = ctx.key_ranges
-        q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))  # (B, T, heads or kv_heads, hd)
-        out = kernel.cached_attention(q, k, v, ctx.cache.keys[layer], ctx.cache.values[layer], rows, start, end,
-                                      head_dim ** -0.5 if scale is None else scale)  # (B, T, heads, hd)
+        cos, sin = (None, None) if rotary is None else (rotary[0][:, 0], rotary[1][:, 0])  # (B, T, hd)
+        out = kernel.cached_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # (B, T, heads, hd)
+                                      ctx.cache.keys[layer], ctx.cache.values[layer], rows, start, end,
+                                      head_dim ** -0.5 if scale is None else scale, cos, sin)  # (B, T, heads, hd)
         return out.view(batch, seq, heads * head_dim)
+    if rotary is not None:
+        q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
     ctx.cache.update(layer, ctx.slots, ctx.positions, k, v)
     if ctx.fresh:  # new prompts: their own keys are all there is to attend to
         keys, values = k, v  # (B, kv_heads, T, hd), T == length
@@ -248,7 +274,11 @@ class GatedMLP(nn.Module):
         self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        kernels = fused_kernels(gate_up) if self.act is F.silu else None
+        if kernels is not None:
+            return self.down_proj(kernels.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 

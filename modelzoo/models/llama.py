@@ -17,8 +17,8 @@ from torch import nn
 
 from modelzoo.generation.kv_cache import KVCache
 from modelzoo.models.config import DecoderConfig, RopeConfig
-from modelzoo.models.layers import (ForwardContext, GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary,
-                                    cached_attention, last_token_states, split_heads)
+from modelzoo.models.layers import (ForwardContext, GatedMLP, RMSNorm, RotaryEmbedding, cached_attention,
+                                    last_token_states, split_heads)
 
 
 @dataclass(frozen=True)
@@ -87,12 +87,11 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
-        cos, sin = rotary
         q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = apply_rotary(split_heads(q, self.num_heads, self.head_dim), cos, sin)  # (B, nh, T, hd)
-        k = apply_rotary(split_heads(k, self.num_kv_heads, self.head_dim), cos, sin)  # (B, nkv, T, hd)
+        q = split_heads(q, self.num_heads, self.head_dim)  # (B, nh, T, hd), views of the projection
+        k = split_heads(k, self.num_kv_heads, self.head_dim)  # (B, nkv, T, hd)
         v = split_heads(v, self.num_kv_heads, self.head_dim)
-        return self.o_proj(cached_attention(q, k, v, self.layer, ctx))
+        return self.o_proj(cached_attention(q, k, v, self.layer, ctx, rotary=rotary))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -106,8 +105,8 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rotary, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, normed = self.post_attention_layernorm.add_and_norm(x, self.self_attn(self.input_layernorm(x), rotary, ctx))
+        return x + self.mlp(normed)
 
 
 class LlamaModel(nn.Module):

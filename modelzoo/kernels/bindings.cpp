@@ -1,0 +1,14 @@
+// Python bindings of the kernels declared in kernels.h.
+#include "kernels.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("cached_attention", &zoo::cached_attention,
+        "Writes the new keys and values (B, T, Hkv, D) at ends - 1 of cache rows `slots`, then attends each "
+        "query of q (B, T, H, D) over its row's cached keys [start, end): cache (S, Hkv, M, D). With cos and "
+        "sin (B, T, D), q and the new keys are rotated first (rotary embedding, two-halves layout).",
+        py::arg("q"), py::arg("new_keys"), py::arg("new_values"), py::arg("keys"), py::arg("values"), py::arg("slots"),
+        py::arg("starts"), py::arg("ends"), py::arg("scale"), py::arg("cos") = py::none(), py::arg("sin") = py::none());
+  m.def("rms_norm", &zoo::rms_norm, "weight * x * rsqrt(mean(x^2, -1) + eps), as transformers' RMSNorm computes it");
+  m.def("add_rms_norm_", &zoo::add_rms_norm_, "x += delta in place, then returns rms_norm(x, weight, eps)");
+  m.def("silu_mul", &zoo::silu_mul, "silu(gate) * up for gate_up = gate | up along the last dimension");
+}

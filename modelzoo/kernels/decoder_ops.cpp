@@ -1,0 +1,171 @@
+// The small float32 ops between a decoder layer's matrix multiplies, each fused into one call:
+// RMSNorm (optionally after the residual add), SiLU(gate) * up, and the rotary embedding of one head.
+//
+// Each reproduces its PyTorch spelling bit for bit, as transformers writes it, so that greedy
+// decoding stays token-exact with the Hugging Face reference:
+// - RMSNorm: x.pow(2).mean(-1) is torch.sum's order of additions (8-lane vectors, four interleaved
+//   accumulators, its cascade levels, lanes added one by one) then a division by n;
+//   x * rsqrt(var + eps) is 1 / sqrt; then weight * x.
+// - SiLU: x / (1 + exp(-x)) with PyTorch's own vector exp (SLEEF's, exported by libtorch), in
+//   8-lane blocks as ATen runs it, and glibc's expf for the tail it runs one element at a time.
+// - Rotary: x * cos + rotate_half(x) * sin, two products and a sum each rounded.
+// No a * b + c may become one fused multiply-add here, or the roundings change:
+#pragma GCC optimize("fp-contract=off")
+
+#include "kernels.h"
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+extern "C" __m256 Sleef_expf8_u10(__m256);  // in libtorch_cpu: the exp of ATen's AVX2 float kernels
+
+namespace zoo {
+namespace {
+
+typedef float vec8 __attribute__((vector_size(32)));
+constexpr int64_t L = 8;  // lanes of ATen's reduction and activation kernels on this build
+
+inline vec8 load8(const float* p) {
+  vec8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store8(float* p, vec8 v) { std::memcpy(p, &v, sizeof v); }
+
+// Sum of x[i]^2 over n floats, in the order of ATen's vectorized inner sum: the n / 8 vectors are read
+// as rows of 4 (one accumulator each) summed with its cascade (levels of 16 rows), leftover vectors go
+// to accumulator 0, accumulators 1-3 are added to it, then a scalar sum of the tail and the 8 lanes.
+float sum_of_squares(const float* x, int64_t n) {
+  constexpr int64_t ilp = 4, levels = 4;
+  const int64_t vectors = n / L, rows = vectors / ilp;
+  auto square = [&](int64_t vector) {
+    const vec8 v = load8(x + vector * L);
+    return v * v;
+  };
+  int64_t ceil_log2 = 1;
+  if (rows > 2) {
+    ceil_log2 = 0;
+    while ((int64_t{1} << ceil_log2) < rows) ++ceil_log2;
+  }
+  const int64_t power = std::max<int64_t>(4, ceil_log2 / levels), step = int64_t{1} << power, mask = step - 1;
+  vec8 acc[levels][ilp] = {};
+  int64_t row = 0;
+  while (row + step <= rows) {
+    for (int64_t j = 0; j < step; ++j, ++row)
+      for (int64_t k = 0; k < ilp; ++k) acc[0][k] += square(row * ilp + k);
+    for (int64_t level = 1; level < levels; ++level) {
+      for (int64_t k = 0; k < ilp; ++k) {
+        acc[level][k] += acc[level - 1][k];
+        acc[level - 1][k] = vec8{};
+      }
+      if (row & (mask << (level * power))) break;
+    }
+  }
+  for (; row < rows; ++row)
+    for (int64_t k = 0; k < ilp; ++k) acc[0][k] += square(row * ilp + k);
+  for (int64_t level = 1; level < levels; ++level)
+    for (int64_t k = 0; k < ilp; ++k) acc[0][k] += acc[level][k];
+  for (int64_t vector = rows * ilp; vector < vectors; ++vector) acc[0][0] += square(vector);
+  for (int64_t k = 1; k < ilp; ++k) acc[0][0] += acc[0][k];
+  float total = 0.f;
+  for (int64_t i = vectors * L; i < n; ++i) total += x[i] * x[i];
+  for (int64_t lane = 0; lane < L; ++lane) total += acc[0][0][lane];
+  return total;
+}
+
+// out = weight * (x * rsqrt(mean(x^2) + eps)) for one row of n floats.
+void rms_norm_row(const float* x, const float* weight, float eps, float* out, int64_t n) {
+  const float variance = sum_of_squares(x, n) / static_cast<float>(n);
+  const float inverse = 1.f / std::sqrt(variance + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = weight[i] * (x[i] * inverse);
+}
+
+void check_rows(const torch::Tensor& x, const torch::Tensor& weight) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "x must be a contiguous float32 CPU tensor");
+  TORCH_CHECK(x.dim() >= 1 && weight.dim() == 1 && weight.size(0) == x.size(-1) && weight.is_contiguous() &&
+                  weight.scalar_type() == at::kFloat, "weight must be float32 (n,) for x (..., n)");
+}
+
+constexpr int64_t kRowsPerTask = 16;  // a decode step's 32 rows are two tasks, a prefill's thousand many
+
+}  // namespace
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  check_rows(x, weight);
+  auto out = torch::empty_like(x);
+  const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
+  const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) rms_norm_row(xp + r * n, wp, static_cast<float>(eps), op + r * n, n);
+  });
+  return out;
+}
+
+torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& delta, const torch::Tensor& weight, double eps) {
+  check_rows(x, weight);
+  TORCH_CHECK(delta.sizes() == x.sizes() && delta.scalar_type() == at::kFloat && delta.is_contiguous(),
+              "delta must be a contiguous float32 tensor shaped like x");
+  auto out = torch::empty_like(x);
+  const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
+  float* xp = x.data_ptr<float>();
+  const float *dp = delta.data_ptr<float>(), *wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* row = xp + r * n;
+      for (int64_t i = 0; i < n; ++i) row[i] += dp[r * n + i];
+      rms_norm_row(row, wp, static_cast<float>(eps), op + r * n, n);
+    }
+  });
+  return out;
+}
+
+torch::Tensor silu_mul(const torch::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.device().is_cpu() && gate_up.scalar_type() == at::kFloat && gate_up.is_contiguous(),
+              "gate_up must be a contiguous float32 CPU tensor");
+  TORCH_CHECK(gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0, "gate_up's last dimension must be even (gate | up)");
+  const int64_t n = gate_up.size(-1) / 2, rows = n ? gate_up.numel() / (2 * n) : 0;
+  auto sizes = gate_up.sizes().vec();
+  sizes.back() = n;
+  auto out = torch::empty(sizes, gate_up.options());
+  const float* ip = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t blocks = n / (2 * L) * (2 * L);  // ATen's loop takes two vectors at a time, then scalars
+  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float *gate = ip + r * 2 * n, *up = gate + n;
+      float* row = op + r * n;
+      for (int64_t i = 0; i < blocks; i += L) {
+        const vec8 g = load8(gate + i);
+        __m256 minus;
+        const vec8 negated = -g;
+        std::memcpy(&minus, &negated, sizeof minus);
+        const __m256 e = Sleef_expf8_u10(minus);
+        vec8 exp_minus;
+        std::memcpy(&exp_minus, &e, sizeof exp_minus);
+        const vec8 silu = g / (1.f + exp_minus);
+        store8(row + i, silu * load8(up + i));
+      }
+      for (int64_t i = blocks; i < n; ++i) {
+        const float silu = gate[i] / (1.f + std::exp(-gate[i]));
+        row[i] = silu * up[i];
+      }
+    }
+  });
+  return out;
+}
+
+void rotate_half(const float* x, const float* cos, const float* sin, float* out, int64_t d) {
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < half; ++i) out[i] = x[i] * cos[i] + (-x[i + half]) * sin[i];
+  for (int64_t i = half; i < d; ++i) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
+}
+
+}  // namespace zoo
