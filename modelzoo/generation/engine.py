@@ -69,6 +69,9 @@ class GenerationEngine:
         if drafter is not None and self.choice is not None:
             raise ValueError("speculative decoding needs plain greedy decoding")
         self.drafter = drafter
+        # Prompts prefilled side by side in one row, without padding, where the model takes that (a drafter's
+        # own model would need the same inputs).
+        self.packs_prompts = bool(getattr(model, "packs_prompts", False)) and drafter is None
         self.cache = KVCache(config.num_layers, num_slots, config.num_kv_heads, max_seq_len, config.head_dim,
                              dtype, device)
         self.stops = StopChecker(stop_sequences, max_tokens, max_seq_len, num_slots, device)
@@ -147,27 +150,24 @@ class GenerationEngine:
                 log.info("the first %d prompts share a %d-token prefix: prefilled once, its keys and values copied "
                          "into every slot whose prompt starts with it", len(admitted), len(self.shared_prefix))
         finished = []
-        for offset, group in self._prefill_groups(admitted):
-            suffixes = [r.prompt[offset:] for _, r in group]  # what is left to run after the shared prefix
-            lengths = [len(suffix) for suffix in suffixes]
-            width = max(lengths)
-            tokens = np.zeros((len(group), width), dtype=np.int64)  # right-padded; padding is never attended
-            for row, suffix in enumerate(suffixes):
-                tokens[row, : len(suffix)] = suffix
-            slots = torch.tensor([slot for slot, _ in group], device=self.device)
-            tokens = torch.from_numpy(tokens).to(self.device)  # (B, T)
-            positions = offset + torch.arange(width, device=self.device).expand(len(group), width)  # (B, T)
-            suffix_len = torch.tensor(lengths, device=self.device)
-            prompt_len = offset + suffix_len
-            if offset:
-                self.shared_prefix.copy_into(self.cache, slots)
-                self.sequences[slots, :offset] = self.shared_prefix.ids
-            self.sequences[slots, offset: offset + width] = tokens
+        for group in self._prefill_groups(admitted):
+            slots = torch.tensor([slot for slot, _, _ in group], device=self.device)
+            prompt_len = torch.tensor([len(r.prompt) for _, r, _ in group], device=self.device)
+            prompts = np.zeros((len(group), max(len(r.prompt) for _, r, _ in group)), dtype=np.int64)
+            for row, (_, request, _) in enumerate(group):
+                prompts[row, : len(request.prompt)] = request.prompt
+            self.sequences[slots, : prompts.shape[1]] = torch.from_numpy(prompts).to(self.device)  # zeros past each prompt
             self.seq_len[slots] = self.prompt_len[slots] = prompt_len
-            self.sample_index[slots] = torch.tensor([r.index for _, r in group], device=self.device)
-            logits = self.model(tokens, positions, self.cache, slots, suffix_len - 1)
-            if self.drafter is not None:
-                self.drafter.prefill(tokens, positions, slots, suffix_len - 1)
+            self.sample_index[slots] = torch.tensor([r.index for _, r, _ in group], device=self.device)
+            prefixed = [slot for slot, _, offset in group if offset]
+            if prefixed:
+                self.shared_prefix.copy_into(self.cache, torch.tensor(prefixed, device=self.device))
+            tokens, positions, token_slots, last = self._prefill_inputs(group, slots)
+            logits = self.model(tokens, positions, self.cache, token_slots, last)
+            if self.packs_prompts:
+                logits = logits[0]  # (1, B, vocab) -> (B, vocab)
+            elif self.drafter is not None:
+                self.drafter.prefill(tokens, positions, slots, last)
             first = self._choose(logits, slots)  # (B,)
             self.sequences[slots, prompt_len] = first
             self.seq_len[slots] = prompt_len + 1
@@ -178,23 +178,52 @@ class GenerationEngine:
         self.generated_tokens += len(admitted)
         return finished
 
-    def _prefill_groups(self, admitted: list[tuple[int, Request]]) -> list[tuple[int, list[tuple[int, Request]]]]:
-        """Splits admitted requests into (offset, group): offset = the shared prefix's length for prompts
-        that start with it, else 0; within an offset, sorted by length, each group within the token budget."""
+    def _prefill_groups(self, admitted: list[tuple[int, Request]]) -> list[list[tuple[int, Request, int]]]:
+        """Splits admitted requests into groups of (slot, request, offset) run by one forward each:
+        offset = the shared prefix's length for prompts that start with it (their keys are copied, not
+        computed), else 0. Sorted by length, each group within the token budget: its real tokens when
+        packed, else its padded rows of one offset."""
         def offset(request: Request) -> int:
             shared = self.shared_prefix
             return len(shared) if shared is not None and shared.starts(request.prompt) else 0
 
-        ordered = sorted(((offset(r), slot, r) for slot, r in admitted),
-                         key=lambda item: (item[0], len(item[2].prompt)))
-        groups: list[tuple[int, list[tuple[int, Request]]]] = []
-        for skipped, slot, request in ordered:
+        ordered = sorted(((slot, r, offset(r)) for slot, r in admitted), key=lambda item: (item[2], len(item[1].prompt)))
+        groups: list[list[tuple[int, Request, int]]] = []
+        tokens = 0  # in the last group
+        for slot, request, skipped in ordered:
             width = len(request.prompt) - skipped
-            # Sorted ascending, so the newcomer is the longest: the padded group is (n + 1) x its width.
-            if not groups or groups[-1][0] != skipped or (len(groups[-1][1]) + 1) * width > self.prefill_token_budget:
-                groups.append((skipped, []))
-            groups[-1][1].append((slot, request))
+            if self.packs_prompts:
+                full = bool(groups) and tokens + width > self.prefill_token_budget
+            else:  # sorted ascending, so the newcomer is the longest: the padded group is (n + 1) x its width
+                full = bool(groups) and (groups[-1][0][2] != skipped or (len(groups[-1]) + 1) * width > self.prefill_token_budget)
+            if not groups or full:
+                groups.append([])
+                tokens = 0
+            groups[-1].append((slot, request, skipped))
+            tokens += width
         return groups
+
+    def _prefill_inputs(self, group: list[tuple[int, Request, int]], slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(tokens, positions, slots, last) of one prefill forward over what each prompt has left after its
+        offset. Packed: the prompts side by side in one row, (1, N) each and last (1, B). Else right-padded
+        rows (B, T) (padding is never attended), slots and last (B,)."""
+        suffixes = [request.prompt[offset:] for _, request, offset in group]
+        lengths = np.array([len(suffix) for suffix in suffixes])
+        offsets = np.array([offset for _, _, offset in group])
+        if self.packs_prompts:
+            tokens = np.concatenate(suffixes)[None]
+            positions = np.concatenate([offset + np.arange(n) for offset, n in zip(offsets, lengths)])[None]
+            token_slots = torch.repeat_interleave(slots, torch.from_numpy(lengths).to(self.device))[None]
+            last = (np.cumsum(lengths) - 1)[None]
+        else:
+            width = lengths.max()
+            tokens = np.zeros((len(group), width), dtype=np.int64)
+            for row, suffix in enumerate(suffixes):
+                tokens[row, : len(suffix)] = suffix
+            positions = offsets[:, None] + np.arange(width)[None]
+            token_slots, last = slots, lengths - 1
+        as_tensor = lambda array: torch.from_numpy(np.asarray(array, dtype=np.int64)).to(self.device)
+        return as_tensor(tokens), as_tensor(positions), token_slots, as_tensor(last)
 
     def _decode_step(self) -> list[tuple[int, int]]:
         """One token for every active slot; returns (slot, reason) of those that stopped."""

@@ -185,8 +185,9 @@ AttendGroup attend_group_for(int64_t G, int64_t D) {
 // Writes new_keys, new_values (B, T, Hkv, D) at positions ends - 1 of cache rows `slots`, then attends
 // each query of q (B, T, H, D) over its row's keys [start, end). q, new_keys, new_values: any strides
 // with each head's D floats contiguous. keys, values: (S, Hkv, M, D), contiguous in their last two
-// dims; slots: (B,); starts, ends: (B, T); cos, sin: none, or (B, T, D) contiguous to rotate q and
-// the new keys by. Returns (B, T, H, D).
+// dims; slots: (B,), or (B, T) when a row packs several sequences side by side (one cache row per
+// query); starts, ends: (B, T); cos, sin: none, or (B, T, D) contiguous to rotate q and the new keys
+// by. Returns (B, T, H, D).
 torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& new_keys, const torch::Tensor& new_values,
                                const torch::Tensor& keys, const torch::Tensor& values, const torch::Tensor& slots,
                                const torch::Tensor& starts, const torch::Tensor& ends, double scale,
@@ -206,8 +207,9 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& new_
   TORCH_CHECK(keys.size(3) == D && H % Hkv == 0, "q and cache shapes disagree");
   TORCH_CHECK(new_keys.sizes() == at::IntArrayRef({B, T, Hkv, D}) && new_values.sizes() == new_keys.sizes(),
               "new keys and values must be (B, T, Hkv, D)");
-  TORCH_CHECK(slots.numel() == B && starts.numel() == B * T && ends.numel() == B * T,
-              "one slot per row, one start and end per query");
+  TORCH_CHECK((slots.numel() == B || slots.numel() == B * T) && starts.numel() == B * T && ends.numel() == B * T,
+              "one slot per row or per query, one start and end per query");
+  const int64_t slots_per_row = slots.numel() / std::max<int64_t>(B, 1);  // 1 or T
   TORCH_CHECK(cos.has_value() == sin.has_value(), "cos and sin come together");
   const bool rotary = cos.has_value();
   if (rotary) {
@@ -226,10 +228,13 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& new_
   const int64_t* slot = slots64.data_ptr<int64_t>();
   const int64_t* start = starts64.data_ptr<int64_t>();
   const int64_t* end = ends64.data_ptr<int64_t>();
+  // The cache row of query i = b * T + t.
+  auto slot_of = [&](int64_t i) { return slot[slots_per_row == 1 ? i / std::max<int64_t>(T, 1) : i]; };
   for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(0 <= slot[b] && slot[b] < S, "row ", b, ": slot ", slot[b], " outside the cache's ", S, " slots");
     for (int64_t t = 0; t < T; ++t) {
       const int64_t i = b * T + t;
+      TORCH_CHECK(0 <= slot_of(i) && slot_of(i) < S, "row ", b, " query ", t, ": slot ", slot_of(i),
+                  " outside the cache's ", S, " slots");
       TORCH_CHECK(0 <= start[i] && start[i] < end[i] && end[i] <= M, "row ", b, " query ", t, ": keys [", start[i],
                   ", ", end[i], ") outside the cache's ", M, " positions");
     }
@@ -254,13 +259,13 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& new_
     for (int64_t h = 0; h < Hkv; ++h) {
       const float* key = nkp + b * new_keys.stride(0) + t * new_keys.stride(1) + h * new_keys.stride(2);
       const float* value = nvp + b * new_values.stride(0) + t * new_values.stride(1) + h * new_values.stride(2);
-      float* key_slot = kp + slot[b] * ks0 + h * ks1 + (end[i] - 1) * D;
+      float* key_slot = kp + slot_of(i) * ks0 + h * ks1 + (end[i] - 1) * D;
       if (rotary) {
         rotate_half(key, cosp + i * D, sinp + i * D, key_slot, D);
       } else {
         std::memcpy(key_slot, key, D * sizeof(float));
       }
-      std::memcpy(vp + slot[b] * vs0 + h * vs1 + (end[i] - 1) * D, value, D * sizeof(float));
+      std::memcpy(vp + slot_of(i) * vs0 + h * vs1 + (end[i] - 1) * D, value, D * sizeof(float));
     }
   }
   // Tasks (row, kv head, query), consecutive ones sharing a row's keys while they are in cache.
@@ -274,8 +279,8 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& new_
     for (int64_t task = 0; task < tasks; ++task) {
       const int64_t b = task / (Hkv * T), h = task / T % Hkv, t = task % T;
       const int64_t i = b * T + t, lo = start[i], n = end[i] - lo;
-      const float* k = kp + slot[b] * ks0 + h * ks1 + lo * D;
-      const float* v = vp + slot[b] * vs0 + h * vs1 + lo * D;
+      const float* k = kp + slot_of(i) * ks0 + h * ks1 + lo * D;
+      const float* v = vp + slot_of(i) * vs0 + h * vs1 + lo * D;
       const float* query = qp + b * qs0 + t * qs1 + h * G * qs2;  // the G heads of kv head h
       if (gather) {
         for (int64_t g = 0; g < G; ++g) {

@@ -23,23 +23,27 @@ class ForwardContext:
     """Everything one forward pass needs besides the weights; built once, read by every layer.
 
     positions: (B, T) absolute position of each input token. slots: (B,) cache rows, or None for
-    "every slot, in order" (the fast path: cache reads are views). length: number of cache positions
-    attended over (max position + 1). mask: (B, 1, T, length) bool, True where a key is visible, or,
-    with ALiBi, an additive float bias (B, heads, T, length) with -inf where a key is hidden.
-    key_ranges: each query's visible cache positions [start, end), two (B, T) tensors, for the C++
-    attention kernel (end = position + 1; start > 0 only under a sliding window).
-    fresh: every row's positions are 0 .. T-1 (new prompts), so attention needs only this forward's
-    own keys and values, not the cache. windowed: the sliding window hides some key.
+    "every slot, in order" (the fast path: cache reads are views), or (1, T) for packed prompts: one
+    row holding several sequences side by side, each token naming its cache row. length: number of
+    cache positions attended over (max position + 1). mask: (B, 1, T, length) bool, True where a key
+    is visible, or, with ALiBi, an additive float bias (B, heads, T, length) with -inf where a key is
+    hidden; None when packed. key_ranges: each query's visible cache positions [start, end), two
+    (B, T) tensors, for the C++ attention kernel (end = position + 1; start > 0 only under a sliding
+    window). fresh: every row's positions are 0 .. T-1 (new prompts), so attention needs only this
+    forward's own keys and values, not the cache. windowed: the sliding window hides some key.
+    segments: packed prompts only: (begin, end, context) of each sequence's tokens, for the PyTorch
+    attention path, which runs them one by one (the C++ kernel takes the packed row as it is).
     """
 
     cache: KVCache
     slots: torch.Tensor | None
     positions: torch.Tensor
     length: int
-    mask: torch.Tensor
+    mask: torch.Tensor | None
     key_ranges: tuple[torch.Tensor, torch.Tensor]
     fresh: bool = False
     windowed: bool = False
+    segments: tuple[tuple[int, int, "ForwardContext"], ...] = ()
 
     @classmethod
     def build(cls, cache: KVCache, slots: torch.Tensor | None, positions: torch.Tensor,
@@ -48,6 +52,10 @@ class ForwardContext:
         """Causal mask over cache positions: key j is visible to a query at position p iff j <= p
         (and j > p - sliding_window). With `alibi_slopes` (heads,), adds slope * j to the scores:
         softmax is shift-invariant per query, so this equals the usual slope * (j - p)."""
+        if slots is not None and slots.dim() == 2:
+            if alibi_slopes is not None:
+                raise ValueError("packed prompts take no ALiBi bias")
+            return cls.packed(cache, slots, positions, sliding_window)
         length = int(positions.max()) + 1
         keys = torch.arange(length, device=positions.device)
         visible = keys[None, None, :] <= positions[:, :, None]  # (B, T, length)
@@ -63,6 +71,25 @@ class ForwardContext:
         end = positions + 1
         start = (end - sliding_window).clamp(min=0) if windowed else torch.zeros_like(end)
         return cls(cache, slots, positions, length, mask, (start, end), fresh, windowed)
+
+    @classmethod
+    def packed(cls, cache: KVCache, slots: torch.Tensor, positions: torch.Tensor,
+               sliding_window: int | None = None) -> "ForwardContext":
+        """Context for packed prompts: slots, positions (1, T), consecutive tokens of one sequence
+        sharing a slot. One host sync to find where each sequence ends."""
+        if slots.shape != positions.shape or slots.shape[0] != 1:
+            raise ValueError(f"packed prompts take slots and positions of one shape (1, T), not "
+                             f"{tuple(slots.shape)} and {tuple(positions.shape)}")
+        row = slots[0].tolist()
+        edges = [0, *(t for t in range(1, len(row)) if row[t] != row[t - 1]), len(row)]
+        segments = tuple((begin, end, cls.build(cache, slots[0, begin: begin + 1], positions[:, begin:end],
+                                                sliding_window))
+                         for begin, end in zip(edges, edges[1:]))
+        end = positions + 1
+        windowed = any(context.windowed for _, _, context in segments)
+        start = (end - sliding_window).clamp(min=0) if windowed else torch.zeros_like(end)
+        return cls(cache, slots, positions, max(context.length for _, _, context in segments), None, (start, end),
+                   windowed=windowed, segments=segments)
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:
@@ -190,7 +217,7 @@ def split_heads(x: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
 def attention_kernel(q: torch.Tensor, ctx: ForwardContext) -> ModuleType | None:
     """The C++ kernel module where it handles this attention (float32 on the CPU, no ALiBi bias, 1 to 8
     query heads per kv head, head_dim 16, 32, 64 or 128); None for the PyTorch path."""
-    if q.device.type != "cpu" or q.dtype != torch.float32 or ctx.mask.dtype != torch.bool:
+    if q.device.type != "cpu" or q.dtype != torch.float32 or (ctx.mask is not None and ctx.mask.dtype != torch.bool):
         return None
     heads, head_dim, kv_heads = q.shape[1], q.shape[3], ctx.cache.keys[0].shape[1]
     if head_dim not in (16, 32, 64, 128) or heads % kv_heads or heads // kv_heads > 8:
@@ -218,6 +245,11 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: i
                                       ctx.cache.keys[layer], ctx.cache.values[layer], rows, start, end,
                                       head_dim ** -0.5 if scale is None else scale, cos, sin)  # (B, T, heads, hd)
         return out.view(batch, seq, heads * head_dim)
+    if ctx.segments:  # packed prompts: one sequence at a time
+        return torch.cat([cached_attention(q[:, :, begin:end], k[:, :, begin:end], v[:, :, begin:end], layer, context,
+                                           scale, None if rotary is None else (rotary[0][:, :, begin:end],
+                                                                               rotary[1][:, :, begin:end]))
+                          for begin, end, context in ctx.segments], dim=1)
     if rotary is not None:
         q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
     ctx.cache.update(layer, ctx.slots, ctx.positions, k, v)

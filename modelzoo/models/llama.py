@@ -123,6 +123,7 @@ class LlamaForCausalLM(nn.Module):
     """Llama decoder with a language-model head; `forward` returns last-position logits."""
 
     config_from_hf = staticmethod(config_from_hf)
+    packs_prompts = True  # forward takes packed prompts: slots, positions (1, T), see ForwardContext.packed
 
     def __init__(self, config: LlamaFamilyConfig) -> None:
         super().__init__()
@@ -152,9 +153,11 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 slots: torch.Tensor | None, last: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens, positions: (B, T); slots: (B,) cache rows or None for all; last: (B,) index into T.
+        """tokens, positions: (B, T); slots: (B,) cache rows, None for all, or (1, T) for packed
+        prompts; last: (B,) index into T, or (B, N) for N positions per row.
 
-        Returns the logits (B, vocab) of position `last` of each row (default: the final one).
+        Returns the logits (B, vocab) of position `last` of each row (default: the final one), or
+        (B, N, vocab).
         """
         windows = self.config.sliding_windows or (None,) * self.config.num_layers
         contexts = {w: ForwardContext.build(cache, slots, positions, sliding_window=w) for w in set(windows)}
