@@ -272,7 +272,7 @@ def test_truncated_safetensors_is_named_with_int8(checkpoints, tmp_path):
 @pytest.mark.skipif(not packing_available(CPU, torch.float32), reason="this torch build has no MKL packed GEMM")
 def test_prepacking_leaves_int8_layers_alone(checkpoints):
     model, _ = load_model(checkpoints["llama_tied"], torch.float32, CPU, weight_dtype="int8")
-    assert not pack_linear_layers(model, rows=4, budget_bytes=1 << 30)
+    assert not pack_linear_layers(model, rows=[4], budget_bytes=1 << 30)
     assert isinstance(model.lm_head, Int8Linear) and isinstance(model.model.layers[0].mlp.down_proj, Int8Linear)
 
 

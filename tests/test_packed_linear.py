@@ -14,19 +14,29 @@ pytestmark = pytest.mark.skipif(not packing_available(torch.device("cpu"), torch
 def test_packed_linear_equals_linear_for_its_rows_and_falls_back_for_others():
     torch.manual_seed(0)
     linear = nn.Linear(48, 80)
-    packed = PackedLinear(linear, rows=8)
+    packed = PackedLinear(linear, rows=[8, 3])
     with torch.inference_mode():
-        for shape in ((8, 1, 48), (8, 48)):
+        for shape in ((8, 1, 48), (8, 48), (3, 1, 48)):
             x = torch.randn(*shape)
             assert torch.equal(packed(x), linear(x))
-        x = torch.randn(3, 7, 48)  # prefill-like: not 8 rows, the plain path
-        torch.testing.assert_close(packed(x), linear(x), rtol=0, atol=1e-5)
+        x = torch.randn(3, 7, 48)  # prefill-like: neither 8 nor 3 rows, the plain path
+        assert torch.equal(packed(x), linear(x))
+
+
+def test_copies_packed_for_fewer_rows_give_the_same_rows():
+    """The decode batch's last steps use a copy packed for fewer rows: the same bits per row."""
+    torch.manual_seed(1)
+    linear = nn.Linear(576, 1536)
+    packed = PackedLinear(linear, rows=[32, 8])
+    x = torch.randn(32, 576)
+    with torch.inference_mode():
+        assert torch.equal(packed(x[:8].contiguous()), packed(x)[:8])
 
 
 def test_pack_swaps_every_linear_and_keeps_shared_weights():
     model = nn.Sequential(nn.Embedding(30, 16), nn.Linear(16, 16), nn.Linear(16, 30, bias=False))
     model[2].weight = model[0].weight  # a tied LM head
-    assert pack_linear_layers(model, rows=4, budget_bytes=1 << 30)
+    assert pack_linear_layers(model, rows=[4], budget_bytes=1 << 30)
     assert all(isinstance(model[i], PackedLinear) for i in (1, 2))
     assert model[2].weight is model[0].weight
     assert set(model.state_dict()) == {"0.weight", "1.weight", "1.bias", "2.weight"}  # packed copies not saved
@@ -34,5 +44,5 @@ def test_pack_swaps_every_linear_and_keeps_shared_weights():
 
 def test_pack_is_skipped_over_budget():
     model = nn.Sequential(nn.Linear(64, 64))
-    assert not pack_linear_layers(model, rows=4, budget_bytes=1000)
+    assert not pack_linear_layers(model, rows=[4], budget_bytes=1000)
     assert type(model[0]) is nn.Linear

@@ -201,3 +201,30 @@ def test_engine_prefill_groups_do_not_change_tokens(tiny_llama, prompts):
 
     assert tokens(8) == tokens(8192)
     assert len(tokens(8)) == len(prompts)
+
+
+def test_engine_last_steps_run_only_the_rows_left(tiny_llama, prompts):
+    """With small_step_rows, steps with few active slots run that many rows (active ones first, then
+    idle ones as throwaway rows) and give the same tokens as full steps."""
+    model, _ = load_model(tiny_llama, torch.float32, torch.device("cpu"))
+    widths = []
+    forward = model.forward
+
+    def recorded(tokens, positions, cache, slots, last=None):
+        if last is None:  # decode steps
+            widths.append(tokens.shape[0])
+        return forward(tokens, positions, cache, slots, last)
+
+    model.forward = recorded
+
+    def tokens(small_step_rows: int | None) -> dict[int, list[int]]:
+        engine = GenerationEngine(model, 4, MAX_SEQ_LEN, [], 8, torch.device("cpu"), torch.float32,
+                                  small_step_rows=small_step_rows)
+        requests = [Request(i, np.array(p)) for i, p in enumerate(prompts)]
+        return {c.index: c.tokens.tolist() for c in engine.generate(requests)}
+
+    full = tokens(None)
+    assert set(widths) == {4}
+    widths.clear()
+    assert tokens(3) == full and len(full) == len(prompts)  # 7 prompts in 4 slots: the last 3 together
+    assert set(widths) == {3, 4} and widths[-1] == 3

@@ -4,9 +4,11 @@
 its slot takes the next pending request at once (continuous batching), instead of idling until
 every row of its batch is done. Newly admitted prompts are prefilled together, grouped by length
 so that padding stays small; a prefix they all share (a chat template) is prefilled only once
-(`SharedPrefix`). The decode step always runs every slot (idle ones on a throwaway
-row at position 0): a fixed batch shape costs about the same as a smaller one at these sizes, and
-it is what lets the CPU decode GEMMs use weights prepacked for that shape.
+(`SharedPrefix`). The decode step runs every slot (idle ones on a throwaway row at position 0): a
+fixed batch shape costs about the same as a smaller one at these sizes, and it is what lets the CPU
+decode GEMMs use weights prepacked for that shape. Once at most `small_step_rows` slots are still
+active (a job's last steps, when nothing is left to admit), steps run exactly that many rows, a
+second shape the caller can prepack for.
 
 Tokens are the argmax of the logits unless a `TokenChoice` (sampling, repetition control) is
 given. With a drafter (speculative decoding, greedy only) each step feeds every slot's last token
@@ -58,13 +60,14 @@ class GenerationEngine:
     def __init__(self, model: nn.Module, num_slots: int, max_seq_len: int, stop_sequences: list[list[int]],
                  max_tokens: int | None, device: torch.device, dtype: torch.dtype,
                  prefill_token_budget: int = 1024, choice: TokenChoice | None = None,
-                 drafter: Drafter | None = None) -> None:
+                 drafter: Drafter | None = None, small_step_rows: int | None = None) -> None:
         config = model.config
         self.model = model
         self.num_slots = num_slots
         self.max_seq_len = max_seq_len
         self.device = device
         self.prefill_token_budget = prefill_token_budget
+        self.small_step_rows = small_step_rows
         self.choice = None if choice is None or choice.is_plain_greedy else choice
         if drafter is not None and self.choice is not None:
             raise ValueError("speculative decoding needs plain greedy decoding")
@@ -228,11 +231,24 @@ class GenerationEngine:
     def _decode_step(self) -> list[tuple[int, int]]:
         """One token for every active slot; returns (slot, reason) of those that stopped."""
         active = self.active
-        tokens = self.last_token[:, None]  # (S, 1)
-        positions = torch.where(active, self.seq_len - 1, 0)[:, None]  # (S, 1): where the fed token sits
-        logits = self.model(tokens, positions, self.cache, None)
-        next_token = torch.where(active, self._choose(logits, None), self.last_token)  # (S,)
+        slots = self._small_step_slots()
+        rows = slice(None) if slots is None else slots
+        tokens = self.last_token[rows][:, None]  # (R, 1)
+        positions = torch.where(active[rows], self.seq_len[rows] - 1, 0)[:, None]  # (R, 1): where the fed token sits
+        logits = self.model(tokens, positions, self.cache, slots)
+        next_token = self.last_token.clone()  # (S,)
+        next_token[rows] = torch.where(active[rows], self._choose(logits, slots), self.last_token[rows])
         return self._append(next_token, active)
+
+    def _small_step_slots(self) -> torch.Tensor | None:
+        """None: the step runs every slot. Once at most `small_step_rows` slots are active (a job's last
+        steps), exactly that many: the active ones, then idle ones (throwaway rows, as in a full step)."""
+        if self.small_step_rows is None or self.small_step_rows >= self.num_slots:
+            return None
+        order = torch.argsort(self.active.to(torch.int8), descending=True, stable=True)  # active slots first
+        if bool(self.active[order[self.small_step_rows]]):
+            return None
+        return order[: self.small_step_rows]
 
     def _append(self, token: torch.Tensor, rows: torch.Tensor) -> list[tuple[int, int]]:
         """Appends `token` (S,) to the slots where `rows` (S,) is true; returns (slot, reason) of those that stopped."""
