@@ -33,6 +33,7 @@ class ForwardContext:
     forward's own keys and values, not the cache. windowed: the sliding window hides some key.
     segments: packed prompts only: (begin, end, context) of each sequence's tokens, for the PyTorch
     attention path, which runs them one by one (the C++ kernel takes the packed row as it is).
+    rows: the cache rows for the C++ kernel: slots, or 0 .. B-1 when slots is None.
     """
 
     cache: KVCache
@@ -44,6 +45,11 @@ class ForwardContext:
     fresh: bool = False
     windowed: bool = False
     segments: tuple[tuple[int, int, "ForwardContext"], ...] = ()
+    rows: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.rows is None:
+            self.rows = torch.arange(self.positions.shape[0], device=self.positions.device) if self.slots is None else self.slots
 
     @classmethod
     def build(cls, cache: KVCache, slots: torch.Tensor | None, positions: torch.Tensor,
@@ -238,11 +244,10 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: i
     batch, heads, seq, head_dim = q.shape
     kernel = attention_kernel(q, ctx)
     if kernel is not None:  # rotates, stores k, v and reads only the keys each query sees, in one C++ call
-        rows = torch.arange(batch, device=q.device) if ctx.slots is None else ctx.slots
         start, end = ctx.key_ranges
         cos, sin = (None, None) if rotary is None else (rotary[0][:, 0], rotary[1][:, 0])  # (B, T, hd)
         out = kernel.cached_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # (B, T, heads, hd)
-                                      ctx.cache.keys[layer], ctx.cache.values[layer], rows, start, end,
+                                      ctx.cache.keys[layer], ctx.cache.values[layer], ctx.rows, start, end,
                                       head_dim ** -0.5 if scale is None else scale, cos, sin)  # (B, T, heads, hd)
         return out.view(batch, seq, heads * head_dim)
     if ctx.segments:  # packed prompts: one sequence at a time
