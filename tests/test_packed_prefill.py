@@ -15,7 +15,9 @@ from modelzoo.generation.kv_cache import KVCache
 from modelzoo.kernels import cpu_kernels
 from modelzoo.models import layers
 from modelzoo.models.layers import ForwardContext
-from test_family_rotary import VOCAB, mistral_config
+from test_family_alibi import bloom_config, falcon_config, mpt_config
+from test_family_learned_positions import TINY, GPT2Config
+from test_family_rotary import VOCAB, gptj_config, mistral_config, neox_config
 
 kernels = cpu_kernels()
 
@@ -57,6 +59,29 @@ def test_packed_prefill_gives_the_tokens_of_padded_prefill(tmp_path, monkeypatch
     padded, padded_widths = generate(checkpoint, prompts, packed=False)
     assert packed == padded and len(packed) == len(prompts)
     assert sum(packed_widths) < sum(padded_widths)  # no padding tokens run
+
+
+@pytest.mark.parametrize("config, packs", [
+    pytest.param(lambda: GPT2Config(**TINY, architectures=["GPT2LMHeadModel"]), True, id="gpt2"),
+    pytest.param(lambda: neox_config(parallel=True), True, id="gpt-neox"),
+    pytest.param(gptj_config, True, id="gpt-j"),
+    pytest.param(lambda: falcon_config(alibi=False), True, id="falcon-rotary"),
+    pytest.param(lambda: falcon_config(alibi=True), False, id="falcon-alibi"),
+    pytest.param(bloom_config, False, id="bloom-alibi"),
+    pytest.param(mpt_config, False, id="mpt-alibi"),
+])
+def test_families_pack_unless_they_use_alibi(tmp_path, config, packs):
+    """Families whose attention takes a plain causal context pack their prompts; ALiBi's bias is built
+    per padded row, so those families keep padded prefill. Both give the same tokens."""
+    hf_config = config()
+    checkpoint = save_tiny_model(hf_config, tmp_path / "model")
+    model, _ = load_model(checkpoint, torch.float32, torch.device("cpu"))
+    assert GenerationEngine(model, 2, 96, [], 8, torch.device("cpu"), torch.float32).packs_prompts == packs
+    if packs:
+        prompts = family_prompts(hf_config.vocab_size)
+        packed, packed_widths = generate(checkpoint, prompts, packed=True)
+        padded, padded_widths = generate(checkpoint, prompts, packed=False)
+        assert packed == padded and sum(packed_widths) < sum(padded_widths)
 
 
 def test_packed_groups_keep_to_the_token_budget(tmp_path):

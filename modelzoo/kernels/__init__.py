@@ -1,8 +1,13 @@
-"""Optional C++ CPU kernels, compiled once per machine type with torch.utils.cpp_extension.
+"""Optional C++ CPU kernels, compiled once per machine type with torch.utils.cpp_extension:
+attention over the KV cache (cached_attention.cpp) and the fused small ops of a decoder layer
+(decoder_ops.cpp: RMSNorm, residual add + RMSNorm, SiLU gate), float32.
 
 `make setup` builds them (`python -m modelzoo.kernels`); a process that finds them missing builds
 them itself (about a minute, once), and one that cannot (no C++ compiler) logs why and runs the
-PyTorch code path instead: the kernels change speed, not results beyond float rounding.
+PyTorch code path instead: the kernels change speed, not results beyond float rounding (the fused
+ops not even that: they are bit-identical to the PyTorch ops they replace). They need an x86-64 CPU
+with AVX2 (the SiLU gate calls libtorch's own vector exp); elsewhere the build fails, with the same
+fallback.
 
 They are compiled with -march=native, so the build directory is keyed by this CPU's instruction
 sets and the torch version: nodes of another CPU type sharing the checkout build their own copy
@@ -57,9 +62,9 @@ def cpu_kernels() -> ModuleType | None:
                                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as error:  # no compiler, no headers, a read-only checkout: the torch path still works
         reason = str(error).strip().splitlines()[-1] if str(error).strip() else ""
-        log.warning("C++ CPU kernels unavailable (%s: %s); attention runs the PyTorch code path",
+        log.warning("C++ CPU kernels unavailable (%s: %s); the PyTorch code path runs instead",
                     type(error).__name__, reason)
         return None
-    log.info("C++ CPU attention kernel loaded from %s", build_dir)
+    log.info("C++ CPU kernels loaded from %s", build_dir)
     return module
 

@@ -164,6 +164,11 @@ class BTLMLMHeadModel(GPT2LMHeadModel):
     attention_type = BTLMAttention
     mlp_type = BTLMMLP
 
+    @property
+    def packs_prompts(self) -> bool:
+        """Packed prompts (ForwardContext.packed) with learned positions; not with ALiBi's bias."""
+        return self.transformer.relative_pe is None
+
     def build_buffers(self, device: torch.device) -> None:
         """Nothing to compute: the ALiBi slopes are checkpoint weights, the bias is built per forward."""
 
@@ -184,7 +189,8 @@ class BTLMLMHeadModel(GPT2LMHeadModel):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 slots: torch.Tensor | None, last: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens, positions: (B, T); slots: (B,) cache rows or None for all; last: (B,) index into T.
+        """tokens, positions: (B, T); slots: (B,) cache rows, None for all, or (1, T) for packed prompts; last:
+        (B,) index into T, or (B, N).
 
         Returns the logits (B, vocab) of position `last` of each row (default: the final one), muP-scaled.
         """

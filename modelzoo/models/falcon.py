@@ -160,6 +160,11 @@ class FalconForCausalLM(nn.Module):
 
     config_from_hf = staticmethod(config_from_hf)
 
+    @property
+    def packs_prompts(self) -> bool:
+        """Packed prompts (ForwardContext.packed) with rotary positions; not with ALiBi's bias."""
+        return not self.config.alibi
+
     def __init__(self, config: FalconDecoderConfig) -> None:
         super().__init__()
         self.config = config
@@ -193,7 +198,8 @@ class FalconForCausalLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 slots: torch.Tensor | None, last: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens, positions: (B, T); slots: (B,) cache rows or None for all; last: (B,) index into T.
+        """tokens, positions: (B, T); slots: (B,) cache rows, None for all, or (1, T) for packed prompts; last:
+        (B,) index into T, or (B, N).
 
         Returns the logits (B, vocab) of position `last` of each row (default: the final one).
         """

@@ -145,6 +145,7 @@ class GPT2LMHeadModel(nn.Module):
     """
 
     config_from_hf = staticmethod(config_from_hf)
+    packs_prompts = True  # forward takes packed prompts: slots, positions (1, T), see ForwardContext.packed
     transformer_type: type[GPT2Model] = GPT2Model  # the `transformer.` module
     attention_type: type[nn.Module] = GPT2Attention  # each block's `attn`
     mlp_type: type[nn.Module] = GPT2MLP  # each block's `mlp`
@@ -171,7 +172,8 @@ class GPT2LMHeadModel(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 slots: torch.Tensor | None, last: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens, positions: (B, T); slots: (B,) cache rows or None for all; last: (B,) index into T.
+        """tokens, positions: (B, T); slots: (B,) cache rows, None for all, or (1, T) for packed prompts; last:
+        (B,) index into T, or (B, N).
 
         Returns the logits (B, vocab) of position `last` of each row (default: the final one).
         """

@@ -124,6 +124,7 @@ class OPTForCausalLM(nn.Module):
     """OPT decoder with a language-model head; `forward` returns last-position logits."""
 
     config_from_hf = staticmethod(config_from_hf)
+    packs_prompts = True  # forward takes packed prompts: slots, positions (1, T), see ForwardContext.packed
 
     def __init__(self, config: OPTDecoderConfig) -> None:
         super().__init__()
@@ -140,7 +141,8 @@ class OPTForCausalLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 slots: torch.Tensor | None, last: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens, positions: (B, T); slots: (B,) cache rows or None for all; last: (B,) index into T.
+        """tokens, positions: (B, T); slots: (B,) cache rows, None for all, or (1, T) for packed prompts; last:
+        (B,) index into T, or (B, N).
 
         Returns the logits (B, vocab) of position `last` of each row (default: the final one).
         """
