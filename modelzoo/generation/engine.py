@@ -169,7 +169,7 @@ class GenerationEngine:
             logits = self.model(tokens, positions, self.cache, token_slots, last)
             if self.packs_prompts:
                 logits = logits[0]  # (1, B, vocab) -> (B, vocab)
-            elif self.drafter is not None:
+            if self.drafter is not None:  # never with packed prompts
                 self.drafter.prefill(tokens, positions, slots, last)
             first = self._choose(logits, slots)  # (B,)
             self.sequences[slots, prompt_len] = first
@@ -184,22 +184,20 @@ class GenerationEngine:
     def _prefill_groups(self, admitted: list[tuple[int, Request]]) -> list[list[tuple[int, Request, int]]]:
         """Splits admitted requests into groups of (slot, request, offset) run by one forward each:
         offset = the shared prefix's length for prompts that start with it (their keys are copied, not
-        computed), else 0. Sorted by length, each group within the token budget: its real tokens when
-        packed, else its padded rows of one offset."""
+        computed), else 0. Sorted by what is left to run, each group within the token budget: its real
+        tokens when packed, else its rows padded to the longest."""
         def offset(request: Request) -> int:
             shared = self.shared_prefix
             return len(shared) if shared is not None and shared.starts(request.prompt) else 0
 
-        ordered = sorted(((slot, r, offset(r)) for slot, r in admitted), key=lambda item: (item[2], len(item[1].prompt)))
+        ordered = sorted(((slot, r, offset(r)) for slot, r in admitted), key=lambda item: len(item[1].prompt) - item[2])
         groups: list[list[tuple[int, Request, int]]] = []
-        tokens = 0  # in the last group
+        tokens = 0  # real tokens in the last group
         for slot, request, skipped in ordered:
-            width = len(request.prompt) - skipped
-            if self.packs_prompts:
-                full = bool(groups) and tokens + width > self.prefill_token_budget
-            else:  # sorted ascending, so the newcomer is the longest: the padded group is (n + 1) x its width
-                full = bool(groups) and (groups[-1][0][2] != skipped or (len(groups[-1]) + 1) * width > self.prefill_token_budget)
-            if not groups or full:
+            width = len(request.prompt) - skipped  # sorted ascending: the widest of its group so far
+            rows = len(groups[-1]) + 1 if groups else 1
+            cost = tokens + width if self.packs_prompts else rows * width
+            if not groups or cost > self.prefill_token_budget:
                 groups.append([])
                 tokens = 0
             groups[-1].append((slot, request, skipped))
@@ -243,11 +241,10 @@ class GenerationEngine:
     def _small_step_slots(self) -> torch.Tensor | None:
         """None: the step runs every slot. Once at most `small_step_rows` slots are active (a job's last
         steps), exactly that many: the active ones, then idle ones (throwaway rows, as in a full step)."""
-        if self.small_step_rows is None or self.small_step_rows >= self.num_slots:
+        if (self.small_step_rows is None or self.small_step_rows >= self.num_slots
+                or int(self.active.sum()) > self.small_step_rows):
             return None
         order = torch.argsort(self.active.to(torch.int8), descending=True, stable=True)  # active slots first
-        if bool(self.active[order[self.small_step_rows]]):
-            return None
         return order[: self.small_step_rows]
 
     def _append(self, token: torch.Tensor, rows: torch.Tensor) -> list[tuple[int, int]]:
