@@ -11,14 +11,15 @@ pytestmark = pytest.mark.skipif(not packing_available(torch.device("cpu"), torch
                                 reason="this torch build has no MKL packed GEMM")
 
 
-def test_packed_linear_equals_linear_for_its_rows_and_falls_back_for_others():
+def test_packed_linear_matches_linear_for_its_rows_and_falls_back_for_others():
+    """MKL's packed and plain GEMMs sum in different orders on some CPUs (AMD): close, not bit-equal."""
     torch.manual_seed(0)
     linear = nn.Linear(48, 80)
     packed = PackedLinear(linear, rows=[8, 3])
     with torch.inference_mode():
         for shape in ((8, 1, 48), (8, 48), (3, 1, 48)):
             x = torch.randn(*shape)
-            assert torch.equal(packed(x), linear(x))
+            torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
         x = torch.randn(3, 7, 48)  # prefill-like: neither 8 nor 3 rows, the plain path
         assert torch.equal(packed(x), linear(x))
 
