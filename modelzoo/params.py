@@ -13,6 +13,7 @@ from modelzoo.errors import UserError
 DATA_PROCESSOR = "GptHDF5MapDataProcessor"
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+GEMM_BACKENDS = ("auto", "mkl", "onednn", "torch")  # modelzoo/gemm.py
 WEIGHT_DTYPES = ("int8",)
 SPECULATIVE_METHODS = ("prompt_lookup", "draft_model")
 
@@ -177,6 +178,7 @@ class RunConfig:
     num_threads: int | None = None
     log_steps: int = 10
     tensor_parallel: int = 1
+    gemm_backend: str = "auto"  # auto (measured at start-up), mkl, onednn or torch: see modelzoo/gemm.py
 
 
 @dataclass(frozen=True)
@@ -229,6 +231,7 @@ SCHEMA: dict[str, tuple[type, dict[str, Callable[[str, Any], Any]]]] = {
         "num_threads": _int(1, nullable=True),
         "log_steps": _int(1),
         "tensor_parallel": _int(1),
+        "gemm_backend": _choice(GEMM_BACKENDS, lambda v: isinstance(v, str)),
     }),
 }
 

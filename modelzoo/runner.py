@@ -22,12 +22,12 @@ from modelzoo.checkpoint import load_hf_config, load_model, resolve_dtype
 from modelzoo.data import Batch, GptHDF5MapDataProcessor
 from modelzoo.distributed import Shard
 from modelzoo.errors import UserError
+from modelzoo.gemm import GemmPlan, apply_gemm_backend, weight_bytes
 from modelzoo.generation.engine import GenerationEngine, Request
 from modelzoo.generation.kv_cache import KVCache
 from modelzoo.generation.sampling import TokenChoice
 from modelzoo.generation.speculative import DraftModelDrafter, Drafter, PromptLookupDrafter
 from modelzoo.manifest import build_manifest, check_manifest, write_manifest
-from modelzoo.models.packed_linear import pack_linear_layers, packing_available
 from modelzoo.params import InferenceParams
 from modelzoo.precision import arithmetic_dtype
 from modelzoo.predictions import is_complete, predictions_path, temp_files, write_predictions
@@ -39,8 +39,8 @@ from modelzoo.tensor_parallel import AgreedStop, TensorParallelGroup, open_group
 
 log = logging.getLogger("zoo-infer")
 
-# Rows of a decode step once few are left active (CPU, prepacked weights). Measured on SmolLM2-135M,
-# 2 cores: a step of 8 rows with weights packed for 8 takes 61-79 ms, one of 32 rows 108-138 ms.
+# Rows of a decode step once few are left active (CPU). Measured on SmolLM2-135M, 2 cores (Ice Lake):
+# a step of 8 rows takes 61-79 ms, one of 32 rows 108-138 ms.
 SMALL_STEP_ROWS = 8
 
 
@@ -121,6 +121,7 @@ class InferenceJob:
         self.vocab_size = int(hf_config.vocab_size)
         self._check_data_against_model()
         self.stats = RunStats()
+        self.gemm: GemmPlan | None = None  # the GEMM backends, once the model is loaded
         self.written: set[int] = set()  # steps this run wrote
         self.shape = ((params.inference_input.batch_size, self.data.max_seq_len) if model.loop_dim == 1
                       else (self.data.max_seq_len, params.inference_input.batch_size))  # of `predictions`
@@ -144,9 +145,7 @@ class InferenceJob:
 
     def memory_estimate(self, model: torch.nn.Module) -> tuple[int, int]:
         """(weight bytes, KV cache bytes) for batch_size x max_seq_len."""
-        # a tied weight is one tensor: count each storage once
-        unique = {t.data_ptr(): t for t in model.state_dict(keep_vars=True).values()}
-        weights = sum(t.numel() * t.element_size() for t in unique.values())
+        weights = weight_bytes(model)  # a tied weight once, prepacked copies counted
         c = model.config
         cache = KVCache.nbytes(c.num_layers, self.params.inference_input.batch_size, c.num_kv_heads,
                                self.data.max_seq_len, c.head_dim, self.dtype)
@@ -169,6 +168,22 @@ class InferenceJob:
                      "KV cache are float32 (faster here; see modelzoo/precision.py)", name, name)
             model = model.to(self.dtype)
         return model
+
+    def _choose_gemm(self, model: torch.nn.Module, weight_dtype: str | None) -> int | None:
+        """Puts every float linear layer in the layout of the GEMM backend chosen for it (runconfig.gemm_backend);
+        returns the row count of a job's last decode steps, or None to keep every step full.
+
+        Every decode forward has batch_size rows (times K + 1 when verifying K drafted tokens); once at
+        most SMALL_STEP_ROWS rows are left, steps run only those, which keeps each row's bits only where
+        every chosen backend is batch-invariant.
+        """
+        spec = self.params.model.speculative
+        batch_size = self.params.inference_input.batch_size
+        self.gemm = apply_gemm_backend(model, self.dtype, self.device, self.params.runconfig.gemm_backend,
+                                       decode_rows=batch_size * (1 + (spec.num_tokens if spec else 0)))
+        if weight_dtype or spec or batch_size <= SMALL_STEP_ROWS or self.device.type != "cpu":
+            return None
+        return SMALL_STEP_ROWS if self.gemm.batch_invariant else None
 
     def _dtype_name(self) -> str:
         """bfloat16, or 'bfloat16 weights, float32 arithmetic' where they differ."""
@@ -227,18 +242,7 @@ class InferenceJob:
         if cache > free:
             raise UserError(f"the KV cache needs {cache / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB is available on "
                             f"{self.device}; lower inference_input.batch_size or the data's max_seq_len")
-        small_step_rows = None
-        if packing_available(self.device, self.dtype) and not weight_dtype:  # MKL packs float32 weights only
-            # Every decode forward has batch_size rows, times K + 1 when it verifies K drafted tokens per row;
-            # plain decoding's last steps, with few rows left, run SMALL_STEP_ROWS rows.
-            spec = self.params.model.speculative
-            batch_size = self.params.inference_input.batch_size
-            rows = batch_size * (1 + (spec.num_tokens if spec else 0))
-            budget = (free - cache) // 2
-            if not spec and batch_size > SMALL_STEP_ROWS and pack_linear_layers(model, [rows, SMALL_STEP_ROWS], budget):
-                small_step_rows = SMALL_STEP_ROWS
-            else:
-                pack_linear_layers(model, [rows], budget)
+        small_step_rows = self._choose_gemm(model, weight_dtype)
         engine = GenerationEngine(model, self.params.inference_input.batch_size, self.data.max_seq_len,
                                   [list(s) for s in self.params.model.stop_sequences], self.params.model.max_tokens,
                                   self.device, self.dtype, choice=TokenChoice.from_params(self.params.model),
@@ -399,9 +403,10 @@ class InferenceJob:
         """Logs the totals and writes artifacts/summary.json (per shard too when there are several)."""
         log_totals(self.stats)
         device, dtype = str(self.device), self._dtype_name()
+        gemm = self.gemm.to_dict() if self.gemm else None
         if self.shard.count == 1:
             if self.writes:
-                write_json(self.artifacts / "summary.json", summary_of([self.stats], device, dtype, 1))
+                write_json(self.artifacts / "summary.json", summary_of([self.stats], device, dtype, 1, gemm))
             return
         if self.writes:
             write_json(shard_stats_path(self.artifacts, self.shard.index), asdict(self.stats))
@@ -409,7 +414,7 @@ class InferenceJob:
             self.shard.barrier()  # torchrun: rank 0 sums every rank's stats once all are written
         if self.shard.is_first and self.writes:
             stats = read_shard_stats(self.artifacts, self.shard.count)
-            write_json(self.artifacts / "summary.json", summary_of(stats, device, dtype, self.shard.count))
+            write_json(self.artifacts / "summary.json", summary_of(stats, device, dtype, self.shard.count, gemm))
 
 
 def signal_name(signum: int) -> str:

@@ -20,6 +20,13 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 SMOLLM2_DIR = REPO_ROOT / "models" / "smollm2-135m-instruct"
 
 
+def available_backends(device: torch.device, dtype: torch.dtype) -> list[str]:
+    """The GEMM backends this torch build offers (modelzoo.gemm)."""
+    from modelzoo.gemm import available_backends as backends
+
+    return backends(device, dtype)
+
+
 def save_tiny_model(config: Any, folder: Path, seed: int = 0) -> Path:
     """Random-initialised transformers model of `config`, saved as a checkpoint folder.
 
@@ -182,8 +189,9 @@ def hf_last_logits(checkpoint: Path, prompts: Sequence[Sequence[int]]) -> list[t
 def assert_family_matches_transformers(config: Any, tmp_path: Path, max_seq_len: int = 64, batch_size: int = 3,
                                        max_tokens: int = 16, seed: int = 0,
                                        prompts: Sequence[Sequence[int]] | None = None) -> None:
-    """The family contract: a tiny random checkpoint of `config` gives, through run_inference.py,
-    greedy predictions token-exact with transformers (fp32), and last-position logits within 1e-4.
+    """The family contract: a tiny random checkpoint of `config` gives, through run_inference.py with
+    each GEMM backend forced in turn, greedy predictions token-exact with transformers (fp32), and
+    last-position logits within 1e-4.
     prompts: default family_prompts(vocab, seed)."""
     checkpoint = save_tiny_model(config, tmp_path / "checkpoint", seed=seed)
     vocab = config.vocab_size
@@ -192,10 +200,11 @@ def assert_family_matches_transformers(config: Any, tmp_path: Path, max_seq_len:
         torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
     data = tmp_path / "data"
     write_h5(data, prompt_rows(prompts, max_seq_len, vocab))
-    params = write_params(tmp_path / "params.yaml", checkpoint, data, batch_size=batch_size, start_token=vocab,
-                          max_tokens=max_tokens)
-    assert run_job(params, tmp_path / "run") == 0
     reference = hf_greedy(checkpoint, prompts, max_tokens)
     expected = expected_rows(prompts, reference, max_seq_len, vocab)
-    got = stacked_predictions(tmp_path / "run")[: len(prompts)]
-    np.testing.assert_array_equal(got, expected)
+    for backend in available_backends(torch.device("cpu"), torch.float32):  # every GEMM library gives the same tokens
+        params = write_params(tmp_path / f"params_{backend}.yaml", checkpoint, data, batch_size=batch_size,
+                              start_token=vocab, max_tokens=max_tokens, gemm_backend=backend)
+        assert run_job(params, tmp_path / f"run_{backend}") == 0
+        got = stacked_predictions(tmp_path / f"run_{backend}")[: len(prompts)]
+        np.testing.assert_array_equal(got, expected, err_msg=f"gemm_backend {backend}")

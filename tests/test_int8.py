@@ -29,7 +29,7 @@ from modelzoo.checkpoint import load_model, read_safetensors
 from modelzoo.errors import UserError
 from modelzoo.generation.kv_cache import KVCache
 from modelzoo.models.gpt2 import Conv1D
-from modelzoo.models.packed_linear import pack_linear_layers, packing_available
+from modelzoo.gemm import apply_gemm_backend
 from modelzoo.quantization import Int8Embedding, Int8Linear, dequantize_rows, quantize_rows
 
 VOCAB = 96
@@ -269,10 +269,9 @@ def test_truncated_safetensors_is_named_with_int8(checkpoints, tmp_path):
         load_model(tmp_path, torch.float32, CPU, weight_dtype="int8")
 
 
-@pytest.mark.skipif(not packing_available(CPU, torch.float32), reason="this torch build has no MKL packed GEMM")
-def test_prepacking_leaves_int8_layers_alone(checkpoints):
+def test_gemm_backends_leave_int8_layers_alone(checkpoints):
     model, _ = load_model(checkpoints["llama_tied"], torch.float32, CPU, weight_dtype="int8")
-    assert not pack_linear_layers(model, rows=[4], budget_bytes=1 << 30)
+    assert not apply_gemm_backend(model, torch.float32, CPU, "auto").layers
     assert isinstance(model.lm_head, Int8Linear) and isinstance(model.model.layers[0].mlp.down_proj, Int8Linear)
 
 

@@ -31,16 +31,17 @@ BUILD_ROOT = Path(__file__).with_name("build")
 
 
 def _machine_key() -> str:
-    """Hash of what the compiled code depends on: CPU instruction sets, architecture, torch version."""
-    flags = ""
+    """Hash of what the compiled code and the measured GEMM choices (modelzoo/gemm.py) depend on: CPU
+    model and instruction sets, architecture, torch version."""
+    found = {"model name": "", "flags": ""}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = " ".join(sorted(line.split(":", 1)[1].split()))
-                break
+            key = line.split(":", 1)[0].strip()
+            if key in found and not found[key]:
+                found[key] = " ".join(sorted(line.split(":", 1)[1].split())) if key == "flags" else line.split(":", 1)[1].strip()
     except OSError:
         pass
-    text = f"{platform.machine()} {flags} {torch.__version__}"
+    text = f"{platform.machine()} {found['model name']} {found['flags']} {torch.__version__}"
     return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 

@@ -1,0 +1,262 @@
+"""Which library multiplies the weights on this CPU, chosen by measuring, and the weights in its layout.
+
+The fastest GEMM differs from one CPU to the next (measured with torch 2.13, 2 threads, float32,
+576 x 1536 at M = 32: on AMD EPYC Zen 4 MKL reaches 93-142 GFLOP/s and oneDNN with a prepacked
+weight 191-207; on Intel Ice Lake MKL's packed GEMM was the fastest). So for each weight shape the
+job multiplies, the candidates are timed on this machine at a prefill-sized and a decode-sized M:
+
+- `torch`:  `F.linear` on the checkpoint's weight (MKL for float32, oneDNN for bfloat16).
+- `onednn`: the weight reordered once into oneDNN's blocked layout (`torch.ops.mkldnn`, the ops
+            PyTorch's Inductor emits); the reordered copy *replaces* the checkpoint's.
+- `mkl`:    MKL's packed GEMM for the decode batch's row count (`torch.ops.mkl`, float32 only); MKL
+            needs the plain weight for every other row count, so it keeps two copies.
+
+A candidate must also be batch-invariant here: each row of its output must not depend on how many
+rows share the call (checked bit for bit at M = 1, 7 and 32 against the same rows at M = 256), or
+a job's tokens would depend on which rows share its batch, and a resumed job's files would differ
+from an uninterrupted one's. A candidate that fails is not chosen (a forced one runs, with a
+warning). The fastest remaining one (time per row at M = 256 plus time per row at M = 32: as many
+prompt tokens as generated ones) is kept, logged with its rates, and cached per CPU model, flags
+and torch version next to the C++ kernels' build, so that every job on this machine type makes the
+same choice and produces the same bits.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from modelzoo.kernels import kernel_build_dir
+
+log = logging.getLogger("zoo-infer")
+
+BACKENDS = ("mkl", "onednn", "torch")
+PREFILL_ROWS, DECODE_ROWS = 256, 32  # the row counts timed (fixed, so the choice does not depend on the job)
+INVARIANCE_ROWS = (1, 7, DECODE_ROWS)  # row counts whose rows must equal the same rows at PREFILL_ROWS
+CACHE_VERSION = 1
+
+
+class OneDNNLinear(nn.Module):
+    """A linear layer whose weight lives only in oneDNN's blocked layout (an opaque tensor)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)  # (N, K), blocked
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")  # (..., N)
+
+    def packed_bytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size()
+
+
+class MKLPackedLinear(nn.Module):
+    """nn.Linear whose weight is also packed by MKL for calls of exactly `rows` rows; other calls
+    multiply the plain weight (MKL needs it), so the layer holds two copies."""
+
+    def __init__(self, linear: nn.Linear, rows: int) -> None:
+        super().__init__()
+        self.weight, self.bias, self.rows = linear.weight, linear.bias, rows
+        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(linear.weight.detach(), rows)  # not a buffer: never saved
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() // x.shape[-1] != self.rows:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, self.rows)
+
+    def packed_bytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size()
+
+
+def available_backends(device: torch.device, dtype: torch.dtype) -> list[str]:
+    """The candidates this torch build offers for `dtype` on `device` (CUDA: torch only)."""
+    if device.type != "cpu":
+        return ["torch"]
+    names = ["torch"]
+    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        names.insert(0, "onednn")
+    if dtype == torch.float32 and torch._C.has_mkl and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"):
+        names.insert(0, "mkl")
+    return names
+
+
+def wrap(linear: nn.Linear, backend: str, decode_rows: int = DECODE_ROWS) -> nn.Module:
+    """`linear` multiplied by `backend` (the module that replaces it)."""
+    if backend == "onednn":
+        return OneDNNLinear(linear)
+    if backend == "mkl":
+        return MKLPackedLinear(linear, decode_rows)
+    if backend == "torch":
+        return linear
+    raise ValueError(f"unknown GEMM backend {backend!r}; one of {', '.join(BACKENDS)}")
+
+
+@dataclass
+class ShapeChoice:
+    """The measurement and decision for one weight shape and dtype."""
+
+    backend: str
+    gflops: dict[str, dict[str, float]] = field(default_factory=dict)  # backend -> {"M=256": rate, "M=32": rate}
+    invariant: dict[str, bool] = field(default_factory=dict)  # backend -> rows independent of M
+    rejected: dict[str, str] = field(default_factory=dict)  # backend -> why it could not run
+
+
+def _seconds_per_call(fn: Callable[[], torch.Tensor], budget_s: float = 0.15) -> float:
+    """Best time of a few calls after a warm-up, within about `budget_s`."""
+    fn()
+    best, spent, calls = float("inf"), 0.0, 0
+    while calls < 3 or (spent < budget_s and calls < 20):
+        start = time.perf_counter()
+        fn()
+        elapsed = time.perf_counter() - start
+        best, spent, calls = min(best, elapsed), spent + elapsed, calls + 1
+    return best
+
+
+def measure_shape(in_features: int, out_features: int, dtype: torch.dtype, backends: list[str]) -> ShapeChoice:
+    """Times and checks each backend on a random weight of this shape; keeps the fastest invariant one."""
+    generator = torch.Generator().manual_seed(0)
+    linear = nn.Linear(in_features, out_features, bias=False, dtype=dtype)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(out_features, in_features, generator=generator) / in_features ** 0.5)
+    x = torch.randn(PREFILL_ROWS, in_features, generator=generator).to(dtype)
+    choice = ShapeChoice(backend="torch")
+    cost: dict[str, float] = {}
+    with torch.inference_mode():
+        for backend in backends:
+            try:
+                module = wrap(linear, backend)
+                full = module(x)  # (PREFILL_ROWS, N)
+                choice.invariant[backend] = all(torch.equal(module(x[:rows].contiguous()), full[:rows])
+                                                for rows in INVARIANCE_ROWS)
+                rates = {}
+                for rows in (PREFILL_ROWS, DECODE_ROWS):
+                    part = x[:rows].contiguous()
+                    seconds = _seconds_per_call(lambda: module(part))
+                    rates[f"M={rows}"] = round(2 * rows * in_features * out_features / seconds / 1e9, 1)
+                    cost[backend] = cost.get(backend, 0.0) + seconds / rows
+                choice.gflops[backend] = rates
+            except (RuntimeError, NotImplementedError) as error:  # e.g. a dtype this CPU's oneDNN lacks
+                choice.rejected[backend] = str(error).strip().splitlines()[0][:200]
+    usable = [b for b in cost if choice.invariant[b]] or list(cost)
+    if usable:
+        choice.backend = min(usable, key=cost.__getitem__)
+    return choice
+
+
+def _cache_path() -> Path:
+    return kernel_build_dir() / "gemm_choices.json"
+
+
+def _read_cache() -> dict:
+    try:
+        cached = json.loads(_cache_path().read_text())
+        return cached if cached.get("version") == CACHE_VERSION else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(entries: dict) -> None:
+    """Best effort: a read-only checkout measures again next time."""
+    path = _cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"version": CACHE_VERSION, "shapes": entries}, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError as error:
+        log.warning("GEMM choices not cached (%s); the next job measures again", error)
+
+
+def _shape_key(linear: nn.Linear, dtype: torch.dtype) -> str:
+    return f"{str(dtype).replace('torch.', '')} {linear.in_features}x{linear.out_features}"
+
+
+@dataclass
+class GemmPlan:
+    """What `apply_gemm_backend` did, for the log and summary.json."""
+
+    requested: str
+    layers: dict[str, str] = field(default_factory=dict)  # shape key -> backend
+    measured: dict[str, dict] = field(default_factory=dict)  # shape key -> ShapeChoice as a dict
+    batch_invariant: bool = True
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def linear_layers(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, attribute name, layer) of every plain nn.Linear of `model` (not int8 or other subclasses)."""
+    return [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+            if type(child) is nn.Linear]
+
+
+def apply_gemm_backend(model: nn.Module, dtype: torch.dtype, device: torch.device, requested: str = "auto",
+                       decode_rows: int = DECODE_ROWS) -> GemmPlan:
+    """Replaces every nn.Linear of `model` by the chosen backend's layer (`requested`: auto or a backend name)."""
+    plan = GemmPlan(requested)
+    layers = linear_layers(model)
+    backends = available_backends(device, dtype)
+    if requested not in ("auto", *BACKENDS):
+        raise ValueError(f"unknown GEMM backend {requested!r}; one of auto, {', '.join(BACKENDS)}")
+    if requested != "auto" and requested not in backends:
+        from modelzoo.errors import UserError
+
+        raise UserError(f"runconfig.gemm_backend {requested} is not available for {str(dtype).replace('torch.', '')} "
+                        f"on {device} with this torch build; available: {', '.join(backends)}")
+    if device.type != "cpu" or not layers:
+        plan.layers = {_shape_key(layer, dtype): "torch" for _, _, layer in layers}
+        return plan
+    cache = _read_cache().get("shapes", {})
+    fresh = False
+    for _, _, layer in layers:
+        key = _shape_key(layer, dtype)
+        if key in plan.measured:
+            continue
+        if key not in cache or set(cache[key]["gflops"]) | set(cache[key]["rejected"]) != set(backends):
+            start = time.perf_counter()
+            cache[key] = asdict(measure_shape(layer.in_features, layer.out_features, dtype, backends))
+            fresh = True
+            log.info("GEMM %s measured in %.1fs: %s", key, time.perf_counter() - start, _rates_text(cache[key]))
+        plan.measured[key] = cache[key]
+    if fresh:
+        _write_cache(cache)
+    for key, measured in plan.measured.items():
+        plan.layers[key] = measured["backend"] if requested == "auto" else requested
+        if not measured["invariant"].get(plan.layers[key], False):
+            plan.batch_invariant = False
+            log.warning("GEMM backend %s for %s is not batch-invariant on this CPU: a row's tokens may depend on "
+                        "which rows share its batch", plan.layers[key], key)
+    for parent, name, layer in layers:
+        setattr(parent, name, wrap(layer, plan.layers[_shape_key(layer, dtype)], decode_rows))
+    log.info("GEMM backends (%s): %s", requested, "; ".join(
+        f"{key} {backend} ({_rates_text(plan.measured[key], backend)})" for key, backend in plan.layers.items()))
+    return plan
+
+
+def _rates_text(measured: dict, only: str | None = None) -> str:
+    """'onednn 205/190 GFLOP/s, torch 114/93 (not batch-invariant)' (M=256 / M=32)."""
+    parts = []
+    for backend, rates in measured["gflops"].items():
+        if only and backend != only:
+            continue
+        note = "" if measured["invariant"].get(backend) else " (not batch-invariant)"
+        parts.append(f"{backend} {rates[f'M={PREFILL_ROWS}']:.0f}/{rates[f'M={DECODE_ROWS}']:.0f} GFLOP/s{note}")
+    return ", ".join(parts) + ("" if only else f" at M={PREFILL_ROWS}/{DECODE_ROWS}")
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's weights: each parameter or buffer storage once, plus prepacked copies."""
+    unique = {t.data_ptr(): t for t in model.state_dict(keep_vars=True).values()}
+    total = sum(t.numel() * t.element_size() for t in unique.values())
+    return total + sum(m.packed_bytes() for m in model.modules() if isinstance(m, (OneDNNLinear, MKLPackedLinear)))

@@ -1,0 +1,98 @@
+"""GEMM backends chosen by measurement: each one's layer matches nn.Linear, holds one copy of the
+weight (oneDNN), and the choice keeps only batch-invariant candidates, is cached and can be forced."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import modelzoo.gemm as gemm
+from modelzoo.errors import UserError
+from modelzoo.gemm import (INVARIANCE_ROWS, MKLPackedLinear, OneDNNLinear, apply_gemm_backend, available_backends,
+                           linear_layers, measure_shape, weight_bytes, wrap)
+
+CPU = torch.device("cpu")
+FLOAT32_BACKENDS = available_backends(CPU, torch.float32)
+
+
+@pytest.fixture(autouse=True)
+def choices_in_tmp(tmp_path, monkeypatch):
+    """Each test measures afresh into its own cache file."""
+    monkeypatch.setattr(gemm, "kernel_build_dir", lambda: tmp_path / "build")
+
+
+@pytest.mark.parametrize("backend", FLOAT32_BACKENDS)
+def test_each_backend_matches_linear_for_any_row_count(backend):
+    torch.manual_seed(0)
+    linear = nn.Linear(48, 80)
+    layer = wrap(linear, backend, decode_rows=8)
+    with torch.inference_mode():
+        for shape in ((8, 1, 48), (8, 48), (3, 1, 48), (3, 7, 48), (1, 48)):
+            x = torch.randn(*shape)
+            torch.testing.assert_close(layer(x), linear(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif("onednn" not in FLOAT32_BACKENDS, reason="this torch build has no oneDNN")
+def test_onednn_layer_keeps_one_copy_of_the_weight():
+    layer = OneDNNLinear(nn.Linear(64, 32))
+    assert set(layer.state_dict()) == {"bias"}  # the checkpoint's weight is gone, only the blocked copy
+    assert layer.packed_bytes() == 64 * 32 * 4
+
+
+def test_swap_replaces_every_linear_and_keeps_a_tied_embedding():
+    model = nn.Sequential(nn.Embedding(30, 16), nn.Linear(16, 16), nn.Linear(16, 30, bias=False))
+    model[2].weight = model[0].weight  # a tied LM head
+    plan = apply_gemm_backend(model, torch.float32, CPU, "auto")
+    assert not linear_layers(model)  # none left as plain nn.Linear unless torch won
+    chosen = set(plan.layers.values())
+    assert chosen <= set(FLOAT32_BACKENDS)
+    assert model[0].weight.shape == (30, 16)  # the embedding keeps the checkpoint's values
+    assert weight_bytes(model) >= 30 * 16 * 4 + 16 * 16 * 4
+
+
+def test_measure_prefers_batch_invariant_candidates_and_says_why():
+    choice = measure_shape(96, 160, torch.float32, FLOAT32_BACKENDS)
+    assert set(choice.gflops) | set(choice.rejected) == set(FLOAT32_BACKENDS)
+    assert all(rate > 0 for rates in choice.gflops.values() for rate in rates.values())
+    if any(choice.invariant.values()):
+        assert choice.invariant[choice.backend]
+    # the property itself, checked again here on other data for the chosen backend
+    linear = nn.Linear(96, 160, bias=False)
+    layer = wrap(linear, choice.backend, decode_rows=INVARIANCE_ROWS[-1])
+    x = torch.randn(256, 96)
+    with torch.inference_mode():
+        full = layer(x)
+        for rows in (1, 5, 32, 100):
+            if choice.invariant[choice.backend]:
+                assert torch.equal(layer(x[:rows].contiguous()), full[:rows])
+
+
+def test_choice_is_cached_and_reused(tmp_path, monkeypatch):
+    apply_gemm_backend(nn.Sequential(nn.Linear(32, 48)), torch.float32, CPU, "auto")
+    cached = json.loads((tmp_path / "build" / "gemm_choices.json").read_text())
+    assert list(cached["shapes"]) == ["float32 32x48"]
+    monkeypatch.setattr(gemm, "measure_shape", lambda *args: pytest.fail("measured again"))
+    plan = apply_gemm_backend(nn.Sequential(nn.Linear(32, 48)), torch.float32, CPU, "auto")
+    assert plan.layers == {"float32 32x48": cached["shapes"]["float32 32x48"]["backend"]}
+
+
+@pytest.mark.parametrize("backend", FLOAT32_BACKENDS)
+def test_forced_backend_is_used_everywhere(backend):
+    model = nn.Sequential(nn.Linear(16, 24), nn.Linear(24, 16))
+    plan = apply_gemm_backend(model, torch.float32, CPU, backend)
+    assert set(plan.layers.values()) == {backend}
+    kinds = {"onednn": OneDNNLinear, "mkl": MKLPackedLinear, "torch": nn.Linear}
+    assert all(type(layer) is kinds[backend] for layer in model)
+
+
+def test_unavailable_backend_is_a_user_error():
+    with pytest.raises(UserError, match="runconfig.gemm_backend mkl is not available for bfloat16"):
+        apply_gemm_backend(nn.Sequential(nn.Linear(16, 16, dtype=torch.bfloat16)), torch.bfloat16, CPU, "mkl")
+
+
+def test_cuda_models_are_left_to_torch():
+    model = nn.Sequential(nn.Linear(16, 16))
+    plan = apply_gemm_backend(model, torch.float32, torch.device("cuda"), "auto")
+    assert plan.layers == {"float32 16x16": "torch"} and type(model[0]) is nn.Linear
