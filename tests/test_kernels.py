@@ -121,7 +121,8 @@ def test_kernel_ignores_positions_past_end_and_reads_a_strided_cache_view():
     (dict(slots=torch.tensor([0, 2])), "outside the cache's 2 slots"),
     (dict(slots=torch.tensor([0])), "one slot per row"),
     (dict(q=torch.randn(2, 1, 18, 16)), "1 to 8 query heads per kv head"),
-    (dict(q=torch.randn(2, 1, 4, 16).double()), "float32 only"),
+    (dict(q=torch.randn(2, 1, 4, 16).double()), "share one dtype: float32, bfloat16 or float16"),
+    (dict(q=torch.randn(2, 1, 4, 16).bfloat16()), "share one dtype"),
     (dict(q=torch.randn(2, 1, 16, 4).transpose(2, 3)), "contiguous"),
     (dict(keys=torch.randn(2, 2, 16, 8).transpose(2, 3)), "cache rows must be contiguous"),
     (dict(q=torch.randn(2, 1, 4, 8), new_keys=torch.randn(2, 1, 2, 8), new_values=torch.randn(2, 1, 2, 8),
@@ -165,7 +166,7 @@ def test_rotary_inside_the_kernel_equals_rotating_first(head_dim):
 @needs_kernels
 @pytest.mark.parametrize("change, message", [
     (dict(cos=torch.randn(2, 1, 16), sin=None), "cos and sin come together"),
-    (dict(cos=torch.randn(2, 1, 8), sin=torch.randn(2, 1, 8)), r"cos and sin must be contiguous float32 \(B, T, D\)"),
+    (dict(cos=torch.randn(2, 1, 8), sin=torch.randn(2, 1, 8)), r"cos and sin must be contiguous \(B, T, D\) of q's dtype"),
     (dict(cos=torch.randn(2, 1, 32)[..., ::2], sin=torch.randn(2, 1, 16)), "must be contiguous"),
 ])
 def test_kernel_rejects_bad_rotary_tables(change, message):
@@ -206,16 +207,84 @@ def test_silu_mul_is_bitwise_torch(width):
 
 @needs_kernels
 @pytest.mark.parametrize("call, message", [
-    (lambda: kernels.rms_norm(torch.randn(4, 8).t(), torch.randn(4), 1e-5), "contiguous float32"),
-    (lambda: kernels.rms_norm(torch.randn(4, 8).double(), torch.randn(8), 1e-5), "contiguous float32"),
-    (lambda: kernels.rms_norm(torch.randn(4, 8), torch.randn(7), 1e-5), r"weight must be float32 \(n,\)"),
+    (lambda: kernels.rms_norm(torch.randn(4, 8).t(), torch.randn(4), 1e-5), "contiguous float32, bfloat16 or float16"),
+    (lambda: kernels.rms_norm(torch.randn(4, 8).double(), torch.randn(8), 1e-5), "contiguous float32, bfloat16"),
+    (lambda: kernels.rms_norm(torch.randn(4, 8), torch.randn(7), 1e-5), r"weight must be \(n,\) of x's dtype"),
+    (lambda: kernels.rms_norm(torch.randn(4, 8), torch.randn(8).bfloat16(), 1e-5), r"weight must be \(n,\) of x's"),
     (lambda: kernels.add_rms_norm_(torch.randn(4, 8), torch.randn(4, 7), torch.randn(8), 1e-5), "shaped like x"),
+    (lambda: kernels.add_rms_norm_(torch.randn(4, 8), torch.randn(4, 8).half(), torch.randn(8), 1e-5), "of its dtype"),
     (lambda: kernels.silu_mul(torch.randn(4, 7)), "must be even"),
-    (lambda: kernels.silu_mul(torch.randn(8, 4).t()), "contiguous float32"),
+    (lambda: kernels.silu_mul(torch.randn(8, 4).t()), "contiguous float32, bfloat16 or float16"),
 ])
 def test_fused_ops_reject_bad_inputs(call, message):
     with pytest.raises(RuntimeError, match=message):
         call()
+
+
+def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm for half-precision x: float32 inside, rounded before the weight."""
+    wide = x.float()
+    wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * wide.to(x.dtype)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("width", [64, 576, 2048])
+def test_half_precision_norms_are_bitwise_transformers(dtype, width):
+    """The same template as float32: transformers' spelling in half precision, bit for bit (any x86-64
+    CPU runs it: the conversions are plain integer and F16C work, no bf16 instructions needed)."""
+    generator = torch.Generator().manual_seed(width)
+    x = (torch.randn(3, 50, width, generator=generator) * 3).to(dtype)
+    delta = torch.randn(3, 50, width, generator=generator).to(dtype)
+    weight = torch.randn(width, generator=generator).to(dtype)
+    assert torch.equal(kernels.rms_norm(x, weight, 1e-5), hf_rms_norm(x, weight, 1e-5))
+    summed = x.clone()
+    normed = kernels.add_rms_norm_(summed, delta, weight, 1e-6)
+    assert torch.equal(summed, x + delta)
+    assert torch.equal(normed, hf_rms_norm(x + delta, weight, 1e-6))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_silu_mul_rounds_like_torch(dtype):
+    """SiLU in float32 (bitwise the float32 op), rounded to dtype, then the product rounded: what
+    F.silu(gate) * up computes in that dtype."""
+    gate_up = (torch.randn(4, 9, 2 * 1536, generator=torch.Generator().manual_seed(3)) * 5).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    got = kernels.silu_mul(gate_up)
+    assert torch.equal(got, F.silu(gate.float()).to(dtype) * up)
+    torch.testing.assert_close(got, F.silu(gate) * up)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_attention_is_the_float32_kernel_rounded(dtype):
+    """Inputs and cache in `dtype`: the cache gets the keys rotated in float32 and rounded once, and the
+    output is the float32 kernel's, on the widened inputs and the rounded keys, rounded once."""
+    generator = torch.Generator().manual_seed(7)
+    batch, width, heads, kv_heads, head_dim = 3, 4, 6, 2, 64
+    qkv = torch.randn(batch, width, (heads + 2 * kv_heads) * head_dim, generator=generator).to(dtype)
+    q, k, v = qkv.view(batch, width, heads + 2 * kv_heads, head_dim).split((heads, kv_heads, kv_heads), dim=2)
+    rope = RotaryEmbedding(RopeConfig(theta=10000.0), head_dim, 64)
+    rope.build_tables(torch.device("cpu"))
+    positions = 20 + torch.arange(width).expand(batch, width)
+    cos, sin = rope(positions, dtype)  # (B, 1, T, hd)
+    keys = torch.randn(4, kv_heads, 64, head_dim, generator=generator).to(dtype)
+    values = torch.randn(4, kv_heads, 64, head_dim, generator=generator).to(dtype)
+    slots, start, end = torch.tensor([3, 0, 2]), torch.zeros_like(positions), positions + 1
+    half_keys, half_values = keys.clone(), values.clone()
+    out = kernels.cached_attention(q, k, v, half_keys, half_values, slots, start, end, 0.125, cos[:, 0], sin[:, 0])
+    assert out.dtype == dtype
+    float_keys, float_values = keys.float(), values.float()
+    kernels.cached_attention(q.float(), k.float(), v.float(), float_keys, float_values, slots, start, end, 0.125,
+                             cos[:, 0].float().contiguous(), sin[:, 0].float().contiguous())
+    assert torch.equal(half_keys, float_keys.to(dtype)) and torch.equal(half_values, float_values.to(dtype))
+    q_rotated = apply_rotary(q.float().transpose(1, 2), cos.float(), sin.float()).transpose(1, 2).contiguous()
+    stored_keys = half_keys[slots[:, None], :, end - 1].float()  # (B, T, Hkv, hd): what the kernel wrote
+    expected = kernels.cached_attention(q_rotated, stored_keys, v.float(), half_keys.float(), half_values.float(), slots,
+                                        start, end, 0.125)
+    assert torch.equal(out, expected.to(dtype))
 
 
 def generate_all(checkpoint, prompts, monkeypatch, use_kernel: bool) -> dict[int, list[int]]:

@@ -1,5 +1,6 @@
-// Attention over a slot KV cache, on the CPU, in float32: decode steps, speculative verification and
-// prefill alike.
+// Attention over a slot KV cache, on the CPU: decode steps, speculative verification and prefill
+// alike. One template over the storage type of q, the new keys and values, the cache and the output
+// (float, bfloat16, float16; storage.h); scores, softmax and sums are float32.
 //
 // Each query attends over its own row's cached keys [start, end) (end = its position + 1, start > 0
 // under a sliding window): only the filled part of each row is read, however long the longest row
@@ -13,6 +14,7 @@
 // The arithmetic is softmax(q . k * scale) @ v with the maximum subtracted before exp, as in
 // PyTorch's attention; the summation order and exp's last bits differ (rounding at the 1e-7 level).
 #include "kernels.h"
+#include "storage.h"
 
 #include <ATen/Parallel.h>
 
@@ -25,18 +27,6 @@
 
 namespace zoo {
 namespace {
-
-// 16 floats in one register (AVX-512) or two (AVX2): GCC / Clang vector extensions, no intrinsics.
-typedef float vec16 __attribute__((vector_size(64)));
-constexpr int64_t W = 16;
-
-inline vec16 load16(const float* p) {
-  vec16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof v); }
 
 typedef int32_t lanes16 __attribute__((vector_size(64)));
 
@@ -104,12 +94,11 @@ inline void softmax_in_place(float* row, int64_t n) {
   for (int64_t j = 0; j < padded; j += W) store16(row + j, load16(row + j) * inverse);
 }
 
-// Attention of G query heads (G, C * 16) over n keys and values (n, C * 16) each; writes out
-// (G, C * 16). G and C are compile-time, so the heads' dot products and sums stay in registers.
-// scores: room for G rows of n rounded up to 16 floats.
-template <int G, int C>
-void attend_group(const float* q, const float* k, const float* v, float* out, int64_t n, float scale,
-                  float* scores) {
+// Attention of G float32 query heads (G, C * 16) over n keys and values (n, C * 16) each of T; writes
+// out (G, C * 16) of T. G and C are compile-time, so the heads' dot products and sums stay in
+// registers. scores: room for G rows of n rounded up to 16 floats.
+template <typename T, int G, int C>
+void attend_group(const float* q, const T* k, const T* v, T* out, int64_t n, float scale, float* scores) {
   constexpr int64_t D = C * W;
   const int64_t stride = (n + W - 1) / W * W;  // one padded score row per head
   vec16 qv[G][C];
@@ -124,7 +113,7 @@ void attend_group(const float* q, const float* k, const float* v, float* out, in
         for (int g = 0; g < G; ++g) dots[g][i] = vec16{};
         continue;
       }
-      const float* key = k + (first + i) * D;
+      const T* key = k + (first + i) * D;
       vec16 part[C];
       for (int c = 0; c < C; ++c) part[c] = load16(key + c * W);
       for (int g = 0; g < G; ++g) {
@@ -150,33 +139,109 @@ void attend_group(const float* q, const float* k, const float* v, float* out, in
     for (int c = 0; c < C; ++c) store16(out + g * D + c * W, acc[g][c]);
 }
 
-using AttendGroup = void (*)(const float*, const float*, const float*, float*, int64_t, float, float*);
+template <typename T>
+using AttendGroup = void (*)(const float*, const T*, const T*, T*, int64_t, float, float*);
 
-template <int G>
-AttendGroup attend_group_for_chunks(int64_t C) {
+template <typename T, int G>
+AttendGroup<T> attend_group_for_chunks(int64_t C) {
   switch (C) {
-    case 1: return attend_group<G, 1>;
-    case 2: return attend_group<G, 2>;
-    case 4: return attend_group<G, 4>;
-    case 8: return attend_group<G, 8>;
+    case 1: return attend_group<T, G, 1>;
+    case 2: return attend_group<T, G, 2>;
+    case 4: return attend_group<T, G, 4>;
+    case 8: return attend_group<T, G, 8>;
     default: return nullptr;
   }
 }
 
 // The instance for G query heads per kv head (1 to 8) and head_dim D (16, 32, 64 or 128); nullptr
 // for other shapes.
-AttendGroup attend_group_for(int64_t G, int64_t D) {
+template <typename T>
+AttendGroup<T> attend_group_for(int64_t G, int64_t D) {
   if (D % W) return nullptr;
   switch (G) {
-    case 1: return attend_group_for_chunks<1>(D / W);
-    case 2: return attend_group_for_chunks<2>(D / W);
-    case 3: return attend_group_for_chunks<3>(D / W);
-    case 4: return attend_group_for_chunks<4>(D / W);
-    case 5: return attend_group_for_chunks<5>(D / W);
-    case 6: return attend_group_for_chunks<6>(D / W);
-    case 7: return attend_group_for_chunks<7>(D / W);
-    case 8: return attend_group_for_chunks<8>(D / W);
+    case 1: return attend_group_for_chunks<T, 1>(D / W);
+    case 2: return attend_group_for_chunks<T, 2>(D / W);
+    case 3: return attend_group_for_chunks<T, 3>(D / W);
+    case 4: return attend_group_for_chunks<T, 4>(D / W);
+    case 5: return attend_group_for_chunks<T, 5>(D / W);
+    case 6: return attend_group_for_chunks<T, 6>(D / W);
+    case 7: return attend_group_for_chunks<T, 7>(D / W);
+    case 8: return attend_group_for_chunks<T, 8>(D / W);
     default: return nullptr;
+  }
+}
+
+// The attention of cached_attention() once its inputs are checked: T is their storage type.
+template <typename T>
+void attend_all(const torch::Tensor& q, const torch::Tensor& new_keys, const torch::Tensor& new_values,
+                const torch::Tensor& keys, const torch::Tensor& values, const int64_t* slot, int64_t slots_per_row,
+                const int64_t* start, const int64_t* end, float scale, const c10::optional<torch::Tensor>& cos,
+                const c10::optional<torch::Tensor>& sin, torch::Tensor& out) {
+  const int64_t B = q.size(0), T_ = q.size(1), H = q.size(2), D = q.size(3), Hkv = keys.size(1);
+  const int64_t G = H / Hkv;
+  const AttendGroup<T> attend = attend_group_for<T>(G, D);
+  const bool rotary = cos.has_value();
+  const T* qp = q.data_ptr<T>();
+  const T* nkp = new_keys.data_ptr<T>();
+  const T* nvp = new_values.data_ptr<T>();
+  const T* cosp = rotary ? cos->data_ptr<T>() : nullptr;
+  const T* sinp = rotary ? sin->data_ptr<T>() : nullptr;
+  T* kp = keys.data_ptr<T>();
+  T* vp = values.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t ks0 = keys.stride(0), ks1 = keys.stride(1), vs0 = values.stride(0), vs1 = values.stride(1);
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2);
+  const int threads = std::max(1, at::get_num_threads());
+  // The cache row of query i = b * T + t.
+  auto slot_of = [&](int64_t i) { return slot[slots_per_row == 1 ? i / std::max<int64_t>(T_, 1) : i]; };
+
+  // The new keys first: a query reads those of earlier queries of its row.
+  std::vector<float> rotated(D);
+  for (int64_t i = 0; i < B * T_; ++i) {
+    const int64_t b = i / T_, t = i % T_;
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const T* key = nkp + b * new_keys.stride(0) + t * new_keys.stride(1) + h * new_keys.stride(2);
+      const T* value = nvp + b * new_values.stride(0) + t * new_values.stride(1) + h * new_values.stride(2);
+      T* key_slot = kp + slot_of(i) * ks0 + h * ks1 + (end[i] - 1) * D;
+      if (rotary) {
+        rotate_half(key, cosp + i * D, sinp + i * D, rotated.data(), D);
+        narrow(rotated.data(), key_slot, D);
+      } else {
+        std::memcpy(key_slot, key, D * sizeof(T));
+      }
+      std::memcpy(vp + slot_of(i) * vs0 + h * vs1 + (end[i] - 1) * D, value, D * sizeof(T));
+    }
+  }
+  // Tasks (row, kv head, query), consecutive ones sharing a row's keys while they are in cache.
+  const int64_t tasks = B * Hkv * T_;
+  // float32 queries are read in place when the G heads are one contiguous block; others are gathered.
+  const bool gather = !std::is_same_v<T, float> || rotary || qs2 != D;
+#pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(threads, tasks)))
+  {
+    std::vector<float> scores;
+    std::vector<float> queries(gather ? G * D : 0);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < tasks; ++task) {
+      const int64_t b = task / (Hkv * T_), h = task / T_ % Hkv, t = task % T_;
+      const int64_t i = b * T_ + t, lo = start[i], n = end[i] - lo;
+      const T* k = kp + slot_of(i) * ks0 + h * ks1 + lo * D;
+      const T* v = vp + slot_of(i) * vs0 + h * vs1 + lo * D;
+      const T* query = qp + b * qs0 + t * qs1 + h * G * qs2;  // the G heads of kv head h
+      const float* query_floats = reinterpret_cast<const float*>(query);  // used as is only when T is float
+      if (gather) {
+        for (int64_t g = 0; g < G; ++g) {
+          const T* head = query + g * qs2;
+          if (rotary) {
+            rotate_half(head, cosp + i * D, sinp + i * D, queries.data() + g * D, D);
+          } else {
+            widen(head, queries.data() + g * D, D);
+          }
+        }
+        query_floats = queries.data();
+      }
+      scores.resize(G * ((n + W - 1) / W * W));
+      attend(query_floats, k, v, op + (i * H + h * G) * D, n, scale, scores.data());
+    }
   }
 }
 
@@ -184,10 +249,10 @@ AttendGroup attend_group_for(int64_t G, int64_t D) {
 
 // Writes new_keys, new_values (B, T, Hkv, D) at positions ends - 1 of cache rows `slots`, then attends
 // each query of q (B, T, H, D) over its row's keys [start, end). q, new_keys, new_values: any strides
-// with each head's D floats contiguous. keys, values: (S, Hkv, M, D), contiguous in their last two
+// with each head's D values contiguous. keys, values: (S, Hkv, M, D), contiguous in their last two
 // dims; slots: (B,), or (B, T) when a row packs several sequences side by side (one cache row per
 // query); starts, ends: (B, T); cos, sin: none, or (B, T, D) contiguous to rotate q and the new keys
-// by. Returns (B, T, H, D).
+// by. All float tensors share one dtype: float32, bfloat16 or float16. Returns (B, T, H, D).
 torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& new_keys, const torch::Tensor& new_values,
                                const torch::Tensor& keys, const torch::Tensor& values, const torch::Tensor& slots,
                                const torch::Tensor& starts, const torch::Tensor& ends, double scale,
@@ -195,7 +260,8 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& new_
   const std::vector<torch::Tensor> floats = {q, new_keys, new_values, keys, values};
   for (const auto& t : floats) {
     TORCH_CHECK(t.device().is_cpu(), "CPU tensors only");
-    TORCH_CHECK(t.scalar_type() == at::kFloat, "float32 only");
+    TORCH_CHECK(is_storage_type(t.scalar_type()) && t.scalar_type() == q.scalar_type(),
+                "q, the new keys and values and the cache must share one dtype: float32, bfloat16 or float16");
   }
   TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.sizes() == keys.sizes(), "q (B, T, H, D), cache (S, Hkv, M, D)");
   TORCH_CHECK(q.stride(3) == 1 && new_keys.stride(3) == 1 && new_values.stride(3) == 1,
@@ -211,92 +277,36 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& new_
               "one slot per row or per query, one start and end per query");
   const int64_t slots_per_row = slots.numel() / std::max<int64_t>(B, 1);  // 1 or T
   TORCH_CHECK(cos.has_value() == sin.has_value(), "cos and sin come together");
-  const bool rotary = cos.has_value();
-  if (rotary) {
+  if (cos.has_value()) {
     for (const auto& table : {*cos, *sin}) {
       TORCH_CHECK(table.sizes() == at::IntArrayRef({B, T, D}) && table.is_contiguous() &&
-                      table.scalar_type() == at::kFloat && table.device().is_cpu(),
-                  "cos and sin must be contiguous float32 (B, T, D)");
+                      table.scalar_type() == q.scalar_type() && table.device().is_cpu(),
+                  "cos and sin must be contiguous (B, T, D) of q's dtype");
     }
   }
   const int64_t G = H / Hkv;
-  const AttendGroup attend = attend_group_for(G, D);
-  TORCH_CHECK(attend != nullptr, "1 to 8 query heads per kv head and head_dim 16, 32, 64 or 128, not ", G, " and ", D);
+  TORCH_CHECK(attend_group_for<float>(G, D) != nullptr, "1 to 8 query heads per kv head and head_dim 16, 32, 64 or 128, not ",
+              G, " and ", D);
   auto slots64 = slots.to(at::kLong).contiguous();
   auto starts64 = starts.to(at::kLong).contiguous();
   auto ends64 = ends.to(at::kLong).contiguous();
   const int64_t* slot = slots64.data_ptr<int64_t>();
   const int64_t* start = starts64.data_ptr<int64_t>();
   const int64_t* end = ends64.data_ptr<int64_t>();
-  // The cache row of query i = b * T + t.
-  auto slot_of = [&](int64_t i) { return slot[slots_per_row == 1 ? i / std::max<int64_t>(T, 1) : i]; };
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t t = 0; t < T; ++t) {
-      const int64_t i = b * T + t;
-      TORCH_CHECK(0 <= slot_of(i) && slot_of(i) < S, "row ", b, " query ", t, ": slot ", slot_of(i),
+      const int64_t i = b * T + t, row_slot = slot[slots_per_row == 1 ? b : i];
+      TORCH_CHECK(0 <= row_slot && row_slot < S, "row ", b, " query ", t, ": slot ", row_slot,
                   " outside the cache's ", S, " slots");
       TORCH_CHECK(0 <= start[i] && start[i] < end[i] && end[i] <= M, "row ", b, " query ", t, ": keys [", start[i],
                   ", ", end[i], ") outside the cache's ", M, " positions");
     }
   }
   auto out = torch::empty({B, T, H, D}, q.options());
-  const float* qp = q.data_ptr<float>();
-  const float* nkp = new_keys.data_ptr<float>();
-  const float* nvp = new_values.data_ptr<float>();
-  const float* cosp = rotary ? cos->data_ptr<float>() : nullptr;
-  const float* sinp = rotary ? sin->data_ptr<float>() : nullptr;
-  float* kp = keys.data_ptr<float>();
-  float* vp = values.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t ks0 = keys.stride(0), ks1 = keys.stride(1), vs0 = values.stride(0), vs1 = values.stride(1);
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2);
-  const float fscale = static_cast<float>(scale);
-  const int threads = std::max(1, at::get_num_threads());
-
-  // The new keys first: a query reads those of earlier queries of its row.
-  for (int64_t i = 0; i < B * T; ++i) {
-    const int64_t b = i / T, t = i % T;
-    for (int64_t h = 0; h < Hkv; ++h) {
-      const float* key = nkp + b * new_keys.stride(0) + t * new_keys.stride(1) + h * new_keys.stride(2);
-      const float* value = nvp + b * new_values.stride(0) + t * new_values.stride(1) + h * new_values.stride(2);
-      float* key_slot = kp + slot_of(i) * ks0 + h * ks1 + (end[i] - 1) * D;
-      if (rotary) {
-        rotate_half(key, cosp + i * D, sinp + i * D, key_slot, D);
-      } else {
-        std::memcpy(key_slot, key, D * sizeof(float));
-      }
-      std::memcpy(vp + slot_of(i) * vs0 + h * vs1 + (end[i] - 1) * D, value, D * sizeof(float));
-    }
-  }
-  // Tasks (row, kv head, query), consecutive ones sharing a row's keys while they are in cache.
-  const int64_t tasks = B * Hkv * T;
-  const bool gather = rotary || qs2 != D;  // the G query heads are not one contiguous block as given
-#pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(threads, tasks)))
-  {
-    std::vector<float> scores;
-    std::vector<float> queries(gather ? G * D : 0);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < tasks; ++task) {
-      const int64_t b = task / (Hkv * T), h = task / T % Hkv, t = task % T;
-      const int64_t i = b * T + t, lo = start[i], n = end[i] - lo;
-      const float* k = kp + slot_of(i) * ks0 + h * ks1 + lo * D;
-      const float* v = vp + slot_of(i) * vs0 + h * vs1 + lo * D;
-      const float* query = qp + b * qs0 + t * qs1 + h * G * qs2;  // the G heads of kv head h
-      if (gather) {
-        for (int64_t g = 0; g < G; ++g) {
-          const float* head = query + g * qs2;
-          if (rotary) {
-            rotate_half(head, cosp + i * D, sinp + i * D, queries.data() + g * D, D);
-          } else {
-            std::memcpy(queries.data() + g * D, head, D * sizeof(float));
-          }
-        }
-        query = queries.data();
-      }
-      scores.resize(G * ((n + W - 1) / W * W));
-      attend(query, k, v, op + (i * H + h * G) * D, n, fscale, scores.data());
-    }
-  }
+  ZOO_DISPATCH_FLOATS(q.scalar_type(), "cached_attention", [&] {
+    attend_all<scalar_t>(q, new_keys, new_values, keys, values, slot, slots_per_row, start, end,
+                         static_cast<float>(scale), cos, sin, out);
+  });
   return out;
 }
 

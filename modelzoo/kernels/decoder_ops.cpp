@@ -1,8 +1,11 @@
-// The small float32 ops between a decoder layer's matrix multiplies, each fused into one call:
-// RMSNorm (optionally after the residual add), SiLU(gate) * up, and the rotary embedding of one head.
+// The small ops between a decoder layer's matrix multiplies, each fused into one call: RMSNorm
+// (optionally after the residual add), SiLU(gate) * up, and the rotary embedding of one head. Each
+// is a template over the storage type (float, bfloat16, float16; storage.h) computing in float32.
 //
 // Each reproduces its PyTorch spelling bit for bit, as transformers writes it, so that greedy
-// decoding stays token-exact with the Hugging Face reference:
+// decoding stays token-exact with the Hugging Face reference (in bfloat16 and float16 too, where
+// PyTorch rounds where the spelling rounds: the norm's x * rsqrt before the weight, SiLU before the
+// product, the residual sum):
 // - RMSNorm: x.pow(2).mean(-1) is torch.sum's order of additions (8-lane vectors, four interleaved
 //   accumulators, its cascade levels, lanes added one by one) then a division by n;
 //   x * rsqrt(var + eps) is 1 / sqrt; then weight * x.
@@ -13,6 +16,7 @@
 #pragma GCC optimize("fp-contract=off")
 
 #include "kernels.h"
+#include "storage.h"
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -20,6 +24,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 extern "C" __m256 Sleef_expf8_u10(__m256);  // in libtorch_cpu: the exp of ATen's AVX2 float kernels
 
@@ -78,21 +83,39 @@ float sum_of_squares(const float* x, int64_t n) {
   return total;
 }
 
-// out = weight * (x * rsqrt(mean(x^2) + eps)) for one row of n floats.
-void rms_norm_row(const float* x, const float* weight, float eps, float* out, int64_t n) {
+// out = weight * T(x * rsqrt(mean(x^2) + eps)) for one row of n values, x already widened to float32.
+template <typename T>
+void rms_norm_row(const float* x, const T* weight, float eps, T* out, int64_t n) {
   const float variance = sum_of_squares(x, n) / static_cast<float>(n);
   const float inverse = 1.f / std::sqrt(variance + eps);
-  for (int64_t i = 0; i < n; ++i) out[i] = weight[i] * (x[i] * inverse);
+  for (int64_t i = 0; i < n; ++i) out[i] = from_float<T>(to_float(weight[i]) * to_float(from_float<T>(x[i] * inverse)));
 }
 
 void check_rows(const torch::Tensor& x, const torch::Tensor& weight) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "x must be a contiguous float32 CPU tensor");
+  TORCH_CHECK(x.device().is_cpu() && is_storage_type(x.scalar_type()) && x.is_contiguous(),
+              "x must be a contiguous float32, bfloat16 or float16 CPU tensor");
   TORCH_CHECK(x.dim() >= 1 && weight.dim() == 1 && weight.size(0) == x.size(-1) && weight.is_contiguous() &&
-                  weight.scalar_type() == at::kFloat, "weight must be float32 (n,) for x (..., n)");
+                  weight.scalar_type() == x.scalar_type(), "weight must be (n,) of x's dtype for x (..., n)");
 }
 
 constexpr int64_t kRowsPerTask = 16;  // a decode step's 32 rows are two tasks, a prefill's thousand many
+
+// silu(gate) = gate / (1 + exp(-gate)) over n floats, in ATen's order: 8-lane blocks two vectors at a
+// time with SLEEF's exp, then one element at a time with glibc's.
+void silu_row(const float* gate, float* out, int64_t n) {
+  const int64_t blocks = n / (2 * L) * (2 * L);
+  for (int64_t i = 0; i < blocks; i += L) {
+    const vec8 g = load8(gate + i);
+    __m256 minus;
+    const vec8 negated = -g;
+    std::memcpy(&minus, &negated, sizeof minus);
+    const __m256 e = Sleef_expf8_u10(minus);
+    vec8 exp_minus;
+    std::memcpy(&exp_minus, &e, sizeof exp_minus);
+    store8(out + i, g / (1.f + exp_minus));
+  }
+  for (int64_t i = blocks; i < n; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i]));
+}
 
 }  // namespace
 
@@ -100,72 +123,89 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   check_rows(x, weight);
   auto out = torch::empty_like(x);
   const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
-  const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) rms_norm_row(xp + r * n, wp, static_cast<float>(eps), op + r * n, n);
+  ZOO_DISPATCH_FLOATS(x.scalar_type(), "rms_norm", [&] {
+    const scalar_t *xp = x.data_ptr<scalar_t>(), *wp = weight.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+      std::vector<float> wide(std::is_same_v<scalar_t, float> ? 0 : n);
+      for (int64_t r = begin; r < end; ++r) {
+        const float* row = reinterpret_cast<const float*>(xp + r * n);
+        if constexpr (!std::is_same_v<scalar_t, float>) {
+          widen(xp + r * n, wide.data(), n);
+          row = wide.data();
+        }
+        rms_norm_row(row, wp, static_cast<float>(eps), op + r * n, n);
+      }
+    });
   });
   return out;
 }
 
 torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& delta, const torch::Tensor& weight, double eps) {
   check_rows(x, weight);
-  TORCH_CHECK(delta.sizes() == x.sizes() && delta.scalar_type() == at::kFloat && delta.is_contiguous(),
-              "delta must be a contiguous float32 tensor shaped like x");
+  TORCH_CHECK(delta.sizes() == x.sizes() && delta.scalar_type() == x.scalar_type() && delta.is_contiguous(),
+              "delta must be a contiguous tensor shaped like x, of its dtype");
   auto out = torch::empty_like(x);
   const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
-  float* xp = x.data_ptr<float>();
-  const float *dp = delta.data_ptr<float>(), *wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      float* row = xp + r * n;
-      for (int64_t i = 0; i < n; ++i) row[i] += dp[r * n + i];
-      rms_norm_row(row, wp, static_cast<float>(eps), op + r * n, n);
-    }
+  ZOO_DISPATCH_FLOATS(x.scalar_type(), "add_rms_norm_", [&] {
+    scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t *dp = delta.data_ptr<scalar_t>(), *wp = weight.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+      std::vector<float> wide(n);
+      for (int64_t r = begin; r < end; ++r) {
+        scalar_t* row = xp + r * n;
+        for (int64_t i = 0; i < n; ++i) {
+          row[i] = from_float<scalar_t>(to_float(row[i]) + to_float(dp[r * n + i]));  // the sum rounded to T
+          wide[i] = to_float(row[i]);
+        }
+        rms_norm_row(wide.data(), wp, static_cast<float>(eps), op + r * n, n);
+      }
+    });
   });
   return out;
 }
 
 torch::Tensor silu_mul(const torch::Tensor& gate_up) {
-  TORCH_CHECK(gate_up.device().is_cpu() && gate_up.scalar_type() == at::kFloat && gate_up.is_contiguous(),
-              "gate_up must be a contiguous float32 CPU tensor");
+  TORCH_CHECK(gate_up.device().is_cpu() && is_storage_type(gate_up.scalar_type()) && gate_up.is_contiguous(),
+              "gate_up must be a contiguous float32, bfloat16 or float16 CPU tensor");
   TORCH_CHECK(gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0, "gate_up's last dimension must be even (gate | up)");
   const int64_t n = gate_up.size(-1) / 2, rows = n ? gate_up.numel() / (2 * n) : 0;
   auto sizes = gate_up.sizes().vec();
   sizes.back() = n;
   auto out = torch::empty(sizes, gate_up.options());
-  const float* ip = gate_up.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t blocks = n / (2 * L) * (2 * L);  // ATen's loop takes two vectors at a time, then scalars
-  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float *gate = ip + r * 2 * n, *up = gate + n;
-      float* row = op + r * n;
-      for (int64_t i = 0; i < blocks; i += L) {
-        const vec8 g = load8(gate + i);
-        __m256 minus;
-        const vec8 negated = -g;
-        std::memcpy(&minus, &negated, sizeof minus);
-        const __m256 e = Sleef_expf8_u10(minus);
-        vec8 exp_minus;
-        std::memcpy(&exp_minus, &e, sizeof exp_minus);
-        const vec8 silu = g / (1.f + exp_minus);
-        store8(row + i, silu * load8(up + i));
+  ZOO_DISPATCH_FLOATS(gate_up.scalar_type(), "silu_mul", [&] {
+    const scalar_t* ip = gate_up.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+      std::vector<float> gate_wide(std::is_same_v<scalar_t, float> ? 0 : n), silu(n);
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t *gate = ip + r * 2 * n, *up = gate + n;
+        const float* g = reinterpret_cast<const float*>(gate);
+        if constexpr (!std::is_same_v<scalar_t, float>) {
+          widen(gate, gate_wide.data(), n);
+          g = gate_wide.data();
+        }
+        silu_row(g, silu.data(), n);
+        scalar_t* row = op + r * n;  // silu rounded to T, then the product rounded to T
+        for (int64_t i = 0; i < n; ++i) row[i] = from_float<scalar_t>(to_float(from_float<scalar_t>(silu[i])) * to_float(up[i]));
       }
-      for (int64_t i = blocks; i < n; ++i) {
-        const float silu = gate[i] / (1.f + std::exp(-gate[i]));
-        row[i] = silu * up[i];
-      }
-    }
+    });
   });
   return out;
 }
 
-void rotate_half(const float* x, const float* cos, const float* sin, float* out, int64_t d) {
+template <typename T>
+void rotate_half(const T* x, const T* cos, const T* sin, float* out, int64_t d) {
   const int64_t half = d / 2;
-  for (int64_t i = 0; i < half; ++i) out[i] = x[i] * cos[i] + (-x[i + half]) * sin[i];
-  for (int64_t i = half; i < d; ++i) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
+  auto f = [](T value) { return to_float(value); };
+  for (int64_t i = 0; i < half; ++i) out[i] = f(x[i]) * f(cos[i]) + (-f(x[i + half])) * f(sin[i]);
+  for (int64_t i = half; i < d; ++i) out[i] = f(x[i]) * f(cos[i]) + f(x[i - half]) * f(sin[i]);
 }
+
+template void rotate_half<float>(const float*, const float*, const float*, float*, int64_t);
+template void rotate_half<c10::BFloat16>(const c10::BFloat16*, const c10::BFloat16*, const c10::BFloat16*, float*,
+                                         int64_t);
+template void rotate_half<c10::Half>(const c10::Half*, const c10::Half*, const c10::Half*, float*, int64_t);
 
 }  // namespace zoo

@@ -1,4 +1,5 @@
-// The C++ CPU kernels of zoo-infer, float32; bound to Python in bindings.cpp.
+// The C++ CPU kernels of zoo-infer, for float32, bfloat16 and float16 tensors (storage.h), computing in
+// float32; bound to Python in bindings.cpp.
 #pragma once
 
 #include <torch/extension.h>
@@ -15,7 +16,8 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& new_
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& delta, const torch::Tensor& weight, double eps);
 torch::Tensor silu_mul(const torch::Tensor& gate_up);
-// out[0, d) = x * cos + rotate_half(x) * sin for one head of d floats (the two halves' layout).
-void rotate_half(const float* x, const float* cos, const float* sin, float* out, int64_t d);
+// out[0, d) = x * cos + rotate_half(x) * sin in float32 for one head of d values of T (the two halves' layout).
+template <typename T>
+void rotate_half(const T* x, const T* cos, const T* sin, float* out, int64_t d);
 
 }  // namespace zoo

@@ -112,16 +112,20 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
     return slopes
 
 
+# The dtypes the C++ kernels are compiled for (one template each, float32 arithmetic inside).
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def fused_kernels(x: torch.Tensor) -> ModuleType | None:
-    """The C++ kernel module where its fused ops take `x` (float32 on the CPU); None for PyTorch's ops."""
-    if x.device.type != "cpu" or x.dtype != torch.float32:
+    """The C++ kernel module where its fused ops take `x` (a CPU tensor of KERNEL_DTYPES); None for PyTorch's ops."""
+    if x.device.type != "cpu" or x.dtype not in KERNEL_DTYPES:
         return None
     return cpu_kernels()
 
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm, computed in float32 as in transformers' LlamaRMSNorm (one C++ call
-    where the kernels are built, with the same result bit for bit)."""
+    where the kernels are built, with the same result bit for bit, in half precision too)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -130,7 +134,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernels = fused_kernels(x)
-        if kernels is not None:
+        if kernels is not None and self.weight.dtype == x.dtype:
             return kernels.rms_norm(x.contiguous(), self.weight, self.eps)
         dtype = x.dtype
         x = x.to(torch.float32)
@@ -141,7 +145,8 @@ class RMSNorm(nn.Module):
         """(x + delta, norm(x + delta)): the residual add and the next norm, in one C++ call where it
         can (which then updates x in place)."""
         kernels = fused_kernels(x)
-        if kernels is not None and x.is_contiguous() and delta.is_contiguous() and delta.dtype == x.dtype:
+        if (kernels is not None and x.is_contiguous() and delta.is_contiguous() and delta.dtype == x.dtype
+                and self.weight.dtype == x.dtype):
             return x, kernels.add_rms_norm_(x, delta, self.weight, self.eps)
         x = x + delta
         return x, self(x)
@@ -221,9 +226,11 @@ def split_heads(x: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
 
 
 def attention_kernel(q: torch.Tensor, ctx: ForwardContext) -> ModuleType | None:
-    """The C++ kernel module where it handles this attention (float32 on the CPU, no ALiBi bias, 1 to 8
-    query heads per kv head, head_dim 16, 32, 64 or 128); None for the PyTorch path."""
-    if q.device.type != "cpu" or q.dtype != torch.float32 or (ctx.mask is not None and ctx.mask.dtype != torch.bool):
+    """The C++ kernel module where it handles this attention (on the CPU, q and the cache of one of
+    KERNEL_DTYPES, no ALiBi bias, 1 to 8 query heads per kv head, head_dim 16, 32, 64 or 128); None for
+    the PyTorch path."""
+    if (q.device.type != "cpu" or q.dtype not in KERNEL_DTYPES or ctx.cache.keys[0].dtype != q.dtype
+            or (ctx.mask is not None and ctx.mask.dtype != torch.bool)):
         return None
     heads, head_dim, kv_heads = q.shape[1], q.shape[3], ctx.cache.keys[0].shape[1]
     if head_dim not in (16, 32, 64, 128) or heads % kv_heads or heads // kv_heads > 8:

@@ -1,0 +1,96 @@
+// Storage types of the C++ kernels: float, bfloat16 and float16 values, read and written as float32.
+//
+// Every kernel is written once, as a template over the storage type T of its tensors, and
+// accumulates in float32: loads widen to float32, stores round to T to the nearest even (as
+// PyTorch's own conversions do). 16 values at a time use GCC / Clang vector extensions (one AVX-512
+// register, or two AVX2 ones), no intrinsics.
+#pragma once
+
+#include <ATen/Dispatch.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace zoo {
+
+typedef float vec16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef _Float16 f16x16 __attribute__((vector_size(32)));
+constexpr int64_t W = 16;
+
+inline vec16 load16(const float* p) {
+  vec16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// bfloat16 is the high half of a float32: widen and shift.
+inline vec16 load16(const c10::BFloat16* p) {
+  u16x16 half;
+  std::memcpy(&half, p, sizeof half);
+  const u32x16 bits = __builtin_convertvector(half, u32x16) << 16;
+  vec16 v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+inline vec16 load16(const c10::Half* p) {
+  f16x16 half;
+  std::memcpy(&half, p, sizeof half);
+  return __builtin_convertvector(half, vec16);
+}
+
+inline void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof v); }
+
+// Round to nearest even on the 16 bits dropped; NaN stays a (quiet) NaN.
+inline void store16(c10::BFloat16* p, vec16 v) {
+  u32x16 bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  const u32x16 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const u32x16 result = (bits & 0x7fffffffu) > 0x7f800000u ? u32x16{} + 0x7fc0u : rounded;
+  const u16x16 half = __builtin_convertvector(result, u16x16);
+  std::memcpy(p, &half, sizeof half);
+}
+
+inline void store16(c10::Half* p, vec16 v) {
+  const f16x16 half = __builtin_convertvector(v, f16x16);
+  std::memcpy(p, &half, sizeof half);
+}
+
+// One value: to float32 exactly, back to T rounded to nearest even.
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+template <typename T>
+inline T from_float(float x) {
+  return static_cast<T>(x);
+}
+
+// n values of T as float32 into out (a copy for float).
+template <typename T>
+inline void widen(const T* in, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = to_float(in[i]);
+}
+
+// n float32 values rounded into T.
+template <typename T>
+inline void narrow(const float* in, T* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = from_float<T>(in[i]);
+}
+
+}  // namespace zoo
+
+// Calls the lambda with `scalar_t` bound to the C++ storage type of a float32, bfloat16 or float16 tensor.
+#define ZOO_DISPATCH_FLOATS(dtype, name, ...)                                                          \
+  AT_DISPATCH_SWITCH(dtype, name, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)                            \
+                                      AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__) AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
+
+namespace zoo {
+inline bool is_storage_type(at::ScalarType type) {
+  return type == at::kFloat || type == at::kBFloat16 || type == at::kHalf;
+}
+}  // namespace zoo
