@@ -36,6 +36,10 @@ What is measured, and why:
     that process or of any child it waited for (vLLM's workers, llama-server).
   - vs HF fp32 / vs HF same dtype: tokens/s over transformers' tokens/s in float32 / in the same
     dtype.
+  - vs vLLM: tokens/s over vLLM's tokens/s in the same dtype (when the vLLM peer ran).
+  - of ceiling: tokens/s over the workload's GEMM ceiling in that dtype: its linear-layer FLOPs
+    over the best GEMM rate measured here for each weight shape (benchmarks/machine.py). Printed
+    first, with the CPU model and flags and every GEMM candidate's rate at M = 32 and 1024.
   - equal to HF fp32: fraction of prompts whose generated ids are exactly transformers float32's.
 
 Develop and check with small settings (--num_prompts 16 --max_tokens 8); the full run takes a
@@ -55,7 +59,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import yaml
@@ -64,21 +68,24 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from benchmarks import machine  # noqa: E402
 from benchmarks.prompts import PYPI_NAME, load_prompts  # noqa: E402
+from benchmarks.random_model import RANDOM_PREFIX, SHAPES, ensure_random_model, is_random  # noqa: E402
 from data_tools import measure  # noqa: E402
 from data_tools.create_inference_h5 import build_rows, load_tokenizer, tokenize_prompts, write_h5  # noqa: E402
 
 run_measured = functools.partial(measure.run_measured, cwd=REPO_ROOT)  # every engine runs from the repo root
 
 BENCH_DIR = Path(__file__).resolve().parent
+DEFAULT_MODEL = REPO_ROOT / "models" / "smollm2-135m-instruct"
 PEERS_DIR = BENCH_DIR / "peers"
 DTYPES = ("float32", "bfloat16", "float16")
 PEERS = ("vllm", "ctranslate2", "llamacpp")
 GGUF_OUTTYPE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 REFERENCE = ("transformers", "float32")
 COLUMNS = ("engine", "dtype", "status", "generated_tokens", "generation_seconds", "tokens_per_s",
-           "process_seconds", "peak_rss_mib", "ratio_vs_hf_fp32", "ratio_vs_hf_same_dtype",
-           "equal_to_hf_fp32", "note")
+           "process_seconds", "peak_rss_mib", "ratio_vs_hf_fp32", "ratio_vs_hf_same_dtype", "ratio_vs_vllm",
+           "of_ceiling", "equal_to_hf_fp32", "note")
 
 
 # --------------------------------------------------------------------------------------------
@@ -340,8 +347,10 @@ def select_peers(spec: str, vllm_python: str | None = None) -> list[str]:
 # --------------------------------------------------------------------------------------------
 
 
-def fill_comparisons(rows: list[dict], tokens: dict[tuple[str, str], list | None]) -> None:
-    """Adds the ratio and equality columns, against transformers' rows."""
+def fill_comparisons(rows: list[dict], tokens: dict[tuple[str, str], list | None],
+                     ceiling: Callable[[str, int], float | None] = lambda dtype, generated: None) -> None:
+    """Adds the ratio and equality columns, against transformers' and vLLM's rows, and the share of
+    the GEMM ceiling (`ceiling(dtype, generated tokens)`: tokens/s) each row reaches."""
     by_key = {(row["engine"], row["dtype"]): row for row in rows}
     reference = by_key.get(REFERENCE)
     ref_rate = reference["tokens_per_s"] if reference else None
@@ -355,6 +364,12 @@ def fill_comparisons(rows: list[dict], tokens: dict[tuple[str, str], list | None
         same = by_key.get(("transformers", row["dtype"]))
         if same and same["tokens_per_s"]:
             row["ratio_vs_hf_same_dtype"] = rate / same["tokens_per_s"]
+        vllm = by_key.get(("vllm", row["dtype"]))
+        if vllm and vllm["tokens_per_s"]:
+            row["ratio_vs_vllm"] = rate / vllm["tokens_per_s"]
+        limit = ceiling(row["dtype"], row["generated_tokens"])
+        if limit:
+            row["of_ceiling"] = rate / limit
         mine = tokens.get((row["engine"], row["dtype"]))
         if ref_tokens is not None and mine is not None:
             equal = sum(1 for a, b in zip(mine, ref_tokens) if a is not None and list(a) == list(b))
@@ -373,14 +388,14 @@ def fmt(value: Any, digits: int = 2) -> str:
 def format_table(rows: list[dict]) -> str:
     """The printed table (the CSV has the same rows with full precision)."""
     header = ("engine", "dtype", "gen tokens", "seconds", "tokens/s", "process s", "peak RSS MiB",
-              "vs HF fp32", "vs HF same dtype", "equal to HF fp32", "status")
+              "vs HF fp32", "vs HF same dtype", "vs vLLM", "of ceiling", "equal to HF fp32", "status")
     cells = [header]
     for row in rows:
         status = row["status"] if not row["note"] else f"{row['status']}: {row['note']}"
         cells.append((row["engine"], row["dtype"], fmt(row["generated_tokens"]), fmt(row["generation_seconds"]),
                       fmt(row["tokens_per_s"], 1), fmt(row["process_seconds"], 1), fmt(row["peak_rss_mib"], 0),
-                      fmt(row["ratio_vs_hf_fp32"]), fmt(row["ratio_vs_hf_same_dtype"]),
-                      fmt(row["equal_to_hf_fp32"], 3), status))
+                      fmt(row["ratio_vs_hf_fp32"]), fmt(row["ratio_vs_hf_same_dtype"]), fmt(row["ratio_vs_vllm"]),
+                      fmt(row["of_ceiling"]), fmt(row["equal_to_hf_fp32"], 3), status))
     widths = [max(len(line[i]) for line in cells) for i in range(len(header) - 1)]
     lines = []
     for index, line in enumerate(cells):
@@ -406,11 +421,41 @@ def write_outputs(rows: list[dict], out: Path, config: dict) -> tuple[Path, Path
 # --------------------------------------------------------------------------------------------
 
 
+def measure_machine(model: str, dtypes: list[str], threads: int, prep: Prepared,
+                    max_tokens: int) -> Callable[[str, int], float | None]:
+    """Prints the CPU and its GEMM rates for the model's weight shapes; returns the ceiling function
+    (dtype, generated tokens) -> tokens/s of benchmarks/machine.py."""
+    import torch
+
+    torch.set_num_threads(threads)
+    print(f"cpu: {machine.cpu_description()}, {threads} threads")
+    shapes = machine.model_shapes(model)
+    rates = {}
+    print(f"GEMM rates, GFLOP/s at M = {' / '.join(map(str, machine.RATE_ROWS))} (weights in x out):")
+    for dtype in dtypes:
+        rates[dtype] = machine.gemm_rates(shapes, getattr(torch, dtype))
+        print(machine.format_rates(rates[dtype], dtype))
+    prompt_tokens = sum(map(len, prep.token_ids))
+
+    def ceiling(dtype: str, generated: int | None) -> float | None:
+        if dtype not in rates or not generated:
+            return None
+        return machine.ceiling_tokens_per_s(shapes, rates[dtype], prompt_tokens, len(prep.token_ids), generated)
+
+    for dtype in dtypes:
+        full = len(prep.token_ids) * max_tokens
+        print(f"ceiling {dtype}: {ceiling(dtype, full):.0f} tokens/s if every prompt generated max_tokens "
+              "(linear layers at the best rate measured, nothing else)")
+    return ceiling
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Returns the argument parser (see --help)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="models/smollm2-135m-instruct", help="Hugging Face checkpoint folder "
-                        "(default: models/smollm2-135m-instruct)")
+    parser.add_argument("--model", default="models/smollm2-135m-instruct", help="Hugging Face checkpoint folder, or "
+                        f"{', '.join(RANDOM_PREFIX + name for name in SHAPES)}: a random-weight model of that shape "
+                        "built once under --out with the default model's tokenizer (default: "
+                        "models/smollm2-135m-instruct)")
     parser.add_argument("--num_prompts", type=int, default=256, help="prompts to generate for (default: 256)")
     parser.add_argument("--max_tokens", type=int, default=64, help="most new tokens per prompt (default: 64)")
     parser.add_argument("--batch_size", type=int, default=32, help="sequences decoded together, every engine "
@@ -456,7 +501,10 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     threads = args.threads or len(os.sched_getaffinity(0))
     peers = select_peers(args.peers, args.vllm_python)
+    if is_random(args.model):
+        args.model = str(ensure_random_model(args.model, DEFAULT_MODEL, out))
     prep = prepare(args, out)
+    ceiling = measure_machine(args.model, dtypes, threads, prep, args.max_tokens)
 
     rows: list[dict] = []
     tokens: dict[tuple[str, str], list | None] = {}
@@ -478,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
         for dtype in dtypes:
             record(*run_peer(name, args, prep, out, dtype, threads))
 
-    fill_comparisons(rows, tokens)
+    fill_comparisons(rows, tokens, ceiling)
     order = {"zoo-infer": 0, "transformers": 1, "vllm": 2, "ctranslate2": 3, "llama.cpp": 4}
     rows.sort(key=lambda row: (order.get(row["engine"], 9), DTYPES.index(row["dtype"])))
     config = {
@@ -488,7 +536,8 @@ def main(argv: list[str] | None = None) -> int:
         **({"vllm_python": args.vllm_python} if "vllm" in peers else {}),
         "prompt_tokens": {"min": min(map(len, prep.token_ids)), "max": max(map(len, prep.token_ids)),
                           "total": sum(map(len, prep.token_ids))},
-        "machine": {"cpus_available": len(os.sched_getaffinity(0)), "cpu_count": os.cpu_count(),
+        "machine": {"cpu": machine.cpu_description(), "cpus_available": len(os.sched_getaffinity(0)),
+                    "cpu_count": os.cpu_count(),
                     "platform": platform.platform(), "python": platform.python_version(),
                     "processor": platform.processor()},
     }

@@ -54,6 +54,12 @@ class OneDNNLinear(nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == x.shape[-1]:
+            # One row goes to oneDNN's matrix-vector kernel, which sums in another order than its GEMM (seen
+            # on Zen 4 for K >= 1536): run it as two rows so that its bits do not depend on the row count.
+            pair = x.reshape(1, -1).expand(2, -1).contiguous()  # (2, K)
+            out = torch.ops.mkldnn._linear_pointwise(pair, self.packed, self.bias, "none", [], "")[:1]
+            return out.reshape(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")  # (..., N)
 
     def packed_bytes(self) -> int:

@@ -96,3 +96,17 @@ def test_cuda_models_are_left_to_torch():
     model = nn.Sequential(nn.Linear(16, 16))
     plan = apply_gemm_backend(model, torch.float32, torch.device("cuda"), "auto")
     assert plan.layers == {"float32 16x16": "torch"} and type(model[0]) is nn.Linear
+
+
+@pytest.mark.skipif("onednn" not in FLOAT32_BACKENDS, reason="this torch build has no oneDNN")
+def test_onednn_single_row_equals_that_row_among_others():
+    """oneDNN multiplies one row with another kernel (a matrix-vector product summing in another order,
+    seen on Zen 4 at K >= 1536): the layer runs it as two rows, so its bits do not depend on the count."""
+    torch.manual_seed(2)
+    layer = OneDNNLinear(nn.Linear(2048, 256))
+    x = torch.randn(32, 1, 2048)
+    with torch.inference_mode():
+        together = layer(x)
+        for row in (0, 17):
+            assert torch.equal(layer(x[row: row + 1]), together[row: row + 1])
+            assert torch.equal(layer(x[row, 0]), together[row, 0])  # a 1-D input too

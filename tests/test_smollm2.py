@@ -64,3 +64,21 @@ def test_decoded_text_is_the_models_answer(smollm2, job, tmp_path):
     assert first["prompt"].endswith("What is the capital of Australia?\nassistant\n")
     assert first["completion"] == "The capital of Australia is Canberra."
     assert first["stop_reason"] == "stop_sequence" and first["num_generated"] == 8
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rows_do_not_depend_on_the_batch_or_a_resume(smollm2, job, tmp_path, dtype):
+    """The same 12 prompts at batch_size 1, 7 and 32, and at 7 resumed after one step: every sample's row
+    is the same bits, whatever rows shared its decode steps and prefill groups (the GEMM backends are
+    chosen batch-invariant; the small last steps and packed prefill change nothing)."""
+    data = job[0].parent / "data"
+    rows = {}
+    for batch_size in (1, 7, 32):
+        params = write_params(tmp_path / f"params_{batch_size}.yaml", smollm2, data, batch_size=batch_size,
+                              start_token=START, stop_sequences=[[EOS]], max_tokens=MAX_TOKENS, dtype=dtype)
+        assert run_job(params, tmp_path / f"run_{batch_size}") == 0
+        rows[batch_size] = stacked_predictions(tmp_path / f"run_{batch_size}")[:12]
+    assert run_job(tmp_path / "params_7.yaml", tmp_path / "resumed", "--inference_steps", "1") == 0
+    assert run_job(tmp_path / "params_7.yaml", tmp_path / "resumed") == 0
+    for other in (rows[7], rows[32], stacked_predictions(tmp_path / "resumed")[:12]):
+        np.testing.assert_array_equal(other, rows[1])

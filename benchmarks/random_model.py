@@ -1,0 +1,49 @@
+"""Random-weight checkpoints built from a config, for measuring larger models without a download.
+
+`tinyllama`: the shape of TinyLlama-1.1B (22 layers, hidden 2048, MLP 5632, 32 query and 4 kv heads)
+with the default model's tokenizer and vocabulary (49152 entries, 1.2B parameters in all), so the
+benchmark's prompts tokenize as for SmolLM2. Weights are drawn as transformers initialises them
+(seeded), saved once as a normal Hugging Face folder, and reused.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+RANDOM_PREFIX = "random:"
+SHAPES = {
+    "tinyllama": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                      num_key_value_heads=4, max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-5,
+                      tie_word_embeddings=False),
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "chat_template.jinja", "generation_config.json")
+
+
+def is_random(model: str) -> bool:
+    return str(model).startswith(RANDOM_PREFIX)
+
+
+def ensure_random_model(spec: str, tokenizer_dir: Path, out: Path) -> Path:
+    """The checkpoint folder for `random:NAME` under `out` (built on first use)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    name = spec[len(RANDOM_PREFIX):]
+    if name not in SHAPES:
+        raise SystemExit(f"error: unknown random model {name!r}; known: {', '.join(RANDOM_PREFIX + n for n in SHAPES)}")
+    folder = out / f"random_{name}"
+    if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
+        return folder
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, **SHAPES[name])
+    torch.manual_seed(0)
+    print(f"building {spec} ({name} shape, random weights) into {folder} (once, not timed)", flush=True)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(folder)
+    del model
+    for file in TOKENIZER_FILES:
+        if (tokenizer_dir / file).is_file():
+            shutil.copy(tokenizer_dir / file, folder / file)
+    return folder
