@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from modelzoo.checkpoint import release_freed_memory
 from modelzoo.kernels import kernel_build_dir
 
 log = logging.getLogger("zoo-infer")
@@ -243,8 +244,11 @@ def apply_gemm_backend(model: nn.Module, dtype: torch.dtype, device: torch.devic
             plan.batch_invariant = False
             log.warning("GEMM backend %s for %s is not batch-invariant on this CPU: a row's tokens may depend on "
                         "which rows share its batch", plan.layers[key], key)
-    for parent, name, layer in layers:
+    while layers:  # one layer at a time, dropping each old layer at once: at most one weight is held twice
+        parent, name, layer = layers.pop()
         setattr(parent, name, wrap(layer, plan.layers[_shape_key(layer, dtype)], decode_rows))
+        del layer
+    release_freed_memory()  # the checkpoint-layout weights just dropped
     log.info("GEMM backends (%s): %s", requested, "; ".join(
         f"{key} {backend} ({_rates_text(plan.measured[key], backend)})" for key, backend in plan.layers.items()))
     return plan
