@@ -2,7 +2,7 @@
 workload's ceiling (its matrix-multiply FLOPs over the best of those rates).
 
 The ceiling counts only the linear layers (2 FLOPs per weight per row): every prompt token through
-every layer but the LM head, one row per prompt through the head, and every generated token through
+every layer but the LM head (a prefix all prompts share once), one row per prompt through the head, and every generated token through
 all of them, prompt rows at the M = 1024 rate and generated rows at the M = 32 rate. Attention,
 norms and sampling are left out, so no engine can reach it; the fraction of it an engine reaches
 says how much of the machine it uses.

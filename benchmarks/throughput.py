@@ -435,7 +435,10 @@ def measure_machine(model: str, dtypes: list[str], threads: int, prep: Prepared,
     for dtype in dtypes:
         rates[dtype] = machine.gemm_rates(shapes, getattr(torch, dtype))
         print(machine.format_rates(rates[dtype], dtype))
-    prompt_tokens = sum(map(len, prep.token_ids))
+    # A prefix every prompt shares (the chat template's system turn) is prefilled once by zoo-infer and
+    # by vLLM's prefix cache: the ceiling counts it once too.
+    shared = len(os.path.commonprefix(prep.token_ids)) if len(prep.token_ids) > 1 else 0
+    prompt_tokens = sum(map(len, prep.token_ids)) - shared * (len(prep.token_ids) - 1)
 
     def ceiling(dtype: str, generated: int | None) -> float | None:
         if dtype not in rates or not generated:
@@ -445,7 +448,8 @@ def measure_machine(model: str, dtypes: list[str], threads: int, prep: Prepared,
     for dtype in dtypes:
         full = len(prep.token_ids) * max_tokens
         print(f"ceiling {dtype}: {ceiling(dtype, full):.0f} tokens/s if every prompt generated max_tokens "
-              "(linear layers at the best rate measured, nothing else)")
+              f"(linear layers at the best rate measured, nothing else; {prompt_tokens} prompt tokens, the "
+              f"{shared}-token prefix all prompts share counted once)")
     return ceiling
 
 

@@ -234,7 +234,10 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
             loaded[name] = tensor
 
     select = (lambda name: plan.index(canonical(name))) if plan is not None else None
-    for name, tensor in iter_tensors(weight_files(folder), select, mapped=not quantized):
+    # Each weight in its own memory, unless a tensor-parallel rank reads slices through a memory map: a
+    # weight viewing the map keeps every page of the file resident while any weight of it lives, so
+    # weights converted, quantized or re-laid out (the CPU GEMM backends) would be held twice.
+    for name, tensor in iter_tensors(weight_files(folder), select, mapped=select is not None):
         name = canonical(name)
         # Cast tensor by tensor, so peak memory stays low; a weight to quantize keeps its precision until then.
         to_quantize = part_of.get(name, (name,))[0] in quantized

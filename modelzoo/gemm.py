@@ -17,8 +17,8 @@ a job's tokens would depend on which rows share its batch, and a resumed job's f
 from an uninterrupted one's. A candidate that fails is not chosen (a forced one runs, with a
 warning). The fastest remaining one (time per row at M = 256 plus time per row at M = 32: as many
 prompt tokens as generated ones) is kept, logged with its rates, and cached per CPU model, flags
-and torch version next to the C++ kernels' build, so that every job on this machine type makes the
-same choice and produces the same bits.
+and torch version beside the C++ kernels' builds (modelzoo/kernels/build/<machine>/), so that every
+job on this machine type makes the same choice and produces the same bits.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from modelzoo.checkpoint import release_freed_memory
-from modelzoo.kernels import kernel_build_dir
+from modelzoo.kernels import machine_dir
 
 log = logging.getLogger("zoo-infer")
 
@@ -135,8 +135,8 @@ def measure_shape(in_features: int, out_features: int, dtype: torch.dtype, backe
     generator = torch.Generator().manual_seed(0)
     linear = nn.Linear(in_features, out_features, bias=False, dtype=dtype)
     with torch.no_grad():
-        linear.weight.copy_(torch.randn(out_features, in_features, generator=generator) / in_features ** 0.5)
-    x = torch.randn(PREFILL_ROWS, in_features, generator=generator).to(dtype)
+        linear.weight.normal_(0.0, in_features ** -0.5, generator=generator)  # in place: no second copy
+    x = torch.randn(PREFILL_ROWS, in_features, generator=generator, dtype=dtype)
     choice = ShapeChoice(backend="torch")
     cost: dict[str, float] = {}
     with torch.inference_mode():
@@ -162,7 +162,7 @@ def measure_shape(in_features: int, out_features: int, dtype: torch.dtype, backe
 
 
 def _cache_path() -> Path:
-    return kernel_build_dir() / "gemm_choices.json"
+    return machine_dir() / "gemm_choices.json"
 
 
 def _read_cache() -> dict:

@@ -20,7 +20,7 @@ FLOAT32_BACKENDS = available_backends(CPU, torch.float32)
 @pytest.fixture(autouse=True)
 def choices_in_tmp(tmp_path, monkeypatch):
     """Each test measures afresh into its own cache file."""
-    monkeypatch.setattr(gemm, "kernel_build_dir", lambda: tmp_path / "build")
+    monkeypatch.setattr(gemm, "machine_dir", lambda: tmp_path / "build")
 
 
 @pytest.mark.parametrize("backend", FLOAT32_BACKENDS)
@@ -110,3 +110,28 @@ def test_onednn_single_row_equals_that_row_among_others():
         for row in (0, 17):
             assert torch.equal(layer(x[row: row + 1]), together[row: row + 1])
             assert torch.equal(layer(x[row, 0]), together[row, 0])  # a 1-D input too
+
+
+def test_weights_load_into_memory_of_their_own(monkeypatch, tmp_path):
+    """A weight viewing the checkpoint's memory map would keep every page of the file resident after
+    the GEMM backend re-lays it out: a plain load reads each tensor into its own memory."""
+    from transformers import LlamaConfig
+
+    import modelzoo.checkpoint as checkpoint
+    from harness import save_tiny_model
+
+    folder = save_tiny_model(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1), tmp_path / "ckpt")
+    seen = []
+    real = checkpoint.iter_tensors
+
+    def spy(files, select, mapped):
+        seen.append(mapped)
+        return real(files, select, mapped=mapped)
+
+    monkeypatch.setattr(checkpoint, "iter_tensors", spy)
+    model, _ = checkpoint.load_model(folder, torch.float32, CPU)
+    assert seen == [False]
+    if "onednn" in FLOAT32_BACKENDS:
+        apply_gemm_backend(model, torch.float32, CPU, "onednn")
+        assert not linear_layers(model)  # every projection now held only in oneDNN's layout
