@@ -138,7 +138,6 @@ def measure_shape(in_features: int, out_features: int, dtype: torch.dtype, backe
         linear.weight.normal_(0.0, in_features ** -0.5, generator=generator)  # in place: no second copy
     x = torch.randn(PREFILL_ROWS, in_features, generator=generator, dtype=dtype)
     choice = ShapeChoice(backend="torch")
-    cost: dict[str, float] = {}
     with torch.inference_mode():
         for backend in backends:
             try:
@@ -151,14 +150,20 @@ def measure_shape(in_features: int, out_features: int, dtype: torch.dtype, backe
                     part = x[:rows].contiguous()
                     seconds = _seconds_per_call(lambda: module(part))
                     rates[f"M={rows}"] = round(2 * rows * in_features * out_features / seconds / 1e9, 1)
-                    cost[backend] = cost.get(backend, 0.0) + seconds / rows
                 choice.gflops[backend] = rates
             except (RuntimeError, NotImplementedError) as error:  # e.g. a dtype this CPU's oneDNN lacks
                 choice.rejected[backend] = str(error).strip().splitlines()[0][:200]
-    usable = [b for b in cost if choice.invariant[b]] or list(cost)
-    if usable:
-        choice.backend = min(usable, key=cost.__getitem__)
+    choice.backend = fastest(asdict(choice))
     return choice
+
+
+def fastest(measured: dict, exclude: tuple[str, ...] = ()) -> str:
+    """The backend of least time per row at M = 256 plus per row at M = 32 (as many prompt tokens as
+    generated ones) among the batch-invariant ones measured (all measured if none is), `exclude` left out."""
+    cost = {backend: sum(1 / rate for rate in rates.values())  # time per row is proportional to 1 / rate
+            for backend, rates in measured["gflops"].items() if backend not in exclude}
+    usable = [backend for backend in cost if measured["invariant"][backend]] or list(cost)
+    return min(usable, key=cost.__getitem__) if usable else "torch"
 
 
 def _cache_path() -> Path:
@@ -209,8 +214,9 @@ def linear_layers(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
 
 
 def apply_gemm_backend(model: nn.Module, dtype: torch.dtype, device: torch.device, requested: str = "auto",
-                       decode_rows: int = DECODE_ROWS) -> GemmPlan:
-    """Replaces every nn.Linear of `model` by the chosen backend's layer (`requested`: auto or a backend name)."""
+                       decode_rows: int = DECODE_ROWS, spare_bytes: int | None = None) -> GemmPlan:
+    """Replaces every nn.Linear of `model` by the chosen backend's layer (`requested`: auto or a backend
+    name). spare_bytes: memory free for MKL's second copy of the weights (None: no limit)."""
     plan = GemmPlan(requested)
     layers = linear_layers(model)
     backends = available_backends(device, dtype)
@@ -240,10 +246,25 @@ def apply_gemm_backend(model: nn.Module, dtype: torch.dtype, device: torch.devic
         _write_cache(cache)
     for key, measured in plan.measured.items():
         plan.layers[key] = measured["backend"] if requested == "auto" else requested
-        if not measured["invariant"].get(plan.layers[key], False):
+    # MKL keeps the plain weight beside its packed copy: only where that second copy fits.
+    extra = sum(layer.weight.numel() * layer.weight.element_size() for _, _, layer in layers
+                if plan.layers[_shape_key(layer, dtype)] == "mkl")
+    if spare_bytes is not None and extra > spare_bytes:
+        if requested == "mkl":
+            from modelzoo.errors import UserError
+
+            raise UserError(f"runconfig.gemm_backend mkl keeps a second, packed copy of the weights ({extra / 2**30:.2f} "
+                            f"GiB) but only {spare_bytes / 2**30:.2f} GiB is spare; use auto or onednn")
+        log.info("MKL's packed copies would take %.2f GiB, over the %.2f GiB spare: the next fastest backend instead",
+                 extra / 2**30, spare_bytes / 2**30)
+        for key, backend in plan.layers.items():
+            if backend == "mkl":
+                plan.layers[key] = fastest(plan.measured[key], exclude=("mkl",))
+    for key, backend in plan.layers.items():
+        if not plan.measured[key]["invariant"].get(backend, False):
             plan.batch_invariant = False
             log.warning("GEMM backend %s for %s is not batch-invariant on this CPU: a row's tokens may depend on "
-                        "which rows share its batch", plan.layers[key], key)
+                        "which rows share its batch", backend, key)
     while layers:  # one layer at a time, dropping each old layer at once: at most one weight is held twice
         parent, name, layer = layers.pop()
         setattr(parent, name, wrap(layer, plan.layers[_shape_key(layer, dtype)], decode_rows))

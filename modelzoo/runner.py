@@ -169,9 +169,10 @@ class InferenceJob:
             model = model.to(self.dtype)
         return model
 
-    def _choose_gemm(self, model: torch.nn.Module, weight_dtype: str | None) -> int | None:
-        """Puts every float linear layer in the layout of the GEMM backend chosen for it (runconfig.gemm_backend);
-        returns the row count of a job's last decode steps, or None to keep every step full.
+    def _choose_gemm(self, model: torch.nn.Module, weight_dtype: str | None, spare_bytes: int) -> int | None:
+        """Puts every float linear layer in the layout of the GEMM backend chosen for it (runconfig.gemm_backend;
+        MKL's second copy of the weights only within `spare_bytes`); returns the row count of a job's last
+        decode steps, or None to keep every step full.
 
         Every decode forward has batch_size rows (times K + 1 when verifying K drafted tokens); once at
         most SMALL_STEP_ROWS rows are left, steps run only those, which keeps each row's bits only where
@@ -180,7 +181,8 @@ class InferenceJob:
         spec = self.params.model.speculative
         batch_size = self.params.inference_input.batch_size
         self.gemm = apply_gemm_backend(model, self.dtype, self.device, self.params.runconfig.gemm_backend,
-                                       decode_rows=batch_size * (1 + (spec.num_tokens if spec else 0)))
+                                       decode_rows=batch_size * (1 + (spec.num_tokens if spec else 0)),
+                                       spare_bytes=spare_bytes)
         if weight_dtype or spec or batch_size <= SMALL_STEP_ROWS or self.device.type != "cpu":
             return None
         return SMALL_STEP_ROWS if self.gemm.batch_invariant else None
@@ -242,7 +244,7 @@ class InferenceJob:
         if cache > free:
             raise UserError(f"the KV cache needs {cache / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB is available on "
                             f"{self.device}; lower inference_input.batch_size or the data's max_seq_len")
-        small_step_rows = self._choose_gemm(model, weight_dtype)
+        small_step_rows = self._choose_gemm(model, weight_dtype, spare_bytes=(free - cache) // 2)
         engine = GenerationEngine(model, self.params.inference_input.batch_size, self.data.max_seq_len,
                                   [list(s) for s in self.params.model.stop_sequences], self.params.model.max_tokens,
                                   self.device, self.dtype, choice=TokenChoice.from_params(self.params.model),

@@ -135,3 +135,18 @@ def test_weights_load_into_memory_of_their_own(monkeypatch, tmp_path):
     if "onednn" in FLOAT32_BACKENDS:
         apply_gemm_backend(model, torch.float32, CPU, "onednn")
         assert not linear_layers(model)  # every projection now held only in oneDNN's layout
+
+
+@pytest.mark.skipif("mkl" not in FLOAT32_BACKENDS, reason="this torch build has no MKL packed GEMM")
+def test_mkl_second_copy_only_within_the_spare_memory(monkeypatch):
+    model = nn.Sequential(nn.Linear(64, 64))
+    with pytest.raises(UserError, match="gemm_backend mkl keeps a second, packed copy of the weights"):
+        apply_gemm_backend(model, torch.float32, CPU, "mkl", spare_bytes=1000)
+    assert type(model[0]) is nn.Linear  # nothing swapped
+    fake = {"backend": "mkl", "gflops": {b: {"M=256": 100.0 + (b == "mkl"), "M=32": 100.0} for b in FLOAT32_BACKENDS},
+            "invariant": {b: True for b in FLOAT32_BACKENDS}, "rejected": {}}
+    monkeypatch.setattr(gemm, "measure_shape", lambda *args: gemm.ShapeChoice(**fake))  # MKL measured fastest
+    other = nn.Sequential(nn.Linear(64, 80))  # a shape not cached yet
+    assert apply_gemm_backend(nn.Sequential(nn.Linear(64, 80)), torch.float32, CPU, "auto").layers == {"float32 64x80": "mkl"}
+    plan = apply_gemm_backend(other, torch.float32, CPU, "auto", spare_bytes=1000)
+    assert plan.layers == {"float32 64x80": "onednn" if "onednn" in FLOAT32_BACKENDS else "torch"}
