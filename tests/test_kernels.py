@@ -179,17 +179,22 @@ def test_kernel_rejects_bad_rotary_tables(change, message):
 
 
 def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' LlamaRMSNorm, spelled out."""
-    variance = x.pow(2).mean(-1, keepdim=True)
-    return weight * (x * torch.rsqrt(variance + eps))
+    """transformers' LlamaRMSNorm, spelled out: float32 inside, rounded to x's dtype before the weight."""
+    wide = x.float()
+    wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * wide.to(x.dtype)
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("width", [8, 40, 64, 576, 960, 2048])  # below, at and past the sum's cascade levels
-def test_rms_norm_is_bitwise_torch(width):
+def test_rms_norm_is_bitwise_torch(width, dtype):
+    """Bit for bit in every dtype (any x86-64 CPU runs the half-precision ones: the conversions are
+    plain integer and F16C work, no bf16 instructions needed)."""
     generator = torch.Generator().manual_seed(width)
-    x, delta = torch.randn(2, 150, width, generator=generator) * 3, torch.randn(2, 150, width, generator=generator)
-    weight = torch.randn(width, generator=generator)
+    x = (torch.randn(2, 150, width, generator=generator) * 3).to(dtype)
+    delta = torch.randn(2, 150, width, generator=generator).to(dtype)
+    weight = torch.randn(width, generator=generator).to(dtype)
     assert torch.equal(kernels.rms_norm(x, weight, 1e-5), torch_rms_norm(x, weight, 1e-5))
     summed = x.clone()
     normed = kernels.add_rms_norm_(summed, delta, weight, 1e-6)
@@ -219,30 +224,6 @@ def test_silu_mul_is_bitwise_torch(width):
 def test_fused_ops_reject_bad_inputs(call, message):
     with pytest.raises(RuntimeError, match=message):
         call()
-
-
-def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' LlamaRMSNorm for half-precision x: float32 inside, rounded before the weight."""
-    wide = x.float()
-    wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * wide.to(x.dtype)
-
-
-@needs_kernels
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("width", [64, 576, 2048])
-def test_half_precision_norms_are_bitwise_transformers(dtype, width):
-    """The same template as float32: transformers' spelling in half precision, bit for bit (any x86-64
-    CPU runs it: the conversions are plain integer and F16C work, no bf16 instructions needed)."""
-    generator = torch.Generator().manual_seed(width)
-    x = (torch.randn(3, 50, width, generator=generator) * 3).to(dtype)
-    delta = torch.randn(3, 50, width, generator=generator).to(dtype)
-    weight = torch.randn(width, generator=generator).to(dtype)
-    assert torch.equal(kernels.rms_norm(x, weight, 1e-5), hf_rms_norm(x, weight, 1e-5))
-    summed = x.clone()
-    normed = kernels.add_rms_norm_(summed, delta, weight, 1e-6)
-    assert torch.equal(summed, x + delta)
-    assert torch.equal(normed, hf_rms_norm(x + delta, weight, 1e-6))
 
 
 @needs_kernels
