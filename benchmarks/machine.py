@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from modelzoo.gemm import _seconds_per_call, available_backends, wrap
+from modelzoo.gemm import available_backends, seconds_per_call, wrap
 from modelzoo.precision import cpu_flags
 
 RATE_ROWS = (32, 1024)  # decode-sized and prefill-sized M
@@ -76,7 +76,7 @@ def gemm_rates(shapes: LinearShapes, dtype: torch.dtype) -> dict[tuple[int, int]
                     per_backend[backend] = {}
                     for rows in RATE_ROWS:
                         x = torch.randn(rows, in_features, generator=generator).to(dtype)
-                        seconds = _seconds_per_call(lambda: layer(x))
+                        seconds = seconds_per_call(lambda: layer(x))
                         per_backend[backend][rows] = 2 * rows * in_features * out_features / seconds / 1e9
                 except (RuntimeError, NotImplementedError):
                     per_backend.pop(backend, None)

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
                           "device": args.device},
         })
         # torch imports only after the cheap argument checks have had their say
-        from modelzoo.distributed import detect_shard
+        from modelzoo.distributed import close_process_group, detect_shard
         from modelzoo.runner import InferenceJob
         from modelzoo.tensor_parallel import check_tensor_parallel
 
@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         if not shard.writes:  # tensor parallel: the group's rank 0 speaks for it
             logging.getLogger("zoo-infer").setLevel(logging.WARNING)
         stats = InferenceJob(params, args.model_dir, shard, overwrite=args.overwrite).run()
+        close_process_group()
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

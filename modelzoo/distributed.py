@@ -82,6 +82,15 @@ def _open_process_group() -> None:
         dist.init_process_group("gloo", timeout=timedelta(days=7))
 
 
+def close_process_group() -> None:
+    """Shuts the process group down before the interpreter exits: left to static destructors, gloo's
+    threads were once still running at exit (std::terminate, exit -6, after a complete run)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def tensor_parallel_shard(rank: int | None, world: int | None, local: int, tensor_parallel: int,
                           num_shards: int | None = None, shard_index: int | None = None) -> Shard:
     """The shard of torchrun rank `rank` of `world` in groups of `tensor_parallel` ranks: group

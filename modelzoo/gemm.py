@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from modelzoo.checkpoint import release_freed_memory
+from modelzoo.errors import UserError
 from modelzoo.kernels import machine_dir
 
 log = logging.getLogger("zoo-infer")
@@ -118,7 +119,7 @@ class ShapeChoice:
     rejected: dict[str, str] = field(default_factory=dict)  # backend -> why it could not run
 
 
-def _seconds_per_call(fn: Callable[[], torch.Tensor], budget_s: float = 0.15) -> float:
+def seconds_per_call(fn: Callable[[], torch.Tensor], budget_s: float = 0.15) -> float:
     """Best time of a few calls after a warm-up, within about `budget_s`."""
     fn()
     best, spent, calls = float("inf"), 0.0, 0
@@ -148,7 +149,7 @@ def measure_shape(in_features: int, out_features: int, dtype: torch.dtype, backe
                 rates = {}
                 for rows in (PREFILL_ROWS, DECODE_ROWS):
                     part = x[:rows].contiguous()
-                    seconds = _seconds_per_call(lambda: module(part))
+                    seconds = seconds_per_call(lambda: module(part))
                     rates[f"M={rows}"] = round(2 * rows * in_features * out_features / seconds / 1e9, 1)
                 choice.gflops[backend] = rates
             except (RuntimeError, NotImplementedError) as error:  # e.g. a dtype this CPU's oneDNN lacks
@@ -223,8 +224,6 @@ def apply_gemm_backend(model: nn.Module, dtype: torch.dtype, device: torch.devic
     if requested not in ("auto", *BACKENDS):
         raise ValueError(f"unknown GEMM backend {requested!r}; one of auto, {', '.join(BACKENDS)}")
     if requested != "auto" and requested not in backends:
-        from modelzoo.errors import UserError
-
         raise UserError(f"runconfig.gemm_backend {requested} is not available for {str(dtype).replace('torch.', '')} "
                         f"on {device} with this torch build; available: {', '.join(backends)}")
     if device.type != "cpu" or not layers:
@@ -251,8 +250,6 @@ def apply_gemm_backend(model: nn.Module, dtype: torch.dtype, device: torch.devic
                 if plan.layers[_shape_key(layer, dtype)] == "mkl")
     if spare_bytes is not None and extra > spare_bytes:
         if requested == "mkl":
-            from modelzoo.errors import UserError
-
             raise UserError(f"runconfig.gemm_backend mkl keeps a second, packed copy of the weights ({extra / 2**30:.2f} "
                             f"GiB) but only {spare_bytes / 2**30:.2f} GiB is spare; use auto or onednn")
         log.info("MKL's packed copies would take %.2f GiB, over the %.2f GiB spare: the next fastest backend instead",
