@@ -42,8 +42,13 @@ def test_throughput_table(tmp_path: Path, capsys: pytest.CaptureFixture) -> None
     printed = capsys.readouterr().out
     logs = "".join(path.read_text() for path in sorted((out / "logs").glob("*.log")))
     assert code == 0, printed + logs
+    # The machine first: the CPU, a GEMM rate line per weight shape of SmolLM2, the ceiling.
+    assert "cpu: " in printed and "GEMM rates, GFLOP/s at M = 32 / 1024" in printed
+    for shape in ("576x960", "576x576", "576x3072", "1536x576", "576x49152"):
+        assert any(line.split()[:2] == ["float32", shape] for line in printed.splitlines() if line.strip())
+    assert "ceiling float32: " in printed and "the 0-token prefix" not in printed  # the chat template's is shared
     # The printed table: its header and one row per engine.
-    assert "vs HF fp32" in printed and "equal to HF fp32" in printed
+    assert "vs HF fp32" in printed and "equal to HF fp32" in printed and "of ceiling" in printed
     table_lines = [line.split() for line in printed.splitlines()]
     assert any(cells[:2] == ["zoo-infer", "float32"] for cells in table_lines if cells)
     assert any(cells[:2] == ["transformers", "float32"] for cells in table_lines if cells)
@@ -58,6 +63,7 @@ def test_throughput_table(tmp_path: Path, capsys: pytest.CaptureFixture) -> None
         assert float(row["tokens_per_s"]) > 0 and float(row["peak_rss_mib"]) > 0
         assert float(row["ratio_vs_hf_fp32"]) > 0 and float(row["ratio_vs_hf_same_dtype"]) > 0
         assert float(row["equal_to_hf_fp32"]) == 1.0  # fp32 greedy is token-exact with transformers
+        assert 0 < float(row["of_ceiling"]) and row["ratio_vs_vllm"] == ""  # no vLLM row to compare with
     assert float(hf["ratio_vs_hf_fp32"]) == 1.0
     assert (out / "results.json").is_file()
 
@@ -97,3 +103,24 @@ def test_explore_batch_size(tmp_path: Path, capsys: pytest.CaptureFixture) -> No
     # Each size ran into its own sub-folder, with its own params copy.
     for size in (1, 2):
         assert (tmp_path / "runs" / f"bs{size}" / "artifacts" / "summary.json").is_file()
+
+
+def test_random_model_is_built_once_with_the_default_tokenizer(tmp_path: Path, monkeypatch) -> None:
+    """--model random:NAME: a random-weight checkpoint of that shape, SmolLM2's tokenizer and vocabulary,
+    built on first use and reused; an unknown name is an error listing the known ones."""
+    if not (SMOLLM2_DIR / "tokenizer.json").is_file():
+        pytest.fail(f"default model missing at {SMOLLM2_DIR}: run `make setup`")
+    random_model = load_script("benchmarks/random_model.py")
+    monkeypatch.setattr(random_model, "SHAPES", {"tiny": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                              num_attention_heads=2, num_key_value_heads=1)})
+    folder = random_model.ensure_random_model("random:tiny", SMOLLM2_DIR, tmp_path)
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(folder)
+    assert (config.hidden_size, config.num_hidden_layers, config.vocab_size) == (32, 1, 49152)
+    assert len(AutoTokenizer.from_pretrained(folder)) == 49152
+    stamp = next(folder.glob("*.safetensors")).stat().st_mtime_ns
+    assert random_model.ensure_random_model("random:tiny", SMOLLM2_DIR, tmp_path) == folder
+    assert next(folder.glob("*.safetensors")).stat().st_mtime_ns == stamp  # not built again
+    with pytest.raises(SystemExit, match="unknown random model 'huge'; known: random:tiny"):
+        random_model.ensure_random_model("random:huge", SMOLLM2_DIR, tmp_path)
