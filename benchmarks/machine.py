@@ -1,9 +1,10 @@
 """What the benchmark machine can do: its CPU, its GEMM rates for the model's weight shapes, and the
 workload's ceiling (its matrix-multiply FLOPs over the best of those rates).
 
-The ceiling counts only the linear layers (2 FLOPs per weight per row): every prompt token through
-every layer but the LM head (a prefix all prompts share once), one row per prompt through the head, and every generated token through
-all of them, prompt rows at the M = 1024 rate and generated rows at the M = 32 rate. Attention,
+The ceiling counts only the linear layers (2 FLOPs per weight per row): every prompt token (a prefix
+all prompts share once) through every layer but the LM head, one row per prompt through the head,
+and every generated token through all of them; prompt rows at the M = 1024 rate, generated rows at
+the M = 32 rate. The rates come from the job's own probe (modelzoo/gemm.py). Attention,
 norms and sampling are left out, so no engine can reach it; the fraction of it an engine reaches
 says how much of the machine it uses.
 """
@@ -12,30 +13,21 @@ from __future__ import annotations
 import platform
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from modelzoo.gemm import available_backends, seconds_per_call, wrap
-from modelzoo.precision import cpu_flags
+from modelzoo.cpu import cpu_flags, cpu_model
+from modelzoo.gemm import ShapeChoice, available_backends, measure_shape
 
 RATE_ROWS = (32, 1024)  # decode-sized and prefill-sized M
 SHOWN_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_bf16", "amx_fp16", "amx_int8")
 
 
 def cpu_description() -> str:
-    """'AMD EPYC 9R14 (x86_64; avx2 avx512f avx512_bf16 avx512_vnni)'."""
-    name = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    """'AMD EPYC (x86_64; avx2 avx512f avx512_bf16 avx512_vnni)'."""
     flags = " ".join(flag for flag in SHOWN_FLAGS if flag in cpu_flags()) or "no AVX2 / AVX-512 flags"
-    return f"{name} ({platform.machine()}; {flags})"
+    return f"{cpu_model() or platform.processor() or 'unknown CPU'} ({platform.machine()}; {flags})"
 
 
 @dataclass
@@ -61,33 +53,18 @@ def model_shapes(checkpoint: str) -> LinearShapes:
     return LinearShapes(body, (head.in_features, head.out_features))
 
 
-def gemm_rates(shapes: LinearShapes, dtype: torch.dtype) -> dict[tuple[int, int], dict[str, dict[int, float]]]:
-    """{shape: {backend: {M: GFLOP/s}}} for every backend this build offers in `dtype`, on this machine."""
-    rates: dict[tuple[int, int], dict[str, dict[int, float]]] = {}
-    generator = torch.Generator().manual_seed(0)
-    with torch.inference_mode():
-        for in_features, out_features in [*shapes.body, shapes.head]:
-            linear = nn.Linear(in_features, out_features, bias=False, dtype=dtype)
-            linear.weight.copy_(torch.randn(out_features, in_features, generator=generator).to(dtype))
-            per_backend = rates.setdefault((in_features, out_features), {})
-            for backend in available_backends(torch.device("cpu"), dtype):
-                try:
-                    layer = wrap(linear, backend, decode_rows=RATE_ROWS[0])
-                    per_backend[backend] = {}
-                    for rows in RATE_ROWS:
-                        x = torch.randn(rows, in_features, generator=generator).to(dtype)
-                        seconds = seconds_per_call(lambda: layer(x))
-                        per_backend[backend][rows] = 2 * rows * in_features * out_features / seconds / 1e9
-                except (RuntimeError, NotImplementedError):
-                    per_backend.pop(backend, None)
-    return rates
+def gemm_rates(shapes: LinearShapes, dtype: torch.dtype) -> dict[tuple[int, int], ShapeChoice]:
+    """Each weight shape's measurement by the job's own probe (modelzoo/gemm.py), at RATE_ROWS:
+    every backend's GFLOP/s (gflops[backend]["M=32"], ...) and whether it is batch-invariant."""
+    backends = available_backends(torch.device("cpu"), dtype)
+    return {shape: measure_shape(*shape, dtype, backends, timed_rows=RATE_ROWS) for shape in [*shapes.body, shapes.head]}
 
 
 def ceiling_tokens_per_s(shapes: LinearShapes, rates: dict, prompt_tokens: int, prompts: int,
                          generated_tokens: int) -> float:
     """Generated tokens per second if the linear layers ran at the best measured rate and nothing else took time."""
     def seconds(shape: tuple[int, int], rows: int, rate_rows: int) -> float:
-        best = max(backend_rates[rate_rows] for backend_rates in rates[shape].values())
+        best = max(by_rows[f"M={rate_rows}"] for by_rows in rates[shape].gflops.values())
         return 2 * shape[0] * shape[1] * rows / (best * 1e9)
 
     total = sum(count * (seconds(shape, prompt_tokens, RATE_ROWS[1]) + seconds(shape, generated_tokens, RATE_ROWS[0]))
@@ -96,11 +73,12 @@ def ceiling_tokens_per_s(shapes: LinearShapes, rates: dict, prompt_tokens: int, 
     return generated_tokens / total
 
 
-def format_rates(rates: dict, dtype: str) -> str:
-    """One line per shape: each backend's GFLOP/s at each M."""
+def format_rates(rates: dict[tuple[int, int], ShapeChoice], dtype: str) -> str:
+    """One line per shape: each backend's GFLOP/s at each M ('*': not batch-invariant, never chosen)."""
     lines = []
-    for (in_features, out_features), per_backend in rates.items():
-        cells = ", ".join(f"{backend} " + "/".join(f"{rate:.0f}" for rate in by_rows.values())
-                          for backend, by_rows in per_backend.items())
+    for (in_features, out_features), choice in rates.items():
+        cells = ", ".join(f"{backend}{'' if choice.invariant.get(backend) else '*'} "
+                          + "/".join(f"{rate:.0f}" for rate in by_rows.values())
+                          for backend, by_rows in choice.gflops.items())
         lines.append(f"  {dtype:<8} {in_features}x{out_features:<6} {cells}")
     return "\n".join(lines)

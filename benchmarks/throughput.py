@@ -431,7 +431,8 @@ def measure_machine(model: str, dtypes: list[str], threads: int, prep: Prepared,
     print(f"cpu: {machine.cpu_description()}, {threads} threads")
     shapes = machine.model_shapes(model)
     rates = {}
-    print(f"GEMM rates, GFLOP/s at M = {' / '.join(map(str, machine.RATE_ROWS))} (weights in x out):")
+    print(f"GEMM rates, GFLOP/s at M = {' / '.join(map(str, machine.RATE_ROWS))} (weights in x out; "
+          "*: not batch-invariant here, never chosen):")
     for dtype in dtypes:
         rates[dtype] = machine.gemm_rates(shapes, getattr(torch, dtype))
         print(machine.format_rates(rates[dtype], dtype))

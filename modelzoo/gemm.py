@@ -12,7 +12,7 @@ job multiplies, the candidates are timed on this machine at a prefill-sized and 
             needs the plain weight for every other row count, so it keeps two copies.
 
 A candidate must also be batch-invariant here: each row of its output must not depend on how many
-rows share the call (checked bit for bit at M = 1, 7 and 32 against the same rows at M = 256), or
+rows share the call (checked bit for bit at M = 1, 7 and 32 against the same rows in a larger call), or
 a job's tokens would depend on which rows share its batch, and a resumed job's files would differ
 from an uninterrupted one's. A candidate that fails is not chosen (a forced one runs, with a
 warning). The fastest remaining one (time per row at M = 256 plus time per row at M = 32: as many
@@ -42,7 +42,7 @@ log = logging.getLogger("zoo-infer")
 
 BACKENDS = ("mkl", "onednn", "torch")
 PREFILL_ROWS, DECODE_ROWS = 256, 32  # the row counts timed (fixed, so the choice does not depend on the job)
-INVARIANCE_ROWS = (1, 7, DECODE_ROWS)  # row counts whose rows must equal the same rows at PREFILL_ROWS
+INVARIANCE_ROWS = (1, 7, DECODE_ROWS)  # row counts whose rows must equal the same rows in a larger call
 CACHE_VERSION = 1
 
 
@@ -119,7 +119,7 @@ class ShapeChoice:
     rejected: dict[str, str] = field(default_factory=dict)  # backend -> why it could not run
 
 
-def seconds_per_call(fn: Callable[[], torch.Tensor], budget_s: float = 0.15) -> float:
+def _seconds_per_call(fn: Callable[[], torch.Tensor], budget_s: float = 0.15) -> float:
     """Best time of a few calls after a warm-up, within about `budget_s`."""
     fn()
     best, spent, calls = float("inf"), 0.0, 0
@@ -131,25 +131,27 @@ def seconds_per_call(fn: Callable[[], torch.Tensor], budget_s: float = 0.15) -> 
     return best
 
 
-def measure_shape(in_features: int, out_features: int, dtype: torch.dtype, backends: list[str]) -> ShapeChoice:
-    """Times and checks each backend on a random weight of this shape; keeps the fastest invariant one."""
+def measure_shape(in_features: int, out_features: int, dtype: torch.dtype, backends: list[str],
+                  timed_rows: tuple[int, ...] = (PREFILL_ROWS, DECODE_ROWS)) -> ShapeChoice:
+    """Times (at each of `timed_rows`) and checks each backend on a random weight of this shape; keeps
+    the fastest invariant one."""
     generator = torch.Generator().manual_seed(0)
     linear = nn.Linear(in_features, out_features, bias=False, dtype=dtype)
     with torch.no_grad():
         linear.weight.normal_(0.0, in_features ** -0.5, generator=generator)  # in place: no second copy
-    x = torch.randn(PREFILL_ROWS, in_features, generator=generator, dtype=dtype)
+    x = torch.randn(max(PREFILL_ROWS, *timed_rows), in_features, generator=generator, dtype=dtype)
     choice = ShapeChoice(backend="torch")
     with torch.inference_mode():
         for backend in backends:
             try:
                 module = wrap(linear, backend)
-                full = module(x)  # (PREFILL_ROWS, N)
+                full = module(x)  # (rows, N)
                 choice.invariant[backend] = all(torch.equal(module(x[:rows].contiguous()), full[:rows])
                                                 for rows in INVARIANCE_ROWS)
                 rates = {}
-                for rows in (PREFILL_ROWS, DECODE_ROWS):
+                for rows in timed_rows:
                     part = x[:rows].contiguous()
-                    seconds = seconds_per_call(lambda: module(part))
+                    seconds = _seconds_per_call(lambda: module(part))
                     rates[f"M={rows}"] = round(2 * rows * in_features * out_features / seconds / 1e9, 1)
                 choice.gflops[backend] = rates
             except (RuntimeError, NotImplementedError) as error:  # e.g. a dtype this CPU's oneDNN lacks
@@ -159,8 +161,8 @@ def measure_shape(in_features: int, out_features: int, dtype: torch.dtype, backe
 
 
 def fastest(measured: dict, exclude: tuple[str, ...] = ()) -> str:
-    """The backend of least time per row at M = 256 plus per row at M = 32 (as many prompt tokens as
-    generated ones) among the batch-invariant ones measured (all measured if none is), `exclude` left out."""
+    """The backend of least time per row summed over the row counts timed (M = 256 and M = 32 in a job:
+    as many prompt tokens as generated ones) among the batch-invariant ones measured (all measured if none is), `exclude` left out."""
     cost = {backend: sum(1 / rate for rate in rates.values())  # time per row is proportional to 1 / rate
             for backend, rates in measured["gflops"].items() if backend not in exclude}
     usable = [backend for backend in cost if measured["invariant"][backend]] or list(cost)

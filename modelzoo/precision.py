@@ -9,25 +9,12 @@ faster, and closer to the float32 reference than bf16 arithmetic.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
+
+from modelzoo.cpu import cpu_flags
 
 # dtype -> CPU flags (/proc/cpuinfo) of which any one means native matrix multiplies.
 NATIVE_CPU_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU feature flags of this machine (empty where /proc/cpuinfo is unreadable)."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 def arithmetic_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:

@@ -20,13 +20,6 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 SMOLLM2_DIR = REPO_ROOT / "models" / "smollm2-135m-instruct"
 
 
-def available_backends(device: torch.device, dtype: torch.dtype) -> list[str]:
-    """The GEMM backends this torch build offers (modelzoo.gemm)."""
-    from modelzoo.gemm import available_backends as backends
-
-    return backends(device, dtype)
-
-
 def save_tiny_model(config: Any, folder: Path, seed: int = 0) -> Path:
     """Random-initialised transformers model of `config`, saved as a checkpoint folder.
 
@@ -202,6 +195,8 @@ def assert_family_matches_transformers(config: Any, tmp_path: Path, max_seq_len:
     write_h5(data, prompt_rows(prompts, max_seq_len, vocab))
     reference = hf_greedy(checkpoint, prompts, max_tokens)
     expected = expected_rows(prompts, reference, max_seq_len, vocab)
+    from modelzoo.gemm import available_backends
+
     for backend in available_backends(torch.device("cpu"), torch.float32):  # every GEMM library gives the same tokens
         params = write_params(tmp_path / f"params_{backend}.yaml", checkpoint, data, batch_size=batch_size,
                               start_token=vocab, max_tokens=max_tokens, gemm_backend=backend)

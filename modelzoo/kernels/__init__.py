@@ -25,6 +25,8 @@ from types import ModuleType
 
 import torch
 
+from modelzoo.cpu import cpu_flags, cpu_model
+
 log = logging.getLogger("zoo-infer")
 
 SOURCES = [Path(__file__).with_name(name) for name in ("bindings.cpp", "cached_attention.cpp", "decoder_ops.cpp")]
@@ -35,15 +37,7 @@ BUILD_ROOT = Path(__file__).with_name("build")
 def _machine_key() -> str:
     """Hash of what the compiled code and the measured GEMM choices (modelzoo/gemm.py) depend on on
     this machine: CPU model and instruction sets, architecture, torch version."""
-    found = {"model name": "", "flags": ""}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key = line.split(":", 1)[0].strip()
-            if key in found and not found[key]:
-                found[key] = " ".join(sorted(line.split(":", 1)[1].split())) if key == "flags" else line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    text = f"{platform.machine()} {found['model name']} {found['flags']} {torch.__version__}"
+    text = f"{platform.machine()} {cpu_model()} {' '.join(sorted(cpu_flags()))} {torch.__version__}"
     return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 

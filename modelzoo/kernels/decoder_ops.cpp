@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 extern "C" __m256 Sleef_expf8_u10(__m256);  // in libtorch_cpu: the exp of ATen's AVX2 float kernels
@@ -98,6 +99,18 @@ void check_rows(const torch::Tensor& x, const torch::Tensor& weight) {
                   weight.scalar_type() == x.scalar_type(), "weight must be (n,) of x's dtype for x (..., n)");
 }
 
+// n values of T as float32: the values themselves for float, else widened into `buffer`.
+template <typename T>
+const float* as_floats(const T* values, std::vector<float>& buffer, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return values;
+  } else {
+    buffer.resize(n);
+    widen(values, buffer.data(), n);
+    return buffer.data();
+  }
+}
+
 constexpr int64_t kRowsPerTask = 16;  // a decode step's 32 rows are two tasks, a prefill's thousand many
 
 // silu(gate) = gate / (1 + exp(-gate)) over n floats, in ATen's order: 8-lane blocks two vectors at a
@@ -127,15 +140,9 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
     const scalar_t *xp = x.data_ptr<scalar_t>(), *wp = weight.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
-      std::vector<float> wide(std::is_same_v<scalar_t, float> ? 0 : n);
-      for (int64_t r = begin; r < end; ++r) {
-        const float* row = reinterpret_cast<const float*>(xp + r * n);
-        if constexpr (!std::is_same_v<scalar_t, float>) {
-          widen(xp + r * n, wide.data(), n);
-          row = wide.data();
-        }
-        rms_norm_row(row, wp, static_cast<float>(eps), op + r * n, n);
-      }
+      std::vector<float> wide;
+      for (int64_t r = begin; r < end; ++r)
+        rms_norm_row(as_floats(xp + r * n, wide, n), wp, static_cast<float>(eps), op + r * n, n);
     });
   });
   return out;
@@ -152,14 +159,11 @@ torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& delta, const 
     const scalar_t *dp = delta.data_ptr<scalar_t>(), *wp = weight.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
-      std::vector<float> wide(n);
+      std::vector<float> wide;
       for (int64_t r = begin; r < end; ++r) {
         scalar_t* row = xp + r * n;
-        for (int64_t i = 0; i < n; ++i) {
-          row[i] = from_float<scalar_t>(to_float(row[i]) + to_float(dp[r * n + i]));  // the sum rounded to T
-          wide[i] = to_float(row[i]);
-        }
-        rms_norm_row(wide.data(), wp, static_cast<float>(eps), op + r * n, n);
+        for (int64_t i = 0; i < n; ++i) row[i] = from_float<scalar_t>(to_float(row[i]) + to_float(dp[r * n + i]));
+        rms_norm_row(as_floats(row, wide, n), wp, static_cast<float>(eps), op + r * n, n);  // on the rounded sum
       }
     });
   });
@@ -178,15 +182,10 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
     const scalar_t* ip = gate_up.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
-      std::vector<float> gate_wide(std::is_same_v<scalar_t, float> ? 0 : n), silu(n);
+      std::vector<float> gate_wide, silu(n);
       for (int64_t r = begin; r < end; ++r) {
         const scalar_t *gate = ip + r * 2 * n, *up = gate + n;
-        const float* g = reinterpret_cast<const float*>(gate);
-        if constexpr (!std::is_same_v<scalar_t, float>) {
-          widen(gate, gate_wide.data(), n);
-          g = gate_wide.data();
-        }
-        silu_row(g, silu.data(), n);
+        silu_row(as_floats(gate, gate_wide, n), silu.data(), n);
         scalar_t* row = op + r * n;  // silu rounded to T, then the product rounded to T
         for (int64_t i = 0; i < n; ++i) row[i] = from_float<scalar_t>(to_float(from_float<scalar_t>(silu[i])) * to_float(up[i]));
       }
