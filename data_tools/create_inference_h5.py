@@ -127,8 +127,17 @@ def read_prompts(path: Path | str, field: str = "prompt", column: str = "prompt"
 # --------------------------------------------------------------------------------------------
 
 
+def no_tokenizer(path: Path, needs: str) -> UserError:
+    """The error for a folder without the tokenizer files: what it needs and what it holds."""
+    found = sorted(entry.name for entry in path.iterdir())
+    listed = ", ".join(found[:12]) + (f" and {len(found) - 12} more" if len(found) > 12 else "")
+    return UserError(f"no tokenizer in {path}: it needs {needs} (found: {listed or 'nothing'})")
+
+
 def load_tokenizer(path: Path | str) -> Any:
-    """Loads a Hugging Face tokenizer from a local checkpoint or tokenizer folder."""
+    """Loads a Hugging Face tokenizer from a local checkpoint or tokenizer folder: tokenizer.json, or
+    the vocabulary files of the tokenizer class it names (transformers 5 otherwise builds an empty
+    tokenizer for some classes, with no error)."""
     path = Path(path)
     if not path.is_dir():
         raise UserError(f"tokenizer folder not found: {path}")
@@ -136,10 +145,19 @@ def load_tokenizer(path: Path | str) -> Any:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as exc:
+        if not (path / "tokenizer.json").is_file():
+            raise no_tokenizer(path, "tokenizer.json, or tokenizer_config.json with the vocabulary files of its "
+                                     "tokenizer class") from None
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(f"could not load a tokenizer from {path}: {first_line}") from None
+    vocabulary = [name for key, name in getattr(tokenizer, "vocab_files_names", {}).items()
+                  if key in ("vocab_file", "merges_file") and not (path / name).is_file()]
+    if vocabulary and not (path / "tokenizer.json").is_file():
+        raise no_tokenizer(path, f"tokenizer.json, or the vocabulary files of {type(tokenizer).__name__}: "
+                                 f"{', '.join(vocabulary)}")
+    return tokenizer
 
 
 def tokenize_prompts(tokenizer: Any, prompts: Sequence[str], chat_template: bool) -> list[list[int]]:

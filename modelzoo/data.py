@@ -34,7 +34,7 @@ class GptHDF5MapDataProcessor:
         self.loop_dim = loop_dim
         self.pad_token = pad_token
         self.files = self._find_files()
-        self._handles = [h5py.File(path, "r") for path in self.files]
+        self._handles = [self._open(path) for path in self.files]
         self._datasets = [self._check_dataset(path, handle) for path, handle in zip(self.files, self._handles)]
         widths = {self._width(d) for d in self._datasets}
         if len(widths) > 1:
@@ -60,6 +60,14 @@ class GptHDF5MapDataProcessor:
             raise UserError(f"inference_input.data_dir {self.data_dir} holds no .h5 file")
         return files
 
+    @staticmethod
+    def _open(path: Path) -> h5py.File:
+        try:
+            return h5py.File(path, "r")
+        except OSError as error:  # truncated, not HDF5, unreadable
+            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise UserError(f"cannot read {path} as HDF5 ({reason}): is it truncated or still being written?") from None
+
     def _check_dataset(self, path: Path, handle: h5py.File) -> h5py.Dataset:
         if "data" not in handle:
             raise UserError(f"{path} has no dataset 'data' (found: {', '.join(handle.keys()) or 'nothing'})")
@@ -80,10 +88,14 @@ class GptHDF5MapDataProcessor:
     def read(self, start: int, stop: int) -> np.ndarray:
         """Samples [start, stop) across files: (stop - start, max_seq_len) int32."""
         parts, offset = [], 0
-        for data, size in zip(self._datasets, self.sizes):
+        for path, data, size in zip(self.files, self._datasets, self.sizes):
             lo, hi = max(start - offset, 0), min(stop - offset, size)
             if lo < hi:
-                parts.append(data[lo:hi] if self.loop_dim == 1 else data[:, lo:hi].T)
+                try:
+                    parts.append(data[lo:hi] if self.loop_dim == 1 else data[:, lo:hi].T)
+                except OSError as error:  # a chunk past the end of a truncated file
+                    raise UserError(f"cannot read samples {offset + lo}..{offset + hi - 1} of {path} "
+                                    f"({str(error).splitlines()[0]}): is it truncated?") from None
             offset += size
         return np.concatenate(parts).astype(np.int32, copy=False)
 
@@ -96,6 +108,35 @@ class GptHDF5MapDataProcessor:
         index = np.full(self.batch_size, -1, dtype=np.int64)
         index[: stop - start] = np.arange(start, stop)
         return Batch(step=step, rows=rows, sample_index=index)
+
+    def check_prompt_tokens(self, steps: list[int], vocab_size: int, start_tokens: np.ndarray) -> None:
+        """Reads the samples of `steps` once, in large slices, and raises on the first prompt token
+        outside 0..vocab_size-1 (what follows a row's first start token is never read as a prompt)."""
+        for start, stop in self._sample_ranges(steps):
+            rows = self.read(start, stop)  # (n, max_seq_len)
+            is_start = np.isin(rows, start_tokens)
+            prompt_end = np.where(is_start.any(axis=1), is_start.argmax(axis=1), 0)  # no start token: no prompt
+            in_prompt = np.arange(rows.shape[1])[None, :] < prompt_end[:, None]
+            bad = in_prompt & ((rows < 0) | (rows >= vocab_size))
+            if bad.any():
+                row, column = np.argwhere(bad)[0]
+                raise UserError(f"sample {start + row}: token id {rows[row, column]} in its prompt is outside the "
+                                f"model's vocabulary (0..{vocab_size - 1})")
+
+    def _sample_ranges(self, steps: list[int]) -> Iterator[tuple[int, int]]:
+        """[start, stop) sample ranges covering `steps`: runs of consecutive steps, cut to about 8 MiB
+        (the check's temporaries are a few times that: small next to the model, flat in the data size)."""
+        most = max(1, (8 << 20) // (4 * self.max_seq_len))
+        first = previous = None
+        for step in sorted(steps) + [None]:
+            if first is not None and (step is None or step != previous + 1):
+                begin, end = (first - 1) * self.batch_size, min(previous * self.batch_size, self.num_samples)
+                for lo in range(begin, end, most):
+                    yield lo, min(lo + most, end)
+                first = None
+            if step is not None:
+                first = step if first is None else first
+                previous = step
 
     def batches(self, steps: list[int]) -> Iterator[Batch]:
         """The batches of `steps`, in the given order."""

@@ -17,14 +17,14 @@ a job's tokens would depend on which rows share its batch, and a resumed job's f
 from an uninterrupted one's. A candidate that fails is not chosen (a forced one runs, with a
 warning). The fastest remaining one (time per row at M = 256 plus time per row at M = 32: as many
 prompt tokens as generated ones) is kept, logged with its rates, and cached per CPU model, flags
-and torch version beside the C++ kernels' builds (modelzoo/kernels/build/<machine>/), so that every
-job on this machine type makes the same choice and produces the same bits.
+and torch version beside the C++ kernels' builds (<root>/<machine>/gemm_choices.json: read from every
+kernel root of modelzoo/kernels, the first root's entry winning, written to its writable root), so that
+every job on this machine type makes the same choice and produces the same bits.
 """
 from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,7 +36,8 @@ from torch import nn
 
 from modelzoo.checkpoint import release_freed_memory
 from modelzoo.errors import UserError
-from modelzoo.kernels import machine_dir
+from modelzoo.files import WriteError, make_folder, write_text_atomic
+from modelzoo.kernels import kernel_roots, machine_dir
 
 log = logging.getLogger("zoo-infer")
 
@@ -152,7 +153,8 @@ def measure_shape(in_features: int, out_features: int, dtype: torch.dtype, backe
                 for rows in timed_rows:
                     part = x[:rows].contiguous()
                     seconds = _seconds_per_call(lambda: module(part))
-                    rates[f"M={rows}"] = round(2 * rows * in_features * out_features / seconds / 1e9, 1)
+                    rate = 2 * rows * in_features * out_features / seconds / 1e9
+                    rates[f"M={rows}"] = float(f"{rate:.3g}")  # 3 significant digits: never 0, tiny shapes too
                 choice.gflops[backend] = rates
             except (RuntimeError, NotImplementedError) as error:  # e.g. a dtype this CPU's oneDNN lacks
                 choice.rejected[backend] = str(error).strip().splitlines()[0][:200]
@@ -169,27 +171,32 @@ def fastest(measured: dict, exclude: tuple[str, ...] = ()) -> str:
     return min(usable, key=cost.__getitem__) if usable else "torch"
 
 
-def _cache_path() -> Path:
-    return machine_dir() / "gemm_choices.json"
+def _cache_path(root: Path | None = None) -> Path:
+    """The choices file under `root`, by default the writable root (modelzoo/kernels)."""
+    return machine_dir(root) / "gemm_choices.json"
 
 
 def _read_cache() -> dict:
-    try:
-        cached = json.loads(_cache_path().read_text())
-        return cached if cached.get("version") == CACHE_VERSION else {}
-    except (OSError, ValueError):
-        return {}
+    """The choices of every kernel root merged, the first root's entry winning (a read-only shared
+    install's choices, then those measured since into the writable root)."""
+    shapes = {}
+    for root in reversed(kernel_roots()):
+        try:
+            cached = json.loads(_cache_path(root).read_text())
+        except (OSError, ValueError):
+            continue
+        if cached.get("version") == CACHE_VERSION:
+            shapes.update(cached.get("shapes", {}))
+    return {"version": CACHE_VERSION, "shapes": shapes}
 
 
 def _write_cache(entries: dict) -> None:
-    """Best effort: a read-only checkout measures again next time."""
+    """Best effort: where no root is writable, the next job measures again."""
     path = _cache_path()
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"version": CACHE_VERSION, "shapes": entries}, indent=1, sort_keys=True))
-        os.replace(tmp, path)
-    except OSError as error:
+        make_folder(path.parent)
+        write_text_atomic(path, json.dumps({"version": CACHE_VERSION, "shapes": entries}, indent=1, sort_keys=True))
+    except WriteError as error:
         log.warning("GEMM choices not cached (%s); the next job measures again", error)
 
 

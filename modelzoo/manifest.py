@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import socket
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
 import modelzoo
 from modelzoo.errors import UserError
+from modelzoo.files import write_text_atomic
 from modelzoo.params import InferenceParams
 
 MANIFEST = "manifest.json"
@@ -73,24 +73,42 @@ def differences(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> l
     return out
 
 
-def check_manifest(artifacts: Path, manifest: dict[str, Any]) -> bool:
-    """True when a manifest is already there and equal; raises when it differs; False when absent."""
+class ManifestState(Enum):
+    """What a run found in its artifacts folder."""
+
+    EQUAL = "equal"
+    ABSENT = "absent"
+    UNREADABLE = "unreadable"  # damaged after it was written: rebuilt from the files that verify
+
+
+def manifest_text(manifest: dict[str, Any]) -> str:
+    """The manifest as written: sorted keys, so equal manifests give equal bytes."""
+    return json.dumps(manifest, indent=2, sort_keys=True) + "\n"
+
+
+def manifest_digest(manifest: dict[str, Any]) -> str:
+    """sha256 of the manifest's text: what each predictions file records of its inputs."""
+    return hashlib.sha256(manifest_text(manifest).encode()).hexdigest()
+
+
+def check_manifest(artifacts: Path, manifest: dict[str, Any]) -> ManifestState:
+    """Compares the manifest on disk with this run's; raises when they differ."""
     path = artifacts / MANIFEST
     if not path.is_file():
-        return False
+        return ManifestState.ABSENT
     try:
         old = json.loads(path.read_text())
-    except ValueError:
-        old = {"unreadable": True}
+    except (OSError, ValueError):
+        return ManifestState.UNREADABLE
+    if not isinstance(old, dict):
+        return ManifestState.UNREADABLE
     changed = differences(old, manifest)
     if changed:
         raise UserError(f"{artifacts.parent} holds predictions made from different inputs (changed: {', '.join(changed)}); "
                         "use another --model_dir, or --overwrite to delete them and start over")
-    return True
+    return ManifestState.EQUAL
 
 
 def write_manifest(artifacts: Path, manifest: dict[str, Any]) -> None:
     """Writes the manifest atomically."""
-    tmp = artifacts / f".{MANIFEST}.{socket.gethostname()}.{os.getpid()}.tmp"  # shards may share a pid across nodes
-    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, artifacts / MANIFEST)
+    write_text_atomic(artifacts / MANIFEST, manifest_text(manifest))

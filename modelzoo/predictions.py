@@ -1,21 +1,34 @@
-"""`predictions_{global_step}.npz` files: atomic, deterministic writes and the resume check.
+"""`predictions_{global_step}.npz` files: deterministic atomic writes and the resume check.
 
-A file appears whole under its final name or not at all (temp name in the same folder, flush,
-fsync, rename, fsync the folder), so SIGKILL at any moment leaves no partial file. The bytes
-depend only on the arrays (fixed zip timestamps), so a resumed run writes exactly the files an
-uninterrupted run would have.
+A file is written through `modelzoo.files.write_atomic`, so it appears whole under its final name
+or not at all. Its bytes depend only on the arrays (fixed zip timestamps), so a resumed run writes
+exactly the files an uninterrupted run would have. Each file records `inputs_sha256`, the digest
+of the run's manifest (params, data, checkpoint, version): a file vouches for its own inputs, so a
+lost or damaged manifest can be rebuilt from the files that carry this run's digest.
 """
 from __future__ import annotations
 
-import os
-import socket
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
+from enum import Enum
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
-STOP_REASONS = ("stop_sequence", "max_tokens", "max_seq_len", "no_start_token", "empty_prompt", "dummy")
+from modelzoo.files import write_atomic
+
 _ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)  # the earliest zip timestamp: no wall-clock time in the file
+_READERS = 8  # files checked at once at resume (reading is I/O bound)
+
+
+class FileState(Enum):
+    """What the resume check found for one step."""
+
+    MISSING = "missing"
+    COMPLETE = "complete"  # whole, of this run's shape, made from this run's inputs
+    DAMAGED = "damaged"  # unreadable, truncated, a bad CRC, or of another shape
+    OTHER_INPUTS = "other inputs"  # whole, but made from other params, data or checkpoint
 
 
 def predictions_path(folder: Path, step: int) -> Path:
@@ -23,45 +36,60 @@ def predictions_path(folder: Path, step: int) -> Path:
     return folder / f"predictions_{step}.npz"
 
 
-def temp_files(folder: Path, step: int) -> list[Path]:
-    """Leftover temp files of `step` (from a killed writer, on any host)."""
-    return list(folder.glob(f".predictions_{step}.npz.*.tmp"))
+def written_steps(folder: Path) -> set[int]:
+    """The steps that have a file under its final name (complete or not): one listing of the folder."""
+    names = (path.name.removeprefix("predictions_").removesuffix(".npz") for path in folder.glob("predictions_*.npz"))
+    return {int(name) for name in names if name.isdigit()}
 
 
-def write_npz(path: Path, arrays: dict[str, np.ndarray]) -> None:
-    """An uncompressed .npz (readable by np.load) with fixed timestamps, fsynced."""
-    with open(path, "wb") as handle:
-        with zipfile.ZipFile(handle, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as archive:
-            for name, array in arrays.items():
-                info = zipfile.ZipInfo(f"{name}.npy", date_time=_ZIP_EPOCH)
-                with archive.open(info, "w", force_zip64=True) as member:
-                    np.lib.format.write_array(member, np.asanyarray(array), allow_pickle=False)
-        handle.flush()
-        os.fsync(handle.fileno())
+def temp_files(folder: Path) -> dict[int, list[Path]]:
+    """Leftover temp files of killed writers (on any host), by step: one listing of the folder."""
+    found: dict[int, list[Path]] = {}
+    for path in folder.glob(".predictions_*.npz.*.tmp"):
+        step = path.name.split(".")[1].removeprefix("predictions_")
+        if step.isdigit():
+            found.setdefault(int(step), []).append(path)
+    return found
 
 
-def write_predictions(folder: Path, step: int, arrays: dict[str, np.ndarray]) -> Path:
-    """Writes one step's arrays under a temp name, then renames it into place and fsyncs the folder."""
+def _write_npz(handle: BinaryIO, arrays: dict[str, np.ndarray]) -> None:
+    """An uncompressed .npz (readable by np.load) with fixed timestamps."""
+    with zipfile.ZipFile(handle, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as archive:
+        for name, array in arrays.items():
+            info = zipfile.ZipInfo(f"{name}.npy", date_time=_ZIP_EPOCH)
+            with archive.open(info, "w", force_zip64=True) as member:
+                np.lib.format.write_array(member, np.asanyarray(array), allow_pickle=False)
+
+
+def write_predictions(folder: Path, step: int, inputs_sha256: str, arrays: dict[str, np.ndarray]) -> Path:
+    """Writes one step's file atomically (a WriteError when the folder refuses)."""
     final = predictions_path(folder, step)
-    tmp = folder / f".{final.name}.{socket.gethostname()}.{os.getpid()}.tmp"
-    write_npz(tmp, {"global_step": np.array(step, dtype=np.int64), **arrays})
-    os.replace(tmp, final)
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # make the rename itself durable
-    finally:
-        os.close(fd)
+    payload = {"global_step": np.array(step, dtype=np.int64), **arrays, "inputs_sha256": np.array(inputs_sha256)}
+    write_atomic(final, lambda handle: _write_npz(handle, payload))
     return final
 
 
-def is_complete(folder: Path, step: int, shape: tuple[int, int]) -> bool:
-    """True when the step's file loads, holds `global_step` == step and `predictions` of `shape`."""
+def file_state(folder: Path, step: int, shape: tuple[int, int], inputs_sha256: str) -> FileState:
+    """Reads every entry of the step's file (so zip's CRC checks every byte) and classifies it."""
     path = predictions_path(folder, step)
     if not path.is_file():
-        return False
+        return FileState.MISSING
     try:
         with np.load(path, allow_pickle=False) as npz:
-            return (int(npz["global_step"]) == step and npz["predictions"].shape == shape
-                    and npz["predictions"].dtype == np.int32 and "stop_reason" in npz.files)
-    except Exception:  # truncated, not a zip, missing key...: redo the step
-        return False
+            arrays = {name: npz[name] for name in npz.files}
+    except Exception:  # truncated, not a zip, a flipped byte (BadZipFile: bad CRC), ...
+        return FileState.DAMAGED
+    predictions = arrays.get("predictions")
+    if (predictions is None or predictions.shape != shape or predictions.dtype != np.int32
+            or "global_step" not in arrays or int(arrays["global_step"]) != step or "stop_reason" not in arrays):
+        return FileState.DAMAGED
+    if str(arrays.get("inputs_sha256", "")) != inputs_sha256:
+        return FileState.OTHER_INPUTS
+    return FileState.COMPLETE
+
+
+def file_states(folder: Path, steps: list[int], shape: tuple[int, int], inputs_sha256: str) -> dict[int, FileState]:
+    """`file_state` of every step, read a few files at a time."""
+    with ThreadPoolExecutor(_READERS) as pool:
+        states = pool.map(lambda step: file_state(folder, step, shape, inputs_sha256), steps)
+        return dict(zip(steps, states))

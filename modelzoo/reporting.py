@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import platform
 import sys
 import time
@@ -14,6 +13,7 @@ from typing import Any
 import torch
 
 import modelzoo
+from modelzoo.files import WriteError, overwrite_in_place, write_text_atomic
 
 log = logging.getLogger("zoo-infer")
 
@@ -34,6 +34,8 @@ class RunStats:
     rows_with_empty_prompt: int = 0
     stop_reasons: dict[str, int] = field(default_factory=dict)
     interrupted_by: str | None = None  # signal name when the run was stopped early
+    error: str | None = None  # the error line of a run that failed
+    finished: bool = False  # False while the run is going (or if it was killed)
     drafted_tokens: int = 0  # speculative decoding: tokens proposed for verification
     accepted_tokens: int = 0  # ... and accepted by the model
 
@@ -65,9 +67,18 @@ def summary_of(stats: list[RunStats], device: str, dtype: str, shards: int,
         for reason, count in s.stop_reasons.items():
             reasons[reason] = reasons.get(reason, 0) + count
     interrupted = sorted({s.interrupted_by for s in stats if s.interrupted_by})
-    complete = total["batches_remaining"] == 0 and len(stats) == shards
+    errors = [s.error for s in stats if s.error]
+    if errors:
+        status = "failed"
+    elif interrupted:
+        status = "interrupted by " + ", ".join(interrupted)
+    elif not all(s.finished for s in stats):
+        status = "running"
+    else:
+        status = "complete" if total["batches_remaining"] == 0 and len(stats) == shards else "partial"
     return {
-        "status": "interrupted by " + ", ".join(interrupted) if interrupted else ("complete" if complete else "partial"),
+        "status": status,
+        **({"errors": errors} if errors else {}),
         **total,
         "generation_seconds": round(seconds, 3),
         "tokens_per_second": round(total["generated_tokens"] / seconds, 2) if seconds else 0.0,
@@ -79,10 +90,15 @@ def summary_of(stats: list[RunStats], device: str, dtype: str, shards: int,
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:
-    """Writes JSON atomically (readers never see half a file)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
-    os.replace(tmp, path)
+    """Writes JSON atomically (readers never see half a file). On a disk too full for a temp file,
+    an existing file is rewritten in place, so a run that fails for want of space still says so."""
+    text = json.dumps(payload, indent=2) + "\n"
+    try:
+        write_text_atomic(path, text)
+    except WriteError:
+        if not path.is_file():
+            raise
+        overwrite_in_place(path, text)
 
 
 def shard_stats_path(artifacts: Path, index: int) -> Path:
@@ -90,7 +106,7 @@ def shard_stats_path(artifacts: Path, index: int) -> Path:
 
 
 def read_shard_stats(artifacts: Path, shards: int) -> list[RunStats]:
-    """The per-shard stats files present (a shard that has not finished yet has none)."""
+    """The per-shard stats files present (a shard that has not started yet has none)."""
     stats = []
     for index in range(shards):
         path = shard_stats_path(artifacts, index)

@@ -6,6 +6,7 @@ runs this same job in lockstep; only the group's rank 0 writes files and logs.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -27,11 +28,15 @@ from modelzoo.generation.engine import GenerationEngine, Request
 from modelzoo.generation.kv_cache import KVCache
 from modelzoo.generation.sampling import TokenChoice
 from modelzoo.generation.speculative import DraftModelDrafter, Drafter, PromptLookupDrafter
-from modelzoo.manifest import build_manifest, check_manifest, write_manifest
+from modelzoo.files import WriteError, make_folder, remove, remove_dead_temps, write_text_atomic
+from modelzoo.manifest import (MANIFEST, ManifestState, build_manifest, check_manifest, manifest_digest,
+                               write_manifest)
+from modelzoo.output_lock import OutputLock
 from modelzoo.params import InferenceParams
 from modelzoo.precision import arithmetic_dtype
-from modelzoo.predictions import is_complete, predictions_path, temp_files, write_predictions
-from modelzoo.preemption import StopRequest
+from modelzoo.predictions import (FileState, file_states, predictions_path, temp_files, write_predictions,
+                                  written_steps)
+from modelzoo.preemption import Interrupted, StopRequest
 from modelzoo.quantization import int8_summary
 from modelzoo.reporting import (Progress, RunStats, log_totals, read_shard_stats, shard_stats_path, summary_of,
                                 write_json)
@@ -125,6 +130,11 @@ class InferenceJob:
         self.written: set[int] = set()  # steps this run wrote
         self.shape = ((params.inference_input.batch_size, self.data.max_seq_len) if model.loop_dim == 1
                       else (self.data.max_seq_len, params.inference_input.batch_size))  # of `predictions`
+        self.steps_of_shard = [step for step in self.steps() if shard.owns(step)]
+        self.todo = self.steps_of_shard  # until the resume check says which are left
+        self.lock = OutputLock(self.artifacts, shard.index, shard.count)
+        self.output_taken = False  # True once this run may write into the folder (lock held, steps planned)
+        self.manifest_state = ManifestState.ABSENT
 
     def _check_data_against_model(self) -> None:
         """The data tool's attributes must agree with the params and the model."""
@@ -212,13 +222,133 @@ class InferenceJob:
                                  self.dtype, self.device)
 
     def run(self) -> RunStats:
-        """Validates, loads, then either checks one forward pass (compile_only) or writes this shard's steps."""
-        steps = [step for step in self.steps() if self.shard.owns(step)]
-        self.artifacts.mkdir(parents=True, exist_ok=True)
-        if self.shard.is_first and self.writes:
+        """Validates, takes the output folder, loads, then either checks one forward pass
+        (compile_only) or writes this shard's steps. A stop signal during set-up ends the run at
+        once; a UserError after the output folder is taken is recorded in summary.json first."""
+        with StopRequest() as request, contextlib.closing(self.lock):
+            try:
+                with request.raising():
+                    todo = self._take_output()
+                    if todo is None:
+                        return self.stats
+                    model, engine = self._prepare_engine()
+                    if self.params.runconfig.compile_only:
+                        self._check_forward(model, engine)
+                        return self.stats
+                    log.info("%d samples, %d steps of %d rows (shard %d of %d: %d steps, %d to do), max_seq_len %d; "
+                             "writing to %s", self.data.num_samples, self.data.num_steps,
+                             self.params.inference_input.batch_size, self.shard.index, self.shard.count,
+                             len(self.steps_of_shard), len(todo), self.data.max_seq_len, self.predictions_dir)
+                stop = AgreedStop(request, self.tp) if self.tp.size > 1 else request
+                self._generate(engine, todo, stop)
+            except Interrupted as interrupted:
+                request.signum = interrupted.signum
+            except UserError as error:
+                if self.output_taken:
+                    self.stats.error = str(error)
+                    self._finish_quietly()
+                raise
+            remaining = [step for step in self.todo if step not in self.written]
+            self.stats.batches_remaining = len(remaining)
+            self.stats.samples_remaining = sum(self._real_samples(step) for step in remaining)
+            if request.signum is not None:
+                self.stats.interrupted_by = signal_name(request.signum)
+            self.stats.finished = True
+            if self.output_taken:
+                self._finish()
+        return self.stats
+
+    def _take_output(self) -> list[int] | None:
+        """Locks this shard's steps in the output folder, works out which are still to do and
+        readies the folder for them; None when there is nothing to do (nothing is written then, so
+        a finished run in a read-only folder exits cleanly). Checks the prompts' token ids too:
+        all before the model loads."""
+        make_folder(self.model_dir)
+        unwritable: WriteError | None = None
+        try:
+            make_folder(self.artifacts)
+            if self.writes:
+                self.lock.acquire()
+        except WriteError as error:  # read-only: fine as long as there is nothing to write
+            unwritable = error
+        self.tp = open_group(self.shard, self.device)
+        if self.params.runconfig.compile_only:
+            self.data.check_prompt_tokens(self.todo, self.vocab_size, self.start_tokens)
+            if self.writes and self.shard.is_first:
+                write_text_atomic(self.artifacts / "params_inference.yaml",
+                                  yaml.safe_dump(self.params.to_dict(), sort_keys=False))
+            return self.todo
+        self.todo = self._plan(self.steps_of_shard)
+        if self.tp.size > 1:  # the group runs the same steps: its rank 0 decided which
+            self.todo = self.tp.first_ranks_choice(self.todo, self.steps_of_shard)
+        if not self.todo:
+            log.info("all %d steps of this shard are already in %s: nothing to do", len(self.steps_of_shard),
+                     self.predictions_dir)
+            return None
+        if self.writes and unwritable:
+            raise unwritable
+        self.data.check_prompt_tokens(self.todo, self.vocab_size, self.start_tokens)
+        self.output_taken = True
+        if self.writes:
+            self._prepare_folder()
+        return self.todo
+
+    def _plan(self, steps: list[int]) -> list[int]:
+        """The steps still to do, reading only: the manifest must match this run's inputs, and a
+        step is done when its file is whole and records this run's inputs. With --overwrite, all."""
+        manifest = build_manifest(self.params, self.data.files)
+        self.manifest, self.inputs_sha256 = manifest, manifest_digest(manifest)
+        if self.overwrite:
+            return steps
+        self.manifest_state = check_manifest(self.artifacts, manifest)
+        states = file_states(self.predictions_dir, steps, self.shape, self.inputs_sha256)
+        foreign = [step for step, state in states.items() if state is FileState.OTHER_INPUTS]
+        if foreign:
+            if self.manifest_state is not ManifestState.EQUAL:
+                why = "no manifest.json" if self.manifest_state is ManifestState.ABSENT else "an unreadable manifest.json"
+                raise UserError(f"{self.predictions_dir} holds predictions (predictions_{foreign[0]}.npz and "
+                                f"{len(foreign) - 1} more) made from other inputs than this run's, and {why}; "
+                                "use another --model_dir, or --overwrite to delete them and start over")
+            log.warning("%d predictions files record other inputs than their manifest (copied in?): redoing them",
+                        len(foreign))
+        if self.manifest_state is ManifestState.UNREADABLE:
+            log.warning("%s is unreadable (damaged after it was written): rebuilding it from the %d predictions "
+                        "files that record this run's inputs", self.artifacts / MANIFEST,
+                        sum(state is FileState.COMPLETE for state in states.values()))
+        todo = [step for step in steps if states[step] is not FileState.COMPLETE]
+        self.stats.batches_skipped = len(steps) - len(todo)
+        self.stats.samples_skipped = sum(self._real_samples(step) for step in steps if step not in todo)
+        if self.stats.batches_skipped:
+            log.info("resuming: %d of this shard's %d steps are already on disk and skipped", self.stats.batches_skipped,
+                     len(steps))
+        return todo
+
+    def _prepare_folder(self) -> None:
+        """Clears what the steps to do left behind (damaged files, dead writers' temp files), writes
+        the manifest where it is missing or damaged, params_inference.yaml, and a `running` summary."""
+        make_folder(self.predictions_dir)
+        for folder in (self.artifacts, self.predictions_dir):
+            remove_dead_temps(folder)
+        written, leftovers = written_steps(self.predictions_dir), temp_files(self.predictions_dir)
+        for step in self.todo:
+            path = predictions_path(self.predictions_dir, step)
+            if step in written:
+                if not self.overwrite:
+                    log.warning("%s is damaged, of another shape or from other inputs: redoing it", path.name)
+                remove(path)
+            for leftover in leftovers.get(step, []):
+                remove(leftover)
+        # Every shard writes the manifest when it is missing, before its first file: the content
+        # depends only on the inputs, so shards starting together write the same bytes.
+        if self.overwrite or self.manifest_state is not ManifestState.EQUAL:
+            write_manifest(self.artifacts, self.manifest)
+        if self.shard.is_first:
             write_text_atomic(self.artifacts / "params_inference.yaml",
                               yaml.safe_dump(self.params.to_dict(), sort_keys=False))
-        self.tp: TensorParallelGroup = open_group(self.shard, self.device)
+        self._write_summary()
+
+    def _prepare_engine(self) -> tuple[torch.nn.Module, GenerationEngine]:
+        """Loads the model (and drafter), chooses its GEMM path and builds the engine."""
         load_start = time.perf_counter()
         weight_dtype = self.params.model.weight_dtype
         model = self._load(self.params.model.checkpoint_path, self.tp, weight_dtype)
@@ -249,69 +379,12 @@ class InferenceJob:
                                   [list(s) for s in self.params.model.stop_sequences], self.params.model.max_tokens,
                                   self.device, self.dtype, choice=TokenChoice.from_params(self.params.model),
                                   drafter=self._drafter(), small_step_rows=small_step_rows)
-        if self.params.runconfig.compile_only:
-            self._check_forward(model, engine)
-            return self.stats
-        self.predictions_dir.mkdir(parents=True, exist_ok=True)
-        todo = self._resume(steps)
-        if self.tp.size > 1:  # the group runs the same steps: its rank 0 decided which
-            todo = self.tp.first_ranks_choice(todo, steps)
-        log.info("%d samples, %d steps of %d rows (shard %d of %d: %d steps, %d to do), max_seq_len %d; writing to %s",
-                 self.data.num_samples, self.data.num_steps, self.params.inference_input.batch_size, self.shard.index,
-                 self.shard.count, len(steps), len(todo), self.data.max_seq_len, self.predictions_dir)
-        with StopRequest() as request:
-            stop = AgreedStop(request, self.tp) if self.tp.size > 1 else request
-            self._generate(engine, todo, stop)
-        remaining = [step for step in todo if step not in self.written]
-        self.stats.batches_remaining = len(remaining)
-        self.stats.samples_remaining = sum(self._real_samples(step) for step in remaining)
-        if stop.signum is not None:
-            self.stats.interrupted_by = signal_name(stop.signum)
-        self._finish()
-        return self.stats
+        return model, engine
 
     def _real_samples(self, step: int) -> int:
         """Samples (not dummy rows) in global step `step`."""
         batch_size = self.params.inference_input.batch_size
         return min(batch_size, self.data.num_samples - (step - 1) * batch_size)
-
-    def _resume(self, steps: list[int]) -> list[int]:
-        """The steps still to do: checks (or writes) the manifest, keeps complete files, clears the rest.
-
-        Tensor-parallel ranks other than 0 only check (and so fail with the same errors): they write nothing.
-        """
-        manifest = build_manifest(self.params, self.data.files)
-        if self.overwrite:
-            if self.writes:
-                for step in steps:
-                    for path in [predictions_path(self.predictions_dir, step), *temp_files(self.predictions_dir, step)]:
-                        path.unlink(missing_ok=True)
-                write_manifest(self.artifacts, manifest)
-            return steps
-        # Every shard writes the manifest when it is missing, before its first file: the content
-        # depends only on the inputs, so shards starting together write the same bytes.
-        if not check_manifest(self.artifacts, manifest):
-            if any(self.predictions_dir.glob("predictions_*.npz")):
-                raise UserError(f"{self.predictions_dir} holds predictions but no manifest.json, so they cannot be "
-                                "checked against this run's inputs; use another --model_dir, or --overwrite")
-            if self.writes:
-                write_manifest(self.artifacts, manifest)
-        todo = []
-        for step in steps:
-            if is_complete(self.predictions_dir, step, self.shape):
-                self.stats.batches_skipped += 1
-                self.stats.samples_skipped += self._real_samples(step)
-                continue
-            if self.writes:
-                if predictions_path(self.predictions_dir, step).exists():
-                    log.warning("predictions_%d.npz is damaged or of another shape: redoing it", step)
-                for path in [predictions_path(self.predictions_dir, step), *temp_files(self.predictions_dir, step)]:
-                    path.unlink(missing_ok=True)
-            todo.append(step)
-        if self.stats.batches_skipped:
-            log.info("resuming: %d of this shard's %d steps are already on disk and skipped", self.stats.batches_skipped,
-                     len(steps))
-        return todo
 
     def _check_forward(self, model: torch.nn.Module, engine: GenerationEngine) -> None:
         """compile_only: one forward pass over the first sample's prompt (one token 0 if it has none)."""
@@ -345,11 +418,7 @@ class InferenceJob:
         predictions = rows.copy()
         requests = []
         for row in np.flatnonzero(generate):
-            prompt = rows[row, : starts[row]]
-            bad = (prompt < 0) | (prompt >= self.vocab_size)
-            if bad.any():
-                raise UserError(f"sample {batch.sample_index[row]}: token id {prompt[bad][0]} in its prompt is outside "
-                                f"the model's vocabulary (0..{self.vocab_size - 1})")
+            prompt = rows[row, : starts[row]]  # its token ids were checked up front
             predictions[row, starts[row]:] = self.pad_token
             requests.append(Request(index=int(batch.sample_index[row]), prompt=prompt))
         assembly = StepAssembly(predictions, batch.sample_index, prompt_length, np.zeros(size, dtype=np.int32),
@@ -390,7 +459,7 @@ class InferenceJob:
     def _write(self, step: int, assembly: StepAssembly, progress: Progress, engine: GenerationEngine) -> None:
         """Writes one complete step (rank 0 of a tensor-parallel group) and counts it (every rank)."""
         if self.writes:
-            write_predictions(self.predictions_dir, step, assembly.arrays(self.params.model.loop_dim))
+            write_predictions(self.predictions_dir, step, self.inputs_sha256, assembly.arrays(self.params.model.loop_dim))
         real = assembly.sample_index >= 0
         self.written.add(step)
         self.stats.batches_done += 1
@@ -401,31 +470,39 @@ class InferenceJob:
         self.stats.count_reasons(assembly.stop_reason[real])
         progress.update(step, self.stats.samples_done, engine.generated_tokens)
 
-    def _finish(self) -> None:
-        """Logs the totals and writes artifacts/summary.json (per shard too when there are several)."""
-        log_totals(self.stats)
-        device, dtype = str(self.device), self._dtype_name()
+    def _write_summary(self) -> None:
+        """artifacts/summary.json (one shard) or summary_shard<i>.json (several) from this run's stats."""
         gemm = self.gemm.to_dict() if self.gemm else None
         if self.shard.count == 1:
-            if self.writes:
-                write_json(self.artifacts / "summary.json", summary_of([self.stats], device, dtype, 1, gemm))
-            return
-        if self.writes:
+            write_json(self.artifacts / "summary.json",
+                       summary_of([self.stats], str(self.device), self._dtype_name(), 1, gemm))
+        else:
             write_json(shard_stats_path(self.artifacts, self.shard.index), asdict(self.stats))
-        if self.stats.interrupted_by is None:
+
+    def _finish(self) -> None:
+        """Logs the totals and writes the summary; with several shards, the first one also sums
+        every shard's stats into summary.json."""
+        log_totals(self.stats)
+        if self.writes:
+            self._write_summary()
+        if self.shard.count == 1:
+            return
+        if self.stats.interrupted_by is None and self.stats.error is None:
             self.shard.barrier()  # torchrun: rank 0 sums every rank's stats once all are written
         if self.shard.is_first and self.writes:
             stats = read_shard_stats(self.artifacts, self.shard.count)
-            write_json(self.artifacts / "summary.json", summary_of(stats, device, dtype, self.shard.count, gemm))
+            gemm = self.gemm.to_dict() if self.gemm else None
+            write_json(self.artifacts / "summary.json",
+                       summary_of(stats, str(self.device), self._dtype_name(), self.shard.count, gemm))
+
+    def _finish_quietly(self) -> None:
+        """`_finish` for a run that is failing: a summary that cannot be written only adds a warning."""
+        try:
+            self._finish()
+        except WriteError as error:
+            log.warning("the failure could not be recorded in summary.json either: %s", error)
 
 
 def signal_name(signum: int) -> str:
     """SIGTERM, SIGINT, ..."""
     return signal.Signals(signum).name
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Writes text under a temp name and renames it into place."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

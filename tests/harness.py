@@ -203,3 +203,23 @@ def assert_family_matches_transformers(config: Any, tmp_path: Path, max_seq_len:
         assert run_job(params, tmp_path / f"run_{backend}") == 0
         got = stacked_predictions(tmp_path / f"run_{backend}")[: len(prompts)]
         np.testing.assert_array_equal(got, expected, err_msg=f"gemm_backend {backend}")
+
+
+def small_job(root: Path, num_samples: int = 90, batch_size: int = 4, vocab: int = 80) -> dict[str, Any]:
+    """A tiny Llama, `num_samples` random prompts (start token = vocab) and their params (max_tokens 40,
+    a progress line per step), plus one uninterrupted run's output in root/reference: the workload of
+    the resume and failure tests."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=128, max_position_embeddings=128,
+                         architectures=["LlamaForCausalLM"])
+    checkpoint = save_tiny_model(config, root / "ckpt")
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, vocab, size=rng.integers(1, 20)).tolist() for _ in range(num_samples)]
+    write_h5(root / "data", prompt_rows(prompts, 64, vocab))
+    params = write_params(root / "params.yaml", checkpoint, root / "data", batch_size=batch_size, start_token=vocab,
+                          max_tokens=40, log_steps=1)
+    assert run_job(params, root / "reference") == 0
+    return {"params": params, "reference": root / "reference", "checkpoint": checkpoint, "data": root / "data",
+            "prompts": prompts}

@@ -421,6 +421,26 @@ def test_create_errors(tmp_path, capsys, name):
     assert not (tmp_path / "out" / "data.h5").exists()
 
 
+@pytest.mark.parametrize("files, needs", [
+    ({"config.json": '{"model_type": "llama"}', "model.safetensors": ""},
+     "it needs tokenizer.json, or tokenizer_config.json with the vocabulary files of its tokenizer class "
+     "(found: config.json, model.safetensors)"),
+    ({"tokenizer_config.json": '{"tokenizer_class": "GPT2Tokenizer"}'},  # transformers 5 loads an empty one
+     "it needs tokenizer.json, or the vocabulary files of GPT2Tokenizer: vocab.json, merges.txt "
+     "(found: tokenizer_config.json)"),
+])
+def test_a_folder_without_tokenizer_files_is_named_with_what_it_lacks(tmp_path, capsys, files, needs):
+    folder = tmp_path / "checkpoint"
+    folder.mkdir()
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    argv = create_args(write_jsonl(tmp_path / "p.jsonl", ["a"]), tmp_path / "out")
+    argv[argv.index("--tokenizer") + 1] = str(folder)
+    assert create.main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err == f"error: no tokenizer in {folder}: {needs}\n" and captured.out == ""
+
+
 # --------------------------------------------------------------------------------------------
 # decode_predictions
 # --------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import modelzoo.gemm as gemm
+import modelzoo.kernels
 from modelzoo.errors import UserError
 from modelzoo.gemm import (INVARIANCE_ROWS, MKLPackedLinear, OneDNNLinear, apply_gemm_backend, available_backends,
                            linear_layers, measure_shape, weight_bytes, wrap)
@@ -19,8 +20,10 @@ FLOAT32_BACKENDS = available_backends(CPU, torch.float32)
 
 @pytest.fixture(autouse=True)
 def choices_in_tmp(tmp_path, monkeypatch):
-    """Each test measures afresh into its own cache file."""
-    monkeypatch.setattr(gemm, "machine_dir", lambda: tmp_path / "build")
+    """Each test measures afresh into its own cache file: every kernel root in tmp_path."""
+    monkeypatch.delenv("ZOO_INFER_KERNEL_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(modelzoo.kernels, "BUILD_ROOT", tmp_path / "build")
 
 
 @pytest.mark.parametrize("backend", FLOAT32_BACKENDS)
@@ -71,7 +74,7 @@ def test_measure_prefers_batch_invariant_candidates_and_says_why():
 
 def test_choice_is_cached_and_reused(tmp_path, monkeypatch):
     apply_gemm_backend(nn.Sequential(nn.Linear(32, 48)), torch.float32, CPU, "auto")
-    cached = json.loads((tmp_path / "build" / "gemm_choices.json").read_text())
+    cached = json.loads((modelzoo.kernels.machine_dir(tmp_path / "build") / "gemm_choices.json").read_text())
     assert list(cached["shapes"]) == ["float32 32x48"]
     monkeypatch.setattr(gemm, "measure_shape", lambda *args: pytest.fail("measured again"))
     plan = apply_gemm_backend(nn.Sequential(nn.Linear(32, 48)), torch.float32, CPU, "auto")

@@ -31,7 +31,9 @@ def test_a_failed_build_falls_back_with_a_warning(tmp_path, monkeypatch, caplog)
         raise RuntimeError("Error building extension\ng++: command not found")
 
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
-    monkeypatch.setattr(modelzoo.kernels, "BUILD_ROOT", tmp_path)
+    monkeypatch.setattr(modelzoo.kernels, "BUILD_ROOT", tmp_path)  # no build in any root
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv("ZOO_INFER_KERNEL_DIR", raising=False)
     assert modelzoo.kernels.cpu_kernels.__wrapped__() is None
     assert "C++ CPU kernels unavailable (RuntimeError: g++: command not found)" in caplog.text
 

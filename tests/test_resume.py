@@ -12,9 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from transformers import LlamaConfig
 
-from harness import REPO_ROOT, prompt_rows, run_job, save_tiny_model, write_h5, write_params
+from harness import REPO_ROOT, prompt_rows, run_job, small_job, write_h5
 
 VOCAB = 80
 START = VOCAB
@@ -24,20 +23,9 @@ STEPS = 23
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory) -> dict[str, Path]:
-    """A tiny model, 90 prompts and its params; plus the predictions of one uninterrupted run."""
-    root = tmp_path_factory.mktemp("resume")
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, intermediate_size=128, max_position_embeddings=128,
-                         architectures=["LlamaForCausalLM"])
-    checkpoint = save_tiny_model(config, root / "ckpt")
-    rng = np.random.default_rng(7)
-    prompts = [rng.integers(0, VOCAB, size=rng.integers(1, 20)).tolist() for _ in range(NUM_SAMPLES)]
-    write_h5(root / "data", prompt_rows(prompts, 64, START))
-    params = write_params(root / "params.yaml", checkpoint, root / "data", batch_size=BATCH, start_token=START,
-                          max_tokens=40, log_steps=1)
-    assert run_job(params, root / "reference") == 0
-    return {"params": params, "reference": root / "reference", "checkpoint": checkpoint, "data": root / "data"}
+def job(tmp_path_factory) -> dict:
+    """A tiny model, 90 prompts and its params; plus the files of one uninterrupted run."""
+    return small_job(tmp_path_factory.mktemp("resume"))
 
 
 def files(model_dir: Path) -> dict[str, bytes]:

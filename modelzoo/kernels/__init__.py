@@ -13,12 +13,21 @@ fallback.
 They are compiled with -march=native, so the build directory is keyed by this CPU's model,
 instruction sets and the torch version (then by the sources): nodes of another CPU type sharing
 the checkout build their own copy instead of loading one that could hit an illegal instruction.
+
+Where builds (and modelzoo/gemm.py's measured choices) live, `kernel_roots()`, in order:
+$ZOO_INFER_KERNEL_DIR if set, the checkout's modelzoo/kernels/build, the user cache
+(${XDG_CACHE_HOME:-~/.cache}/zoo-infer/kernels). A build found in any of them is loaded directly,
+without torch's build lock, so a read-only shared install with its kernels built works as is; a
+missing one is built into `writable_root()`: $ZOO_INFER_KERNEL_DIR if set, else the checkout's
+folder if writable, else the user cache.
 """
 from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import logging
+import os
 import platform
 from pathlib import Path
 from types import ModuleType
@@ -32,6 +41,32 @@ log = logging.getLogger("zoo-infer")
 SOURCES = [Path(__file__).with_name(name) for name in ("bindings.cpp", "cached_attention.cpp", "decoder_ops.cpp")]
 HEADERS = [Path(__file__).with_name(name) for name in ("kernels.h", "storage.h")]
 BUILD_ROOT = Path(__file__).with_name("build")
+MODULE_NAME = "zoo_infer_cpu_kernels"  # torch names the library <name>.so (<name>_v1.so, ... on a rebuild in-process)
+CFLAGS, LDFLAGS = ("-O3", "-march=native", "-fopenmp"), ("-fopenmp",)
+
+
+def kernel_roots() -> list[Path]:
+    """The folders holding builds and GEMM choices, searched in this order (see the module docstring)."""
+    chosen = os.environ.get("ZOO_INFER_KERNEL_DIR")
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "zoo-infer" / "kernels"
+    return ([Path(chosen).expanduser()] if chosen else []) + [BUILD_ROOT, cache]
+
+
+def writable(path: Path) -> bool:
+    """Whether `path`, or its nearest existing ancestor, can be written (os.access sees read-only mounts too)."""
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return os.access(path, os.W_OK)
+
+
+def writable_root() -> Path:
+    """Where new builds and GEMM choices go: $ZOO_INFER_KERNEL_DIR if set (writable or not: it was asked
+    for), else the checkout's build folder if writable, else the user cache."""
+    roots = kernel_roots()
+    if os.environ.get("ZOO_INFER_KERNEL_DIR"):
+        return roots[0]
+    return next((root for root in roots if writable(root)), roots[-1])
 
 
 def _machine_key() -> str:
@@ -41,34 +76,68 @@ def _machine_key() -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 
-def machine_dir() -> Path:
-    """This machine type's folder: its kernel builds and its GEMM choices."""
-    return BUILD_ROOT / _machine_key()
+def machine_dir(root: Path | None = None) -> Path:
+    """This machine type's folder under `root` (default `writable_root()`): its kernel builds, its GEMM choices."""
+    return (root or writable_root()) / _machine_key()
 
 
-def kernel_build_dir() -> Path:
-    """Where this machine type's build of the current sources lives: a source or header edit gets a
-    fresh folder (torch's own check sees the .cpp files only, not the headers they include)."""
-    sources = hashlib.sha1(b"".join(path.read_bytes() for path in SOURCES + HEADERS)).hexdigest()[:12]
-    return machine_dir() / f"kernels-{sources}"
+def _built_library(build_dir: Path) -> Path | None:
+    """The finished library in `build_dir`, if any (none while torch's build lock is there: a build under way)."""
+    if (build_dir / "lock").exists():
+        return None
+    return next(iter(sorted(build_dir.glob(f"{MODULE_NAME}*.so"))), None)
+
+
+def kernel_build_dir(root: Path | None = None) -> Path:
+    """This machine type's build of the current sources under `root`; by default the first root holding
+    one, else where one would be built. A source, header or flag edit gets a fresh folder (torch's own
+    check sees the .cpp files only, not the headers they include; a found build is loaded unchecked)."""
+    if root is None:
+        found = (build_dir for build_dir in map(kernel_build_dir, kernel_roots()) if _built_library(build_dir))
+        return next(found, None) or kernel_build_dir(writable_root())
+    flags = " ".join(CFLAGS + LDFLAGS).encode()
+    sources = hashlib.sha1(b"".join(path.read_bytes() for path in SOURCES + HEADERS) + flags).hexdigest()[:12]
+    return machine_dir(root) / f"kernels-{sources}"
+
+
+def _load_library(library: Path) -> ModuleType:
+    """Imports a built library as torch's loader does, without its build lock (torch is imported, so
+    the library's libtorch symbols resolve)."""
+    spec = importlib.util.spec_from_file_location(library.stem, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @functools.cache
 def cpu_kernels() -> ModuleType | None:
-    """The compiled kernel module, building it if needed; None where it cannot be built."""
+    """The compiled kernel module, loaded from the first root holding a build, else built into
+    `writable_root()`; None where it cannot be built."""
     from torch.utils import cpp_extension
 
-    build_dir = kernel_build_dir()
+    for build_dir in map(kernel_build_dir, kernel_roots()):
+        library = _built_library(build_dir)
+        if library is None:
+            continue
+        try:
+            module = _load_library(library)
+        except Exception as error:  # a damaged file: building afresh below replaces it where writable
+            log.warning("C++ CPU kernels in %s not loadable (%s: %s)", build_dir, type(error).__name__, error)
+            continue
+        log.info("C++ CPU kernels loaded from %s", build_dir)
+        return module
+    build_dir = kernel_build_dir(writable_root())
     try:
-        build_dir.mkdir(parents=True, exist_ok=True)  # a read-only checkout fails here and falls back
-        module = cpp_extension.load(name="zoo_infer_cpu_kernels", sources=[str(s) for s in SOURCES],
-                                    build_directory=str(build_dir), extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                                    extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as error:  # no compiler, no headers, a read-only checkout: the torch path still works
+        if not writable(build_dir):
+            raise PermissionError(f"{build_dir} is not writable; set ZOO_INFER_KERNEL_DIR to a writable folder")
+        build_dir.mkdir(parents=True, exist_ok=True)
+        module = cpp_extension.load(name=MODULE_NAME, sources=[str(s) for s in SOURCES],
+                                    build_directory=str(build_dir), extra_cflags=list(CFLAGS),  # load appends
+                                    extra_ldflags=list(LDFLAGS), verbose=False)
+    except Exception as error:  # no compiler, no headers, no writable folder: the torch path still works
         reason = str(error).strip().splitlines()[-1] if str(error).strip() else ""
         log.warning("C++ CPU kernels unavailable (%s: %s); the PyTorch code path runs instead",
                     type(error).__name__, reason)
         return None
-    log.info("C++ CPU kernels loaded from %s", build_dir)
+    log.info("C++ CPU kernels built and loaded from %s", build_dir)
     return module
-
