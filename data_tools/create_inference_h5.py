@@ -33,6 +33,7 @@ import yaml
 
 from modelzoo import __version__
 from modelzoo.errors import UserError
+from modelzoo.files import describe
 
 TOOL_NAME = "zoo-infer create_inference_h5"
 OUTPUT_NAME = "data.h5"
@@ -253,8 +254,8 @@ def write_h5(output_dir: Path, data: np.ndarray, prompt_lengths: np.ndarray, loo
     """
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UserError(f"cannot create output folder {output_dir}: {exc.strerror}") from None
+    except OSError as error:
+        raise UserError(f"cannot create output folder {output_dir}: {describe(error)}") from None
     target = output_dir / OUTPUT_NAME
     # A temporary name that does not end in .h5, so a reader globbing the folder never sees a
     # half-written file; os.replace then swaps it in whole. The pid keeps two concurrent runs
@@ -267,6 +268,9 @@ def write_h5(output_dir: Path, data: np.ndarray, prompt_lengths: np.ndarray, loo
             for key, value in attrs.items():
                 h5.attrs[key] = value
         os.replace(tmp_name, target)
+    except OSError as error:  # a full disk, a quota, a read-only folder
+        tmp_name.unlink(missing_ok=True)
+        raise UserError(f"cannot write {target}: {describe(error)}") from None
     except BaseException:
         tmp_name.unlink(missing_ok=True)
         raise

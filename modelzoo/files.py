@@ -24,9 +24,10 @@ class WriteError(UserError):
 
 
 def describe(error: OSError) -> str:
-    """'No space left on device (errno ENOSPC)'."""
-    name = errno.errorcode.get(error.errno or 0, str(error.errno))
-    return f"{error.strerror or error} (errno {name})"
+    """'No space left on device (errno ENOSPC)' (the system's words: h5py's own are a paragraph)."""
+    if not error.errno:
+        return str(error)
+    return f"{os.strerror(error.errno)} (errno {errno.errorcode.get(error.errno, error.errno)})"
 
 
 def temp_path(path: Path) -> Path:

@@ -317,3 +317,18 @@ def test_soak_sigkill_at_random_moments(job, tmp_path):
     assert files(model_dir) == files(reference)
     assert not temp_files(model_dir)
     assert killed_running == 20, "every kill should land in a running job"
+
+
+def test_data_tool_on_a_full_disk(tmp_path, capsys):
+    from data_tools import create_inference_h5 as create
+    from harness import SMOLLM2_DIR
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a prompt long enough to need a block\n" * 2000)
+    with small_disk(tmp_path / "disk", "16k") as disk:
+        out = disk / "data"
+        assert create.main(["--input", str(prompts), "--tokenizer", str(SMOLLM2_DIR), "--max_seq_len", "64",
+                            "--output_dir", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err == f"error: cannot write {out / 'data.h5'}: No space left on device (errno ENOSPC)\n"
+        assert list(out.iterdir()) == []
