@@ -28,14 +28,11 @@ from modelzoo.generation.engine import GenerationEngine, Request
 from modelzoo.generation.kv_cache import KVCache
 from modelzoo.generation.sampling import TokenChoice
 from modelzoo.generation.speculative import DraftModelDrafter, Drafter, PromptLookupDrafter
-from modelzoo.files import WriteError, make_folder, remove, remove_dead_temps, write_text_atomic
-from modelzoo.manifest import (MANIFEST, ManifestState, build_manifest, check_manifest, manifest_digest,
-                               write_manifest)
-from modelzoo.output_lock import OutputLock
+from modelzoo.files import WriteError, write_text_atomic
+from modelzoo.manifest import build_manifest
+from modelzoo.output_folder import OutputFolder
 from modelzoo.params import InferenceParams
 from modelzoo.precision import arithmetic_dtype
-from modelzoo.predictions import (FileState, file_states, predictions_path, temp_files, write_predictions,
-                                  written_steps)
 from modelzoo.preemption import Interrupted, StopRequest
 from modelzoo.quantization import int8_summary
 from modelzoo.reporting import (Progress, RunStats, log_totals, read_shard_stats, shard_stats_path, summary_of,
@@ -103,8 +100,6 @@ class InferenceJob:
         self.shard = shard
         self.overwrite = overwrite
         self.model_dir = Path(model_dir)
-        self.artifacts = self.model_dir / "artifacts"
-        self.predictions_dir = self.artifacts / "predictions"
         model = params.model
         if not model.checkpoint_path:
             raise UserError("no checkpoint: set model.checkpoint_path in params or pass --checkpoint_path")
@@ -132,9 +127,9 @@ class InferenceJob:
                       else (self.data.max_seq_len, params.inference_input.batch_size))  # of `predictions`
         self.steps_of_shard = [step for step in self.steps() if shard.owns(step)]
         self.todo = self.steps_of_shard  # until the resume check says which are left
-        self.lock = OutputLock(self.artifacts, shard.index, shard.count)
-        self.output_taken = False  # True once this run may write into the folder (lock held, steps planned)
-        self.manifest_state = ManifestState.ABSENT
+        self.output = OutputFolder(self.model_dir, shard.index, shard.count, self.writes)
+        self.artifacts, self.predictions_dir = self.output.artifacts, self.output.predictions_dir
+        self.output_taken = False  # True once this run writes into the folder (lock held, steps planned)
 
     def _check_data_against_model(self) -> None:
         """The data tool's attributes must agree with the params and the model."""
@@ -225,7 +220,7 @@ class InferenceJob:
         """Validates, takes the output folder, loads, then either checks one forward pass
         (compile_only) or writes this shard's steps. A stop signal during set-up ends the run at
         once; a UserError after the output folder is taken is recorded in summary.json first."""
-        with StopRequest() as request, contextlib.closing(self.lock):
+        with StopRequest() as request, contextlib.closing(self.output):
             try:
                 with request.raising():
                     todo = self._take_output()
@@ -246,11 +241,10 @@ class InferenceJob:
             except UserError as error:
                 if self.output_taken:
                     self.stats.error = str(error)
+                    self._count_remaining()
                     self._finish_quietly()
                 raise
-            remaining = [step for step in self.todo if step not in self.written]
-            self.stats.batches_remaining = len(remaining)
-            self.stats.samples_remaining = sum(self._real_samples(step) for step in remaining)
+            self._count_remaining()
             if request.signum is not None:
                 self.stats.interrupted_by = signal_name(request.signum)
             self.stats.finished = True
@@ -259,93 +253,41 @@ class InferenceJob:
         return self.stats
 
     def _take_output(self) -> list[int] | None:
-        """Locks this shard's steps in the output folder, works out which are still to do and
-        readies the folder for them; None when there is nothing to do (nothing is written then, so
-        a finished run in a read-only folder exits cleanly). Checks the prompts' token ids too:
-        all before the model loads."""
-        make_folder(self.model_dir)
-        unwritable: WriteError | None = None
-        try:
-            make_folder(self.artifacts)
-            if self.writes:
-                self.lock.acquire()
-        except WriteError as error:  # read-only: fine as long as there is nothing to write
-            unwritable = error
+        """Takes the output folder, works out which steps are still to do, checks their prompts'
+        token ids and readies the folder for them, all before the model loads; None when there is
+        nothing to do (and nothing was written)."""
+        self.output.take()
         self.tp = open_group(self.shard, self.device)
+        params_yaml = yaml.safe_dump(self.params.to_dict(), sort_keys=False) if self.shard.is_first else None
         if self.params.runconfig.compile_only:
             self.data.check_prompt_tokens(self.todo, self.vocab_size, self.start_tokens)
-            if self.writes and self.shard.is_first:
-                write_text_atomic(self.artifacts / "params_inference.yaml",
-                                  yaml.safe_dump(self.params.to_dict(), sort_keys=False))
+            if self.writes and params_yaml:
+                write_text_atomic(self.artifacts / "params_inference.yaml", params_yaml)
             return self.todo
-        self.todo = self._plan(self.steps_of_shard)
+        manifest = build_manifest(self.params, self.data.files)
+        self.todo = self.output.plan(self.steps_of_shard, manifest, self.shape, self.overwrite)
         if self.tp.size > 1:  # the group runs the same steps: its rank 0 decided which
             self.todo = self.tp.first_ranks_choice(self.todo, self.steps_of_shard)
+        done = [step for step in self.steps_of_shard if step not in set(self.todo)]
+        self.stats.batches_skipped = len(done)
+        self.stats.samples_skipped = sum(self._real_samples(step) for step in done)
         if not self.todo:
             log.info("all %d steps of this shard are already in %s: nothing to do", len(self.steps_of_shard),
                      self.predictions_dir)
+            if self.writes and not self.output.unwritable:
+                self.output.repair_manifest()  # the one write of a finished run, where its manifest was lost
             return None
-        if self.writes and unwritable:
-            raise unwritable
+        if done:
+            log.info("resuming: %d of this shard's %d steps are already on disk and skipped", len(done),
+                     len(self.steps_of_shard))
+        if self.writes and self.output.unwritable:
+            raise self.output.unwritable
         self.data.check_prompt_tokens(self.todo, self.vocab_size, self.start_tokens)
         self.output_taken = True
         if self.writes:
-            self._prepare_folder()
+            self.output.prepare(self.todo, params_yaml)
+            self._write_summary()  # status "running"
         return self.todo
-
-    def _plan(self, steps: list[int]) -> list[int]:
-        """The steps still to do, reading only: the manifest must match this run's inputs, and a
-        step is done when its file is whole and records this run's inputs. With --overwrite, all."""
-        manifest = build_manifest(self.params, self.data.files)
-        self.manifest, self.inputs_sha256 = manifest, manifest_digest(manifest)
-        if self.overwrite:
-            return steps
-        self.manifest_state = check_manifest(self.artifacts, manifest)
-        states = file_states(self.predictions_dir, steps, self.shape, self.inputs_sha256)
-        foreign = [step for step, state in states.items() if state is FileState.OTHER_INPUTS]
-        if foreign:
-            if self.manifest_state is not ManifestState.EQUAL:
-                why = "no manifest.json" if self.manifest_state is ManifestState.ABSENT else "an unreadable manifest.json"
-                raise UserError(f"{self.predictions_dir} holds predictions (predictions_{foreign[0]}.npz and "
-                                f"{len(foreign) - 1} more) made from other inputs than this run's, and {why}; "
-                                "use another --model_dir, or --overwrite to delete them and start over")
-            log.warning("%d predictions files record other inputs than their manifest (copied in?): redoing them",
-                        len(foreign))
-        if self.manifest_state is ManifestState.UNREADABLE:
-            log.warning("%s is unreadable (damaged after it was written): rebuilding it from the %d predictions "
-                        "files that record this run's inputs", self.artifacts / MANIFEST,
-                        sum(state is FileState.COMPLETE for state in states.values()))
-        todo = [step for step in steps if states[step] is not FileState.COMPLETE]
-        self.stats.batches_skipped = len(steps) - len(todo)
-        self.stats.samples_skipped = sum(self._real_samples(step) for step in steps if step not in todo)
-        if self.stats.batches_skipped:
-            log.info("resuming: %d of this shard's %d steps are already on disk and skipped", self.stats.batches_skipped,
-                     len(steps))
-        return todo
-
-    def _prepare_folder(self) -> None:
-        """Clears what the steps to do left behind (damaged files, dead writers' temp files), writes
-        the manifest where it is missing or damaged, params_inference.yaml, and a `running` summary."""
-        make_folder(self.predictions_dir)
-        for folder in (self.artifacts, self.predictions_dir):
-            remove_dead_temps(folder)
-        written, leftovers = written_steps(self.predictions_dir), temp_files(self.predictions_dir)
-        for step in self.todo:
-            path = predictions_path(self.predictions_dir, step)
-            if step in written:
-                if not self.overwrite:
-                    log.warning("%s is damaged, of another shape or from other inputs: redoing it", path.name)
-                remove(path)
-            for leftover in leftovers.get(step, []):
-                remove(leftover)
-        # Every shard writes the manifest when it is missing, before its first file: the content
-        # depends only on the inputs, so shards starting together write the same bytes.
-        if self.overwrite or self.manifest_state is not ManifestState.EQUAL:
-            write_manifest(self.artifacts, self.manifest)
-        if self.shard.is_first:
-            write_text_atomic(self.artifacts / "params_inference.yaml",
-                              yaml.safe_dump(self.params.to_dict(), sort_keys=False))
-        self._write_summary()
 
     def _prepare_engine(self) -> tuple[torch.nn.Module, GenerationEngine]:
         """Loads the model (and drafter), chooses its GEMM path and builds the engine."""
@@ -380,6 +322,12 @@ class InferenceJob:
                                   self.device, self.dtype, choice=TokenChoice.from_params(self.params.model),
                                   drafter=self._drafter(), small_step_rows=small_step_rows)
         return model, engine
+
+    def _count_remaining(self) -> None:
+        """Steps and samples of this run left undone."""
+        remaining = [step for step in self.todo if step not in self.written]
+        self.stats.batches_remaining = len(remaining)
+        self.stats.samples_remaining = sum(self._real_samples(step) for step in remaining)
 
     def _real_samples(self, step: int) -> int:
         """Samples (not dummy rows) in global step `step`."""
@@ -459,7 +407,7 @@ class InferenceJob:
     def _write(self, step: int, assembly: StepAssembly, progress: Progress, engine: GenerationEngine) -> None:
         """Writes one complete step (rank 0 of a tensor-parallel group) and counts it (every rank)."""
         if self.writes:
-            write_predictions(self.predictions_dir, step, self.inputs_sha256, assembly.arrays(self.params.model.loop_dim))
+            self.output.write_step(step, assembly.arrays(self.params.model.loop_dim))
         real = assembly.sample_index >= 0
         self.written.add(step)
         self.stats.batches_done += 1

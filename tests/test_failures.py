@@ -77,6 +77,7 @@ def test_disk_fills_mid_run_then_rerun_resumes(job, tmp_path):
         done = summary(model_dir)
         assert done["status"] == "failed" and done["errors"] == [line.removeprefix("error: ")]
         assert 0 < done["batches_done"] < STEPS and done["batches_done"] == len(files(model_dir))
+        assert done["batches_done"] + done["batches_remaining"] == STEPS
         assert not temp_files(model_dir)
         grow(disk, "2m")  # the user frees space and reruns
         code, _, err = run_process(job["params"], model_dir)
@@ -198,6 +199,11 @@ def test_truncated_manifest_is_rebuilt_from_the_files_that_verify(job, tmp_path,
     assert manifest.read_bytes() == original
     assert summary(model_dir)["batches_skipped"] == 5
     assert files(model_dir) == files(job["reference"])
+    manifest.write_bytes(original[:10])  # damaged again, in a finished run: rebuilt, nothing else written
+    caplog.clear()
+    assert run_job(job["params"], model_dir) == 0
+    assert any("nothing to do" in r.message for r in caplog.records)
+    assert manifest.read_bytes() == original
 
 
 def test_predictions_from_other_inputs_without_a_manifest_are_refused(job, tmp_path, capsys):
