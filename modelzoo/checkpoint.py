@@ -12,7 +12,7 @@ import json
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -20,9 +20,6 @@ from torch import nn
 from modelzoo.errors import UserError
 from modelzoo.models import model_class
 from modelzoo.quantization import quantize_modules, quantize_rows, scale_name
-
-if TYPE_CHECKING:
-    from modelzoo.tensor_parallel import TensorParallelGroup
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -176,14 +173,25 @@ def _listed(names: list[str]) -> str:
     return ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
 
 
-def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
-               tensor_parallel: TensorParallelGroup | None = None, weight_dtype: str | None = None
-               ) -> tuple[nn.Module, Any]:
+class ShardPlan(Protocol):
+    """One tensor-parallel rank's share of a model (modelzoo.tensor_parallel.shard_plan makes one)."""
+
+    config: Any  # the family config at one rank's size
+
+    def prepare(self, model: nn.Module) -> None:
+        """Swaps in the rank's parallel modules (on the meta device)."""
+
+    def index(self, name: str) -> Any:
+        """The part of Hugging Face weight `name` this rank reads (SKIP for none)."""
+
+
+def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, plan: ShardPlan | None = None,
+               weight_dtype: str | None = None) -> tuple[nn.Module, Any]:
     """Builds our implementation of the checkpoint's family and fills it with the checkpoint's weights.
 
     Weights load by Hugging Face name. A family may fuse several HF weights into one of its own
     (`fused_weights()`: ours -> the HF names concatenated along dim 0); errors still name HF weights.
-    With `tensor_parallel` of size N > 1 the model is built at one rank's size and each weight is
+    With a shard `plan` (tensor parallel) the model is built at one rank's size and each weight is
     read only in the part this rank holds (modelzoo/tensor_parallel.py), fused weights included.
     weight_dtype "int8": the linear layers and the token embedding are swapped for int8 ones before
     loading (modelzoo/quantization.py) and each of their weights is quantized as soon as it (or its
@@ -191,18 +199,12 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
     """
     if weight_dtype not in (None, "int8"):
         raise ValueError(f"weight_dtype must be None or 'int8', got {weight_dtype!r}")
-    if weight_dtype and tensor_parallel is not None and tensor_parallel.size > 1:
+    if weight_dtype and plan is not None:
         raise UserError("model.weight_dtype int8 cannot be combined with runconfig.tensor_parallel > 1 yet")
     folder = Path(path)
     hf_config = load_hf_config(folder)
     cls = model_class(hf_config)
-    config = cls.config_from_hf(hf_config)
-    plan = None
-    if tensor_parallel is not None and tensor_parallel.size > 1:
-        from modelzoo.tensor_parallel import shard_plan
-
-        plan = shard_plan(cls, hf_config, config, tensor_parallel)
-        config = plan.config
+    config = plan.config if plan is not None else cls.config_from_hf(hf_config)
     with torch.device("meta"):
         model = cls(config)  # no memory, no random init: every weight comes from the checkpoint
         if plan is not None:

@@ -112,8 +112,6 @@ def quantize_modules(model: nn.Module, dtype: torch.dtype) -> dict[str, bool]:
 
     Returns {state-dict name of each int8 weight: whether the checkpoint stores it transposed, (in, out)}.
     """
-    from modelzoo.models.gpt2 import Conv1D  # (in, out) weights: GPT-2, BTLM
-
     vocab_size = model.config.vocab_size
     quantized: dict[str, bool] = {}
     embedding_done = False
@@ -122,7 +120,7 @@ def quantize_modules(model: nn.Module, dtype: torch.dtype) -> dict[str, bool]:
             if isinstance(child, nn.Linear):
                 swapped, transposed = Int8Linear(child.in_features, child.out_features, child.bias is not None,
                                                  dtype, child.weight.device), False
-            elif isinstance(child, Conv1D):
+            elif getattr(child, "weight_is_in_out", False):  # models.gpt2.Conv1D (GPT-2, BTLM): (in, out)
                 swapped, transposed = Int8Linear(*child.weight.shape, True, dtype, child.weight.device), True
             elif isinstance(child, nn.Embedding) and child.num_embeddings == vocab_size and not embedding_done:
                 swapped = Int8Embedding(child.num_embeddings, child.embedding_dim, dtype, child.weight.device)

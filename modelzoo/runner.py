@@ -19,58 +19,23 @@ import numpy as np
 import torch
 import yaml
 
-from modelzoo.checkpoint import load_hf_config, load_model, resolve_dtype
+from modelzoo.checkpoint import load_hf_config, resolve_dtype
 from modelzoo.data import Batch, GptHDF5MapDataProcessor
 from modelzoo.distributed import Shard
 from modelzoo.errors import UserError
-from modelzoo.gemm import GemmPlan, apply_gemm_backend, weight_bytes
-from modelzoo.generation.engine import GenerationEngine, Request
-from modelzoo.generation.kv_cache import KVCache
-from modelzoo.generation.sampling import TokenChoice
-from modelzoo.generation.speculative import DraftModelDrafter, Drafter, PromptLookupDrafter
 from modelzoo.files import WriteError, write_text_atomic
+from modelzoo.generation.engine import GenerationEngine, Request
 from modelzoo.manifest import build_manifest
+from modelzoo.model_setup import ModelSetup, resolve_device
 from modelzoo.output_folder import OutputFolder
 from modelzoo.params import InferenceParams
 from modelzoo.precision import arithmetic_dtype
 from modelzoo.preemption import Interrupted, StopRequest
-from modelzoo.quantization import int8_summary
 from modelzoo.reporting import (Progress, RunStats, log_totals, read_shard_stats, shard_stats_path, summary_of,
                                 write_json)
-from modelzoo.tensor_parallel import AgreedStop, TensorParallelGroup, open_group
+from modelzoo.tensor_parallel import AgreedStop, open_group
 
 log = logging.getLogger("zoo-infer")
-
-# Rows of a decode step once few are left active (CPU). Measured on SmolLM2-135M, 2 cores (Ice Lake):
-# a step of 8 rows takes 61-79 ms, one of 32 rows 108-138 ms.
-SMALL_STEP_ROWS = 8
-
-
-def resolve_device(name: str) -> torch.device:
-    """`auto` -> CUDA when present, else CPU; `cuda` without a GPU is an error. Under torchrun each
-    local rank takes its own GPU (LOCAL_RANK)."""
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UserError("runconfig.device is cuda but no CUDA device is available")
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
-    return torch.device(name)
-
-
-def available_memory(device: torch.device) -> int:
-    """Bytes free on the device (CPU: MemAvailable of /proc/meminfo, else physical memory)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
 
 @dataclass
 class StepAssembly:
@@ -116,12 +81,12 @@ class InferenceJob:
         self.data = GptHDF5MapDataProcessor(params.inference_input.data_dir, params.inference_input.batch_size,
                                             model.loop_dim, self.pad_token)
         hf_config = load_hf_config(model.checkpoint_path)
-        self.weights_dtype = resolve_dtype(model.dtype, hf_config)  # the values the weights keep
-        self.dtype = arithmetic_dtype(self.weights_dtype, self.device)  # what the arithmetic and KV cache use
+        weights_dtype = resolve_dtype(model.dtype, hf_config)  # the values the weights keep
         self.vocab_size = int(hf_config.vocab_size)
+        self.setup = ModelSetup(params, self.device, weights_dtype, arithmetic_dtype(weights_dtype, self.device),
+                                self.data.max_seq_len, self.vocab_size)
         self._check_data_against_model()
         self.stats = RunStats()
-        self.gemm: GemmPlan | None = None  # the GEMM backends, once the model is loaded
         self.written: set[int] = set()  # steps this run wrote
         self.shape = ((params.inference_input.batch_size, self.data.max_seq_len) if model.loop_dim == 1
                       else (self.data.max_seq_len, params.inference_input.batch_size))  # of `predictions`
@@ -148,74 +113,6 @@ class InferenceJob:
             log.warning("inference_steps %d is more than the data holds; clamped to %d", wanted, self.data.num_steps)
         return list(range(1, min(wanted or self.data.num_steps, self.data.num_steps) + 1))
 
-    def memory_estimate(self, model: torch.nn.Module) -> tuple[int, int]:
-        """(weight bytes, KV cache bytes) for batch_size x max_seq_len."""
-        weights = weight_bytes(model)  # a tied weight once, prepacked copies counted
-        c = model.config
-        cache = KVCache.nbytes(c.num_layers, self.params.inference_input.batch_size, c.num_kv_heads,
-                               self.data.max_seq_len, c.head_dim, self.dtype)
-        return weights, cache
-
-    def _load(self, checkpoint: str, tensor_parallel: TensorParallelGroup | None = None,
-              weight_dtype: str | None = None) -> torch.nn.Module:
-        """A checkpoint's model (this rank's share of it under tensor parallel), computing in self.dtype.
-
-        Half-precision weights computing in float32 are rounded to their dtype first; int8 weights are
-        quantized from the checkpoint's values, and their small companions (norms, biases, scales)
-        load straight in the arithmetic dtype. A draft model is whole on every rank.
-        """
-        rounded = self.dtype != self.weights_dtype and not weight_dtype
-        model, _ = load_model(checkpoint, self.weights_dtype if rounded else self.dtype, self.device, tensor_parallel,
-                              weight_dtype)
-        if rounded:
-            name = str(self.weights_dtype).replace("torch.", "")
-            log.info("this CPU has no native %s matrix multiplies: weights keep their %s values, arithmetic and "
-                     "KV cache are float32 (faster here; see modelzoo/precision.py)", name, name)
-            model = model.to(self.dtype)
-        return model
-
-    def _choose_gemm(self, model: torch.nn.Module, weight_dtype: str | None, spare_bytes: int) -> int | None:
-        """Puts every float linear layer in the layout of the GEMM backend chosen for it (runconfig.gemm_backend;
-        MKL's second copy of the weights only within `spare_bytes`); returns the row count of a job's last
-        decode steps, or None to keep every step full.
-
-        Every decode forward has batch_size rows (times K + 1 when verifying K drafted tokens); once at
-        most SMALL_STEP_ROWS rows are left, steps run only those, which keeps each row's bits only where
-        every chosen backend is batch-invariant.
-        """
-        spec = self.params.model.speculative
-        batch_size = self.params.inference_input.batch_size
-        self.gemm = apply_gemm_backend(model, self.dtype, self.device, self.params.runconfig.gemm_backend,
-                                       decode_rows=batch_size * (1 + (spec.num_tokens if spec else 0)),
-                                       spare_bytes=spare_bytes)
-        if weight_dtype or spec or batch_size <= SMALL_STEP_ROWS or self.device.type != "cpu":
-            return None
-        return SMALL_STEP_ROWS if self.gemm.batch_invariant else None
-
-    def _dtype_name(self) -> str:
-        """bfloat16, or 'bfloat16 weights, float32 arithmetic' where they differ."""
-        weights, arithmetic = (str(d).replace("torch.", "") for d in (self.weights_dtype, self.dtype))
-        return weights if weights == arithmetic else f"{weights} weights, {arithmetic} arithmetic"
-
-    def _drafter(self) -> Drafter | None:
-        """The speculative-decoding drafter of `model.speculative`, if any (loads the draft model)."""
-        spec = self.params.model.speculative
-        if spec is None:
-            return None
-        batch_size = self.params.inference_input.batch_size
-        if spec.method == "prompt_lookup":
-            log.info("speculative decoding: prompt lookup, %d tokens per step, n-grams up to %d", spec.num_tokens,
-                     spec.max_ngram)
-            return PromptLookupDrafter(spec.num_tokens, spec.max_ngram)
-        draft = self._load(spec.checkpoint_path)
-        if draft.config.vocab_size != self.vocab_size:
-            log.warning("the draft model's vocabulary has %d entries, the model's %d: fine if they share a tokenizer "
-                        "and differ only in padding, useless otherwise", draft.config.vocab_size, self.vocab_size)
-        log.info("speculative decoding: draft model %s (%s), %d tokens per step", spec.checkpoint_path,
-                 type(draft).__name__, spec.num_tokens)
-        return DraftModelDrafter(draft, spec.num_tokens, batch_size, self.data.max_seq_len, self.vocab_size,
-                                 self.dtype, self.device)
-
     def run(self) -> RunStats:
         """Validates, takes the output folder, loads, then either checks one forward pass
         (compile_only) or writes this shard's steps. A stop signal during set-up ends the run at
@@ -226,7 +123,7 @@ class InferenceJob:
                     todo = self._take_output()
                     if todo is None:
                         return self.stats
-                    model, engine = self._prepare_engine()
+                    model, engine = self.setup.build(self.tp)
                     if self.params.runconfig.compile_only:
                         self._check_forward(model, engine)
                         return self.stats
@@ -288,40 +185,6 @@ class InferenceJob:
             self.output.prepare(self.todo, params_yaml)
             self._write_summary()  # status "running"
         return self.todo
-
-    def _prepare_engine(self) -> tuple[torch.nn.Module, GenerationEngine]:
-        """Loads the model (and drafter), chooses its GEMM path and builds the engine."""
-        load_start = time.perf_counter()
-        weight_dtype = self.params.model.weight_dtype
-        model = self._load(self.params.model.checkpoint_path, self.tp, weight_dtype)
-        log.info("loaded %s (%s, %s%s) on %s in %.1fs", self.params.model.checkpoint_path, type(model).__name__,
-                 self._dtype_name(), f", {weight_dtype} weights" if weight_dtype else "", self.device,
-                 time.perf_counter() - load_start)
-        if weight_dtype == "int8":
-            q = int8_summary(model, self.dtype)
-            log.info("int8 weights: %d linear layers and %d token embedding quantized per output channel: %.1f MiB "
-                     "instead of %.1f MiB in %s, %.1f MiB saved", q.linear_layers, q.embeddings, q.int8_bytes / 2**20,
-                     q.full_bytes / 2**20, str(self.dtype).replace("torch.", ""), q.saved_bytes / 2**20)
-        weights, cache = self.memory_estimate(model)
-        free = available_memory(self.device)
-        log.info("memory: weights %.2f GiB%s + KV cache %.2f GiB (batch_size %d x max_seq_len %d); %.2f GiB available",
-                 weights / 2**30, f" ({weight_dtype})" if weight_dtype else "", cache / 2**30,
-                 self.params.inference_input.batch_size, self.data.max_seq_len, free / 2**30)
-        if self.tp.size > 1:
-            c, n = model.config, self.tp.size  # the config of one rank's share
-            log.info("tensor parallel %d: each rank holds %d of %d query heads, %d of %d kv heads, %d of %d MLP columns "
-                     "and 1/%d of the vocabulary rows: this rank %.1f MiB of weights, %.1f MiB of KV cache", n,
-                     c.num_heads, c.num_heads * n, c.num_kv_heads, c.num_kv_heads * n, c.intermediate_size,
-                     c.intermediate_size * n, n, weights / 2**20, cache / 2**20)
-        if cache > free:
-            raise UserError(f"the KV cache needs {cache / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB is available on "
-                            f"{self.device}; lower inference_input.batch_size or the data's max_seq_len")
-        small_step_rows = self._choose_gemm(model, weight_dtype, spare_bytes=(free - cache) // 2)
-        engine = GenerationEngine(model, self.params.inference_input.batch_size, self.data.max_seq_len,
-                                  [list(s) for s in self.params.model.stop_sequences], self.params.model.max_tokens,
-                                  self.device, self.dtype, choice=TokenChoice.from_params(self.params.model),
-                                  drafter=self._drafter(), small_step_rows=small_step_rows)
-        return model, engine
 
     def _count_remaining(self) -> None:
         """Steps and samples of this run left undone."""
@@ -420,10 +283,10 @@ class InferenceJob:
 
     def _write_summary(self) -> None:
         """artifacts/summary.json (one shard) or summary_shard<i>.json (several) from this run's stats."""
-        gemm = self.gemm.to_dict() if self.gemm else None
+        gemm = self.setup.gemm.to_dict() if self.setup.gemm else None
         if self.shard.count == 1:
             write_json(self.artifacts / "summary.json",
-                       summary_of([self.stats], str(self.device), self._dtype_name(), 1, gemm))
+                       summary_of([self.stats], str(self.device), self.setup.dtype_name(), 1, gemm))
         else:
             write_json(shard_stats_path(self.artifacts, self.shard.index), asdict(self.stats))
 
@@ -439,9 +302,9 @@ class InferenceJob:
             self.shard.barrier()  # torchrun: rank 0 sums every rank's stats once all are written
         if self.shard.is_first and self.writes:
             stats = read_shard_stats(self.artifacts, self.shard.count)
-            gemm = self.gemm.to_dict() if self.gemm else None
+            gemm = self.setup.gemm.to_dict() if self.setup.gemm else None
             write_json(self.artifacts / "summary.json",
-                       summary_of(stats, str(self.device), self._dtype_name(), self.shard.count, gemm))
+                       summary_of(stats, str(self.device), self.setup.dtype_name(), self.shard.count, gemm))
 
     def _finish_quietly(self) -> None:
         """`_finish` for a run that is failing: a summary that cannot be written only adds a warning."""

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -41,15 +42,12 @@ from torch import nn
 
 from modelzoo.checkpoint import SKIP, load_hf_config
 from modelzoo.errors import UserError
-from modelzoo.models import REGISTRY, model_class
+from modelzoo.models import REGISTRY, model_class, registered_class
 
 if TYPE_CHECKING:
     from modelzoo.distributed import Shard
     from modelzoo.models.llama import LlamaFamilyConfig
     from modelzoo.preemption import StopRequest
-
-LLAMA_FAMILY = ("modelzoo.models.llama", "LlamaForCausalLM")
-
 
 @dataclass(frozen=True)
 class TensorParallelGroup:
@@ -133,9 +131,9 @@ class AgreedStop:
         return self.signum is not None
 
 
-def llama_family_architectures() -> list[str]:
-    """The `architectures` strings that tensor parallel supports (those built by llama.py)."""
-    return sorted(name for name, target in REGISTRY.items() if target == LLAMA_FAMILY)
+def split_architectures() -> list[str]:
+    """The `architectures` strings whose family declares it can be split (`splits_over_ranks`)."""
+    return sorted(name for name in REGISTRY if getattr(registered_class(name), "splits_over_ranks", False))
 
 
 def check_split(config: LlamaFamilyConfig, size: int) -> None:
@@ -164,15 +162,20 @@ def check_tensor_parallel(checkpoint_path: str | None, size: int) -> None:
 
 
 def _check_family(cls: type, hf_config: Any) -> None:
-    if (cls.__module__, cls.__name__) != LLAMA_FAMILY:
+    if not getattr(cls, "splits_over_ranks", False):
         got = ", ".join(getattr(hf_config, "architectures", None) or []) or cls.__name__
-        raise UserError(f"runconfig.tensor_parallel supports {', '.join(llama_family_architectures())}; got {got}")
+        raise UserError(f"runconfig.tensor_parallel supports {', '.join(split_architectures())}; got {got}")
 
 
-def shard_plan(cls: type, hf_config: Any, config: Any, tp: TensorParallelGroup) -> LlamaTensorParallel:
-    """The split of `cls` over the group; one-line error for families and sizes it cannot split."""
+def shard_plan(checkpoint: str | Path, tp: TensorParallelGroup | None) -> LlamaTensorParallel | None:
+    """This rank's split of the checkpoint's model over the group, for `load_model`; None without a
+    group of two or more. A one-line error for families it cannot split."""
+    if tp is None or tp.size == 1:
+        return None
+    hf_config = load_hf_config(checkpoint)
+    cls = model_class(hf_config)
     _check_family(cls, hf_config)
-    return LlamaTensorParallel(config, tp)
+    return LlamaTensorParallel(cls.config_from_hf(hf_config), tp)
 
 
 class VocabParallelEmbedding(nn.Module):

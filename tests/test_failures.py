@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import modelzoo.runner
+from modelzoo.model_setup import ModelSetup
 from fs_faults import error_lines, fill, grow, read_only, run_process, small_disk, start_job
 from harness import prompt_rows, run_job, small_job, write_h5, write_params
 
@@ -262,7 +262,7 @@ def test_second_identical_job_is_refused_and_shards_share_the_folder(job, tmp_pa
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_while_loading_stops_with_a_summary(job, tmp_path, capsys, monkeypatch, sig):
-    load = modelzoo.runner.InferenceJob._load
+    load = ModelSetup.load
 
     def load_then_signal(self, *args, **kwargs):
         model = load(self, *args, **kwargs)
@@ -270,7 +270,7 @@ def test_signal_while_loading_stops_with_a_summary(job, tmp_path, capsys, monkey
         time.sleep(1)  # never reached: the handler raises
         raise AssertionError("the signal did not stop the loading")
 
-    monkeypatch.setattr(modelzoo.runner.InferenceJob, "_load", load_then_signal)
+    monkeypatch.setattr(ModelSetup, "load", load_then_signal)
     model_dir = tmp_path / "run"
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     assert run_job(job["params"], model_dir) == 128 + sig

@@ -125,11 +125,12 @@ def test_sigterm_stops_every_rank_and_resumes(root, tmp_path):
 def shard_models(checkpoint: Path) -> tuple[torch.nn.Module, list[torch.nn.Module]]:
     """The whole model, and what ranks 0 and 1 of 2 load (loading needs no process group)."""
     from modelzoo.checkpoint import load_model
-    from modelzoo.tensor_parallel import TensorParallelGroup
+    from modelzoo.tensor_parallel import TensorParallelGroup, shard_plan
 
     cpu = torch.device("cpu")
     full = load_model(checkpoint, torch.float32, cpu)[0]
-    return full, [load_model(checkpoint, torch.float32, cpu, TensorParallelGroup(rank, 2))[0] for rank in (0, 1)]
+    plans = [shard_plan(checkpoint, TensorParallelGroup(rank, 2)) for rank in (0, 1)]
+    return full, [load_model(checkpoint, torch.float32, cpu, plan)[0] for plan in plans]
 
 
 def nbytes(model: torch.nn.Module) -> int:

@@ -34,12 +34,17 @@ def supported_architectures() -> list[str]:
     return sorted(REGISTRY)
 
 
+def registered_class(architecture: str) -> type[nn.Module]:
+    """The family class registered for an `architectures` string (imported now)."""
+    module, cls = REGISTRY[architecture]
+    return getattr(importlib.import_module(module), cls)
+
+
 def model_class(hf_config: Any) -> type[nn.Module]:
     """The family class for a transformers config; one-line error listing what is supported."""
     names = list(getattr(hf_config, "architectures", None) or [])
     for name in names:
         if name in REGISTRY:
-            module, cls = REGISTRY[name]
-            return getattr(importlib.import_module(module), cls)
+            return registered_class(name)
     shown = ", ".join(names) or f"none (model_type {getattr(hf_config, 'model_type', '?')!r})"
     raise UserError(f"unsupported architecture {shown}; supported: {', '.join(supported_architectures())}")

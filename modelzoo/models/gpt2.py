@@ -53,6 +53,8 @@ def config_from_hf(hf: Any) -> GPT2DecoderConfig:
 class Conv1D(nn.Module):
     """A linear layer whose weight is stored (in, out), as transformers' Conv1D: x @ weight + bias."""
 
+    weight_is_in_out = True  # what modelzoo.quantization reads instead of importing this family
+
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(in_features, out_features))

@@ -124,6 +124,7 @@ class LlamaForCausalLM(nn.Module):
 
     config_from_hf = staticmethod(config_from_hf)
     packs_prompts = True  # forward takes packed prompts: slots, positions (1, T), see ForwardContext.packed
+    splits_over_ranks = True  # modelzoo/tensor_parallel.py knows how to split it (runconfig.tensor_parallel)
 
     def __init__(self, config: LlamaFamilyConfig) -> None:
         super().__init__()

@@ -1,0 +1,168 @@
+"""A job's model, made ready to generate: device, dtypes, loading (this rank's share, int8 if asked),
+the memory check, the GEMM path, the drafter, and the engine over them."""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from modelzoo.checkpoint import load_model
+from modelzoo.errors import UserError
+from modelzoo.gemm import GemmPlan, apply_gemm_backend, weight_bytes
+from modelzoo.generation.engine import GenerationEngine
+from modelzoo.generation.kv_cache import KVCache
+from modelzoo.generation.sampling import TokenChoice
+from modelzoo.generation.speculative import DraftModelDrafter, Drafter, PromptLookupDrafter
+from modelzoo.params import InferenceParams
+from modelzoo.quantization import int8_summary
+from modelzoo.tensor_parallel import TensorParallelGroup, shard_plan
+
+log = logging.getLogger("zoo-infer")
+
+# Rows of a decode step once few are left active (CPU). Measured on SmolLM2-135M, 2 cores (Ice Lake):
+# a step of 8 rows takes 61-79 ms, one of 32 rows 108-138 ms.
+SMALL_STEP_ROWS = 8
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto` -> CUDA when present, else CPU; `cuda` without a GPU is an error. Under torchrun each
+    local rank takes its own GPU (LOCAL_RANK)."""
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("runconfig.device is cuda but no CUDA device is available")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    return torch.device(name)
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free on the device (CPU: MemAvailable of /proc/meminfo, else physical memory)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class ModelSetup:
+    """Loads a job's model and builds its engine; `gemm` is the GEMM plan once chosen."""
+
+    def __init__(self, params: InferenceParams, device: torch.device, weights_dtype: torch.dtype,
+                 dtype: torch.dtype, max_seq_len: int, vocab_size: int) -> None:
+        self.params = params
+        self.device = device
+        self.weights_dtype = weights_dtype  # the values the weights keep
+        self.dtype = dtype  # what the arithmetic and KV cache use
+        self.max_seq_len = max_seq_len
+        self.vocab_size = vocab_size
+        self.gemm: GemmPlan | None = None
+
+    def dtype_name(self) -> str:
+        """bfloat16, or 'bfloat16 weights, float32 arithmetic' where they differ."""
+        weights, arithmetic = (str(d).replace("torch.", "") for d in (self.weights_dtype, self.dtype))
+        return weights if weights == arithmetic else f"{weights} weights, {arithmetic} arithmetic"
+
+    def build(self, tp: TensorParallelGroup) -> tuple[torch.nn.Module, GenerationEngine]:
+        """Loads the model (and drafter), checks the KV cache fits, chooses the GEMM path, builds the engine."""
+        load_start = time.perf_counter()
+        weight_dtype = self.params.model.weight_dtype
+        batch_size = self.params.inference_input.batch_size
+        model = self.load(self.params.model.checkpoint_path, tp, weight_dtype)
+        log.info("loaded %s (%s, %s%s) on %s in %.1fs", self.params.model.checkpoint_path, type(model).__name__,
+                 self.dtype_name(), f", {weight_dtype} weights" if weight_dtype else "", self.device,
+                 time.perf_counter() - load_start)
+        if weight_dtype == "int8":
+            q = int8_summary(model, self.dtype)
+            log.info("int8 weights: %d linear layers and %d token embedding quantized per output channel: %.1f MiB "
+                     "instead of %.1f MiB in %s, %.1f MiB saved", q.linear_layers, q.embeddings, q.int8_bytes / 2**20,
+                     q.full_bytes / 2**20, str(self.dtype).replace("torch.", ""), q.saved_bytes / 2**20)
+        weights, cache = self.memory_estimate(model)
+        free = available_memory(self.device)
+        log.info("memory: weights %.2f GiB%s + KV cache %.2f GiB (batch_size %d x max_seq_len %d); %.2f GiB available",
+                 weights / 2**30, f" ({weight_dtype})" if weight_dtype else "", cache / 2**30, batch_size,
+                 self.max_seq_len, free / 2**30)
+        if tp.size > 1:
+            c, n = model.config, tp.size  # the config of one rank's share
+            log.info("tensor parallel %d: each rank holds %d of %d query heads, %d of %d kv heads, %d of %d MLP columns "
+                     "and 1/%d of the vocabulary rows: this rank %.1f MiB of weights, %.1f MiB of KV cache", n,
+                     c.num_heads, c.num_heads * n, c.num_kv_heads, c.num_kv_heads * n, c.intermediate_size,
+                     c.intermediate_size * n, n, weights / 2**20, cache / 2**20)
+        if cache > free:
+            raise UserError(f"the KV cache needs {cache / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB is available on "
+                            f"{self.device}; lower inference_input.batch_size or the data's max_seq_len")
+        small_step_rows = self._choose_gemm(model, weight_dtype, spare_bytes=(free - cache) // 2)
+        engine = GenerationEngine(model, batch_size, self.max_seq_len,
+                                  [list(s) for s in self.params.model.stop_sequences], self.params.model.max_tokens,
+                                  self.device, self.dtype, choice=TokenChoice.from_params(self.params.model),
+                                  drafter=self._drafter(), small_step_rows=small_step_rows)
+        return model, engine
+
+    def memory_estimate(self, model: torch.nn.Module) -> tuple[int, int]:
+        """(weight bytes, KV cache bytes) for batch_size x max_seq_len."""
+        weights = weight_bytes(model)  # a tied weight once, prepacked copies counted
+        c = model.config
+        cache = KVCache.nbytes(c.num_layers, self.params.inference_input.batch_size, c.num_kv_heads,
+                               self.max_seq_len, c.head_dim, self.dtype)
+        return weights, cache
+
+    def load(self, checkpoint: str, tensor_parallel: TensorParallelGroup | None = None,
+             weight_dtype: str | None = None) -> torch.nn.Module:
+        """A checkpoint's model (this rank's share of it under tensor parallel), computing in self.dtype.
+
+        Half-precision weights computing in float32 are rounded to their dtype first; int8 weights are
+        quantized from the checkpoint's values, and their small companions (norms, biases, scales)
+        load straight in the arithmetic dtype. A draft model is whole on every rank.
+        """
+        rounded = self.dtype != self.weights_dtype and not weight_dtype
+        model, _ = load_model(checkpoint, self.weights_dtype if rounded else self.dtype, self.device,
+                              shard_plan(checkpoint, tensor_parallel), weight_dtype)
+        if rounded:
+            name = str(self.weights_dtype).replace("torch.", "")
+            log.info("this CPU has no native %s matrix multiplies: weights keep their %s values, arithmetic and "
+                     "KV cache are float32 (faster here; see modelzoo/precision.py)", name, name)
+            model = model.to(self.dtype)
+        return model
+
+    def _choose_gemm(self, model: torch.nn.Module, weight_dtype: str | None, spare_bytes: int) -> int | None:
+        """Puts every float linear layer in the layout of the GEMM backend chosen for it (runconfig.gemm_backend;
+        MKL's second copy of the weights only within `spare_bytes`); returns the row count of a job's last
+        decode steps, or None to keep every step full.
+
+        Every decode forward has batch_size rows (times K + 1 when verifying K drafted tokens); once at
+        most SMALL_STEP_ROWS rows are left, steps run only those, which keeps each row's bits only where
+        every chosen backend is batch-invariant.
+        """
+        spec = self.params.model.speculative
+        batch_size = self.params.inference_input.batch_size
+        self.gemm = apply_gemm_backend(model, self.dtype, self.device, self.params.runconfig.gemm_backend,
+                                       decode_rows=batch_size * (1 + (spec.num_tokens if spec else 0)),
+                                       spare_bytes=spare_bytes)
+        if weight_dtype or spec or batch_size <= SMALL_STEP_ROWS or self.device.type != "cpu":
+            return None
+        return SMALL_STEP_ROWS if self.gemm.batch_invariant else None
+
+    def _drafter(self) -> Drafter | None:
+        """The speculative-decoding drafter of `model.speculative`, if any (loads the draft model)."""
+        spec = self.params.model.speculative
+        if spec is None:
+            return None
+        if spec.method == "prompt_lookup":
+            log.info("speculative decoding: prompt lookup, %d tokens per step, n-grams up to %d", spec.num_tokens,
+                     spec.max_ngram)
+            return PromptLookupDrafter(spec.num_tokens, spec.max_ngram)
+        draft = self.load(spec.checkpoint_path)
+        if draft.config.vocab_size != self.vocab_size:
+            log.warning("the draft model's vocabulary has %d entries, the model's %d: fine if they share a tokenizer "
+                        "and differ only in padding, useless otherwise", draft.config.vocab_size, self.vocab_size)
+        log.info("speculative decoding: draft model %s (%s), %d tokens per step", spec.checkpoint_path,
+                 type(draft).__name__, spec.num_tokens)
+        return DraftModelDrafter(draft, spec.num_tokens, self.params.inference_input.batch_size, self.max_seq_len,
+                                 self.vocab_size, self.dtype, self.device)
