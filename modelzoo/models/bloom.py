@@ -15,8 +15,9 @@ from torch import nn
 
 from modelzoo.errors import UserError
 from modelzoo.generation.kv_cache import KVCache
+from modelzoo.models.base import CausalLM
 from modelzoo.models.config import DecoderConfig
-from modelzoo.models.layers import ForwardContext, alibi_slopes, cached_attention, last_token_states
+from modelzoo.models.layers import ForwardContext, alibi_slopes, cached_attention
 
 
 @dataclass(frozen=True)
@@ -112,36 +113,27 @@ class BloomModel(nn.Module):
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
 
 
-class BloomForCausalLM(nn.Module):
-    """BLOOM decoder with a language-model head; `forward` returns last-position logits."""
+class BloomForCausalLM(CausalLM):
+    """BLOOM decoder with a language-model head and ALiBi (modelzoo/models/base.py)."""
 
     config_from_hf = staticmethod(config_from_hf)
+    embedding_name, layers_name = "transformer.word_embeddings", "transformer.h"
 
     def __init__(self, config: BloomDecoderConfig) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         self.transformer = BloomModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("alibi_slopes", torch.empty(0), persistent=False)
 
-    def tied_weights(self) -> dict[str, str]:
-        """Weights that may be absent from a checkpoint because they share another's storage."""
-        return {"lm_head.weight": "transformer.word_embeddings.weight"} if self.config.tie_word_embeddings else {}
-
     def build_buffers(self, device: torch.device) -> None:
-        """Computes the non-persistent buffers (ALiBi slopes) once the weights are on `device`."""
         self.alibi_slopes = alibi_slopes(self.config.num_heads).to(device)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                slots: torch.Tensor | None, last: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens, positions: (B, T); slots: (B,) cache rows or None for all; last: (B,) index into T.
-
-        Returns the logits (B, vocab) of position `last` of each row (default: the final one).
-        """
+    def prepare(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: torch.Tensor | None,
+                last: torch.Tensor | None) -> tuple[torch.Tensor, list[ForwardContext], tuple[torch.Tensor, ...]]:
+        """The ALiBi bias rides on the context's mask; the embeddings have a norm of their own."""
         x = self.transformer.word_embeddings(tokens)  # (B, T, hidden)
         ctx = ForwardContext.build(cache, slots, positions, alibi_slopes=self.alibi_slopes, dtype=x.dtype)
-        x = self.transformer.word_embeddings_layernorm(x)
-        for block in self.transformer.h:
-            x = block(x, ctx)
-        x = self.transformer.ln_f(last_token_states(x, last))  # (B, hidden)
-        return self.lm_head(x)  # (B, vocab)
+        return self.transformer.word_embeddings_layernorm(x), [ctx] * self.config.num_layers, ()
+
+    def finish(self, x: torch.Tensor) -> torch.Tensor:
+        return self.transformer.ln_f(x)

@@ -18,9 +18,10 @@ from torch import nn
 
 from modelzoo.errors import UserError
 from modelzoo.generation.kv_cache import KVCache
+from modelzoo.models.base import CausalLM
 from modelzoo.models.config import DecoderConfig, RopeConfig
 from modelzoo.models.layers import (ForwardContext, RotaryEmbedding, activation, alibi_slopes, apply_rotary,
-                                    cached_attention, last_token_states)
+                                    cached_attention)
 
 
 @dataclass(frozen=True)
@@ -155,10 +156,11 @@ class FalconModel(nn.Module):
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
 
 
-class FalconForCausalLM(nn.Module):
-    """Falcon decoder with a language-model head; `forward` returns last-position logits."""
+class FalconForCausalLM(CausalLM):
+    """Falcon decoder with a language-model head (modelzoo/models/base.py): rotary, or ALiBi."""
 
     config_from_hf = staticmethod(config_from_hf)
+    embedding_name, layers_name = "transformer.word_embeddings", "transformer.h"
 
     @property
     def packs_prompts(self) -> bool:
@@ -166,23 +168,17 @@ class FalconForCausalLM(nn.Module):
         return not self.config.alibi
 
     def __init__(self, config: FalconDecoderConfig) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         self.transformer = FalconModel(config)
         self.rotary = None if config.alibi else RotaryEmbedding(config.rope, config.head_dim,
                                                                 config.max_position_embeddings)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("alibi_slopes", torch.empty(0), persistent=False)
 
-    def tied_weights(self) -> dict[str, str]:
-        """Weights that may be absent from a checkpoint because they share another's storage."""
-        return {"lm_head.weight": "transformer.word_embeddings.weight"} if self.config.tie_word_embeddings else {}
-
     def build_buffers(self, device: torch.device) -> None:
-        """Computes the non-persistent buffers (rotary tables or ALiBi slopes) once the weights are on `device`."""
-        if self.rotary is not None:
-            self.rotary.build_tables(device)
-        else:
+        """The rotary tables, or the ALiBi slopes."""
+        super().build_buffers(device)
+        if self.rotary is None:
             self.alibi_slopes = alibi_slopes(self.config.num_heads).to(device)
 
     def alibi_context(self, cache: KVCache, slots: torch.Tensor | None, positions: torch.Tensor,
@@ -196,19 +192,12 @@ class FalconForCausalLM(nn.Module):
         ctx.mask = bias[None, :, None, :].masked_fill(~ctx.mask, float("-inf"))  # (B, heads, T, length)
         return ctx
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                slots: torch.Tensor | None, last: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens, positions: (B, T); slots: (B,) cache rows, None for all, or (1, T) for packed prompts; last:
-        (B,) index into T, or (B, N).
-
-        Returns the logits (B, vocab) of position `last` of each row (default: the final one).
-        """
+    def prepare(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: torch.Tensor | None,
+                last: torch.Tensor | None) -> tuple[torch.Tensor, list[ForwardContext], tuple[torch.Tensor, ...]]:
+        if self.rotary is not None:
+            return super().prepare(tokens, positions, cache, slots, last)
         x = self.transformer.word_embeddings(tokens)  # (B, T, hidden)
-        if self.rotary is None:
-            ctx, rotary = self.alibi_context(cache, slots, positions, x.dtype), None
-        else:
-            ctx, rotary = ForwardContext.build(cache, slots, positions), self.rotary(positions, x.dtype)
-        for layer in self.transformer.h:
-            x = layer(x, rotary, ctx)
-        x = self.transformer.ln_f(last_token_states(x, last))  # (B, hidden)
-        return self.lm_head(x)  # (B, vocab)
+        return x, [self.alibi_context(cache, slots, positions, x.dtype)] * self.config.num_layers, (None,)
+
+    def finish(self, x: torch.Tensor) -> torch.Tensor:
+        return self.transformer.ln_f(x)

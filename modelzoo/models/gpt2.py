@@ -14,8 +14,9 @@ from torch import nn
 
 from modelzoo.errors import UserError
 from modelzoo.generation.kv_cache import KVCache
+from modelzoo.models.base import CausalLM
 from modelzoo.models.config import DecoderConfig
-from modelzoo.models.layers import ForwardContext, activation, cached_attention, last_token_states, split_heads
+from modelzoo.models.layers import ForwardContext, activation, cached_attention, split_heads
 
 
 @dataclass(frozen=True)
@@ -139,31 +140,24 @@ class GPT2Model(nn.Module):
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
 
 
-class GPT2LMHeadModel(nn.Module):
-    """GPT-2 with a language-model head; `forward` returns last-position logits.
+class GPT2LMHeadModel(CausalLM):
+    """GPT-2 with a language-model head (modelzoo/models/base.py).
 
     A family on GPT-2's layout subclasses it and swaps in what differs: `config_from_hf`, the classes
     below, `embed`.
     """
 
     config_from_hf = staticmethod(config_from_hf)
-    packs_prompts = True  # forward takes packed prompts: slots, positions (1, T), see ForwardContext.packed
+    packs_prompts = True
+    embedding_name, layers_name = "transformer.wte", "transformer.h"
     transformer_type: type[GPT2Model] = GPT2Model  # the `transformer.` module
     attention_type: type[nn.Module] = GPT2Attention  # each block's `attn`
     mlp_type: type[nn.Module] = GPT2MLP  # each block's `mlp`
 
     def __init__(self, config: GPT2DecoderConfig) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         self.transformer = self.transformer_type(config, self.attention_type, self.mlp_type)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-
-    def tied_weights(self) -> dict[str, str]:
-        """Weights that may be absent from a checkpoint because they share another's storage."""
-        return {"lm_head.weight": "transformer.wte.weight"} if self.config.tie_word_embeddings else {}
-
-    def build_buffers(self, device: torch.device) -> None:
-        """Nothing to compute: positions are learned weights."""
 
     def embed(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: torch.Tensor | None,
               last: torch.Tensor | None) -> tuple[torch.Tensor, ForwardContext]:
@@ -172,15 +166,10 @@ class GPT2LMHeadModel(nn.Module):
         check_learned_positions(ctx, self.config.max_position_embeddings)
         return self.transformer.wte(tokens) + self.transformer.wpe(positions), ctx
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                slots: torch.Tensor | None, last: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens, positions: (B, T); slots: (B,) cache rows, None for all, or (1, T) for packed prompts; last:
-        (B,) index into T, or (B, N).
+    def prepare(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: torch.Tensor | None,
+                last: torch.Tensor | None) -> tuple[torch.Tensor, list[ForwardContext], tuple[torch.Tensor, ...]]:
+        x, ctx = self.embed(tokens, positions, cache, slots, last)
+        return x, [ctx] * self.config.num_layers, ()
 
-        Returns the logits (B, vocab) of position `last` of each row (default: the final one).
-        """
-        x, ctx = self.embed(tokens, positions, cache, slots, last)  # (B, T, hidden)
-        for block in self.transformer.h:
-            x = block(x, ctx)
-        x = self.transformer.ln_f(last_token_states(x, last))  # (B, hidden)
-        return self.lm_head(x)  # (B, vocab)
+    def finish(self, x: torch.Tensor) -> torch.Tensor:
+        return self.transformer.ln_f(x)

@@ -13,12 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from modelzoo.generation.kv_cache import KVCache
+from modelzoo.models.base import CausalLM
 from modelzoo.models.config import DecoderConfig, RopeConfig
-from modelzoo.models.layers import (ForwardContext, RotaryEmbedding, activation, apply_rotary, cached_attention,
-                                    last_token_states)
-
-
+from modelzoo.models.layers import ForwardContext, RotaryEmbedding, activation, apply_rotary, cached_attention
 @dataclass(frozen=True)
 class NeoXConfig(DecoderConfig):
     """DecoderConfig plus GPT-NeoX's rotated width per head and its residual layout."""
@@ -117,38 +114,18 @@ class GPTNeoXModel(nn.Module):
         self.final_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
 
 
-class GPTNeoXForCausalLM(nn.Module):
-    """GPT-NeoX decoder with its output projection `embed_out`; `forward` returns last-position logits."""
+class GPTNeoXForCausalLM(CausalLM):
+    """GPT-NeoX decoder with its output projection `embed_out` (modelzoo/models/base.py)."""
 
     config_from_hf = staticmethod(config_from_hf)
-    packs_prompts = True  # forward takes packed prompts: slots, positions (1, T), see ForwardContext.packed
+    packs_prompts = True
+    embedding_name, layers_name, head_name = "gpt_neox.embed_in", "gpt_neox.layers", "embed_out"
 
     def __init__(self, config: NeoXConfig) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         self.gpt_neox = GPTNeoXModel(config)
         self.rotary = RotaryEmbedding(config.rope, config.rotary_dim, config.max_position_embeddings)
         self.embed_out = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
-    def tied_weights(self) -> dict[str, str]:
-        """Weights that may be absent from a checkpoint because they share another's storage."""
-        return {"embed_out.weight": "gpt_neox.embed_in.weight"} if self.config.tie_word_embeddings else {}
-
-    def build_buffers(self, device: torch.device) -> None:
-        """Computes the non-persistent buffers (rotary tables) once the weights are on `device`."""
-        self.rotary.build_tables(device)
-
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                slots: torch.Tensor | None, last: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens, positions: (B, T); slots: (B,) cache rows, None for all, or (1, T) for packed prompts; last:
-        (B,) index into T, or (B, N).
-
-        Returns the logits (B, vocab) of position `last` of each row (default: the final one).
-        """
-        ctx = ForwardContext.build(cache, slots, positions)
-        x = self.gpt_neox.embed_in(tokens)  # (B, T, hidden)
-        rotary = self.rotary(positions, x.dtype)
-        for layer in self.gpt_neox.layers:
-            x = layer(x, rotary, ctx)
-        x = self.gpt_neox.final_layer_norm(last_token_states(x, last))  # (B, hidden)
-        return self.embed_out(x)  # (B, vocab)
+    def finish(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gpt_neox.final_layer_norm(x)

@@ -13,12 +13,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from modelzoo.generation.kv_cache import KVCache
+from modelzoo.models.base import CausalLM
 from modelzoo.models.config import DecoderConfig, RopeConfig
 from modelzoo.models.layers import (ForwardContext, RotaryEmbedding, activation, apply_rotary, cached_attention,
-                                    last_token_states, split_heads)
-
-
+                                    split_heads)
 @dataclass(frozen=True)
 class GPTJConfig(DecoderConfig):
     """DecoderConfig plus the rotated width of each head."""
@@ -104,38 +102,18 @@ class GPTJModel(nn.Module):
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
 
 
-class GPTJForCausalLM(nn.Module):
-    """GPT-J decoder with a biased language-model head; `forward` returns last-position logits."""
+class GPTJForCausalLM(CausalLM):
+    """GPT-J decoder with a biased language-model head (modelzoo/models/base.py)."""
 
     config_from_hf = staticmethod(config_from_hf)
-    packs_prompts = True  # forward takes packed prompts: slots, positions (1, T), see ForwardContext.packed
+    packs_prompts = True
+    embedding_name, layers_name = "transformer.wte", "transformer.h"
 
     def __init__(self, config: GPTJConfig) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         self.transformer = GPTJModel(config)
         self.rotary = RotaryEmbedding(config.rope, config.rotary_dim, config.max_position_embeddings, interleaved=True)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size)
 
-    def tied_weights(self) -> dict[str, str]:
-        """Weights that may be absent from a checkpoint because they share another's storage."""
-        return {"lm_head.weight": "transformer.wte.weight"} if self.config.tie_word_embeddings else {}
-
-    def build_buffers(self, device: torch.device) -> None:
-        """Computes the non-persistent buffers (rotary tables) once the weights are on `device`."""
-        self.rotary.build_tables(device)
-
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                slots: torch.Tensor | None, last: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens, positions: (B, T); slots: (B,) cache rows, None for all, or (1, T) for packed prompts; last:
-        (B,) index into T, or (B, N).
-
-        Returns the logits (B, vocab) of position `last` of each row (default: the final one).
-        """
-        ctx = ForwardContext.build(cache, slots, positions)
-        x = self.transformer.wte(tokens)  # (B, T, hidden)
-        rotary = self.rotary(positions, x.dtype)
-        for block in self.transformer.h:
-            x = block(x, rotary, ctx)
-        x = self.transformer.ln_f(last_token_states(x, last))  # (B, hidden)
-        return self.lm_head(x)  # (B, vocab)
+    def finish(self, x: torch.Tensor) -> torch.Tensor:
+        return self.transformer.ln_f(x)

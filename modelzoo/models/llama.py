@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from modelzoo.generation.kv_cache import KVCache
+from modelzoo.models.base import CausalLM
 from modelzoo.models.config import DecoderConfig, RopeConfig
-from modelzoo.models.layers import (ForwardContext, GatedMLP, RMSNorm, RotaryEmbedding, cached_attention,
-                                    last_token_states, split_heads)
+from modelzoo.models.layers import ForwardContext, GatedMLP, RMSNorm, RotaryEmbedding, cached_attention, split_heads
 
 
 @dataclass(frozen=True)
@@ -119,26 +119,23 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
 
 
-class LlamaForCausalLM(nn.Module):
-    """Llama decoder with a language-model head; `forward` returns last-position logits."""
+class LlamaForCausalLM(CausalLM):
+    """Llama decoder with a language-model head (modelzoo/models/base.py); layers of a sliding window
+    (Mistral, Qwen2) attend through a context of their own."""
 
     config_from_hf = staticmethod(config_from_hf)
-    packs_prompts = True  # forward takes packed prompts: slots, positions (1, T), see ForwardContext.packed
-    splits_over_ranks = True  # modelzoo/tensor_parallel.py knows how to split it (runconfig.tensor_parallel)
+    packs_prompts = True
+    splits_over_ranks = True
+    embedding_name, layers_name = "model.embed_tokens", "model.layers"
 
     def __init__(self, config: LlamaFamilyConfig) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         self.model = LlamaModel(config)
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
-    def tied_weights(self) -> dict[str, str]:
-        """Weights that may be absent from a checkpoint because they share another's storage."""
-        return {"lm_head.weight": "model.embed_tokens.weight"} if self.config.tie_word_embeddings else {}
-
     def fused_weights(self) -> dict[str, list[str]]:
-        """Our fused weight -> the Hugging Face weights concatenated (dim 0, in order) to make it."""
+        """q/k/v into qkv_proj, gate/up into gate_up_proj, one GEMM each."""
         fused = {}
         for i in range(self.config.num_layers):
             prefix = f"model.layers.{i}."
@@ -148,23 +145,13 @@ class LlamaForCausalLM(nn.Module):
                 fused[f"{prefix}mlp.gate_up_proj.{suffix}"] = [f"{prefix}mlp.{name}_proj.{suffix}" for name in ("gate", "up")]
         return fused
 
-    def build_buffers(self, device: torch.device) -> None:
-        """Computes the non-persistent buffers (rotary tables) once the weights are on `device`."""
-        self.rotary.build_tables(device)
-
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                slots: torch.Tensor | None, last: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens, positions: (B, T); slots: (B,) cache rows, None for all, or (1, T) for packed
-        prompts; last: (B,) index into T, or (B, N) for N positions per row.
-
-        Returns the logits (B, vocab) of position `last` of each row (default: the final one), or
-        (B, N, vocab).
-        """
+    def prepare(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: torch.Tensor | None,
+                last: torch.Tensor | None) -> tuple[torch.Tensor, list[ForwardContext], tuple[torch.Tensor, ...]]:
+        """One context per distinct sliding window, shared by the layers that have it."""
         windows = self.config.sliding_windows or (None,) * self.config.num_layers
         contexts = {w: ForwardContext.build(cache, slots, positions, sliding_window=w) for w in set(windows)}
         x = self.model.embed_tokens(tokens)  # (B, T, hidden)
-        rotary = self.rotary(positions, x.dtype)
-        for layer, window in zip(self.model.layers, windows):
-            x = layer(x, rotary, contexts[window])
-        x = self.model.norm(last_token_states(x, last))  # (B, hidden)
-        return self.lm_head(x)  # (B, vocab)
+        return x, [contexts[w] for w in windows], (self.rotary(positions, x.dtype),)
+
+    def finish(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.norm(x)

@@ -16,8 +16,9 @@ from torch import nn
 
 from modelzoo.errors import UserError
 from modelzoo.generation.kv_cache import KVCache
+from modelzoo.models.base import CausalLM
 from modelzoo.models.config import DecoderConfig
-from modelzoo.models.layers import ForwardContext, activation, cached_attention, last_token_states, split_heads
+from modelzoo.models.layers import ForwardContext, activation, cached_attention, split_heads
 
 # attn_config options transformers' MPT ignores: any value but these would make it compute something
 # other than the checkpoint was trained for (it always uses ALiBi with alibi_bias_max 8, full multi-head
@@ -134,35 +135,27 @@ class MptModel(nn.Module):
         self.norm_f = nn.LayerNorm(config.hidden_size, eps=config.norm_eps, bias=False)
 
 
-class MptForCausalLM(nn.Module):
-    """MPT decoder with a language-model head; `forward` returns last-position logits."""
+class MptForCausalLM(CausalLM):
+    """MPT decoder with a language-model head and ALiBi (modelzoo/models/base.py)."""
 
     config_from_hf = staticmethod(config_from_hf)
+    embedding_name, layers_name = "transformer.wte", "transformer.blocks"
 
     def __init__(self, config: MptDecoderConfig) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         self.transformer = MptModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("alibi_slopes", torch.empty(0), persistent=False)
 
-    def tied_weights(self) -> dict[str, str]:
-        """Weights that may be absent from a checkpoint because they share another's storage."""
-        return {"lm_head.weight": "transformer.wte.weight"} if self.config.tie_word_embeddings else {}
-
     def build_buffers(self, device: torch.device) -> None:
-        """Computes the non-persistent buffers (ALiBi slopes) once the weights are on `device`."""
         self.alibi_slopes = mpt_alibi_slopes(self.config.num_heads, self.config.alibi_bias_max).to(device)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                slots: torch.Tensor | None, last: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens, positions: (B, T); slots: (B,) cache rows or None for all; last: (B,) index into T.
-
-        Returns the logits (B, vocab) of position `last` of each row (default: the final one).
-        """
+    def prepare(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: torch.Tensor | None,
+                last: torch.Tensor | None) -> tuple[torch.Tensor, list[ForwardContext], tuple[torch.Tensor, ...]]:
+        """The ALiBi bias rides on the context's mask, in the states' dtype."""
         x = self.transformer.wte(tokens)  # (B, T, hidden)
         ctx = ForwardContext.build(cache, slots, positions, alibi_slopes=self.alibi_slopes, dtype=x.dtype)
-        for block in self.transformer.blocks:
-            x = block(x, ctx)
-        x = self.transformer.norm_f(last_token_states(x, last))  # (B, hidden)
-        return self.lm_head(x)  # (B, vocab)
+        return x, [ctx] * self.config.num_layers, ()
+
+    def finish(self, x: torch.Tensor) -> torch.Tensor:
+        return self.transformer.norm_f(x)

@@ -13,9 +13,10 @@ import torch
 from torch import nn
 
 from modelzoo.generation.kv_cache import KVCache
+from modelzoo.models.base import CausalLM
 from modelzoo.models.config import DecoderConfig
 from modelzoo.models.gpt2 import check_learned_positions
-from modelzoo.models.layers import ForwardContext, activation, cached_attention, last_token_states, split_heads
+from modelzoo.models.layers import ForwardContext, activation, cached_attention, split_heads
 
 POSITION_OFFSET = 2  # OPT's position table starts 2 rows in (a fairseq padding-index leftover)
 
@@ -120,44 +121,31 @@ class OPTModel(nn.Module):
         self.decoder = OPTDecoder(config)
 
 
-class OPTForCausalLM(nn.Module):
-    """OPT decoder with a language-model head; `forward` returns last-position logits."""
+class OPTForCausalLM(CausalLM):
+    """OPT decoder with a language-model head (modelzoo/models/base.py): learned positions, optional
+    projections in and out of a narrower embedding, an optional final norm."""
 
     config_from_hf = staticmethod(config_from_hf)
-    packs_prompts = True  # forward takes packed prompts: slots, positions (1, T), see ForwardContext.packed
+    packs_prompts = True
+    embedding_name, layers_name = "model.decoder.embed_tokens", "model.decoder.layers"
 
     def __init__(self, config: OPTDecoderConfig) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         self.model = OPTModel(config)
         self.lm_head = nn.Linear(config.word_embed_proj_dim, config.vocab_size, bias=False)
 
-    def tied_weights(self) -> dict[str, str]:
-        """Weights that may be absent from a checkpoint because they share another's storage."""
-        return {"lm_head.weight": "model.decoder.embed_tokens.weight"} if self.config.tie_word_embeddings else {}
-
-    def build_buffers(self, device: torch.device) -> None:
-        """Nothing to compute: positions are learned weights."""
-
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                slots: torch.Tensor | None, last: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens, positions: (B, T); slots: (B,) cache rows, None for all, or (1, T) for packed prompts; last:
-        (B,) index into T, or (B, N).
-
-        Returns the logits (B, vocab) of position `last` of each row (default: the final one).
-        """
+    def prepare(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: torch.Tensor | None,
+                last: torch.Tensor | None) -> tuple[torch.Tensor, list[ForwardContext], tuple[torch.Tensor, ...]]:
         decoder = self.model.decoder
         ctx = ForwardContext.build(cache, slots, positions)
         check_learned_positions(ctx, self.config.max_position_embeddings)
         x = decoder.embed_tokens(tokens)  # (B, T, word_embed_proj_dim)
         if decoder.project_in is not None:
             x = decoder.project_in(x)  # (B, T, hidden)
-        x = x + decoder.embed_positions(positions + POSITION_OFFSET)
-        for layer in decoder.layers:
-            x = layer(x, ctx)
-        x = last_token_states(x, last)  # (B, hidden)
+        return x + decoder.embed_positions(positions + POSITION_OFFSET), [ctx] * self.config.num_layers, ()
+
+    def finish(self, x: torch.Tensor) -> torch.Tensor:
+        decoder = self.model.decoder
         if decoder.final_layer_norm is not None:
             x = decoder.final_layer_norm(x)
-        if decoder.project_out is not None:
-            x = decoder.project_out(x)  # (B, word_embed_proj_dim)
-        return self.lm_head(x)  # (B, vocab)
+        return decoder.project_out(x) if decoder.project_out is not None else x  # (B, word_embed_proj_dim)

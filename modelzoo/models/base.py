@@ -1,0 +1,88 @@
+"""The family contract: what the loader, the engine, int8 quantization and tensor parallel read from
+a decoder family, in one place, and the forward every family shares.
+
+A family subclasses `CausalLM`, builds its modules in `__init__` under Hugging Face's names (so the
+checkpoint's weights load by name), names three of them in class attributes, and overrides only the
+hooks where it differs. Capabilities are class attributes (or properties where the config decides):
+
+    config_from_hf     staticmethod: transformers config -> the family's frozen config, which has at
+                       least num_layers, num_heads, num_kv_heads, head_dim, hidden_size, vocab_size,
+                       max_position_embeddings and tie_word_embeddings
+    packs_prompts      forward takes packed prompts: slots and positions (1, T), ForwardContext.packed
+    splits_over_ranks  modelzoo/tensor_parallel.py can split it (runconfig.tensor_parallel)
+    embedding_name     dotted name of the token embedding; register it before any position table
+                       (int8 quantizes the first embedding with vocab_size rows)
+    layers_name        dotted name of the nn.ModuleList of decoder layers
+    head_name          dotted name of the output projection, tied to the embedding when the config
+                       says tie_word_embeddings (checkpoints then omit it)
+
+Every linear layer is an nn.Linear (quantized for int8, re-laid out by the GEMM backends) or
+declares `weight_is_in_out` (GPT-2's Conv1D: quantized, not re-laid out).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from modelzoo.generation.kv_cache import KVCache
+from modelzoo.models.layers import ForwardContext, last_token_states
+
+
+class CausalLM(nn.Module):
+    """A decoder with a language-model head; `forward` returns the logits of chosen positions."""
+
+    config_from_hf: Callable[[Any], Any]
+    packs_prompts: bool = False
+    splits_over_ranks: bool = False
+    embedding_name: str
+    layers_name: str
+    head_name: str = "lm_head"
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.rotary: nn.Module | None = None  # a RotaryEmbedding for rotary families, built by build_buffers
+
+    def tied_weights(self) -> dict[str, str]:
+        """Weights that may be absent from a checkpoint because they share another's storage."""
+        tied = self.config.tie_word_embeddings
+        return {f"{self.head_name}.weight": f"{self.embedding_name}.weight"} if tied else {}
+
+    def fused_weights(self) -> dict[str, list[str]]:
+        """Our fused weight -> the Hugging Face weights concatenated (dim 0, in order) to make it."""
+        return {}
+
+    def build_buffers(self, device: torch.device) -> None:
+        """Computes the non-persistent buffers (rotary tables, ALiBi slopes) once the weights are on `device`."""
+        if self.rotary is not None:
+            self.rotary.build_tables(device)
+
+    def prepare(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: torch.Tensor | None,
+                last: torch.Tensor | None) -> tuple[torch.Tensor, Sequence[ForwardContext], tuple[torch.Tensor, ...]]:
+        """The input states (B, T, hidden), each layer's attention context, and the arguments every
+        layer takes before its context (the rotary tables); `last` as in forward. Default: token
+        embedding, one shared context, rotary tables where the family has them."""
+        ctx = ForwardContext.build(cache, slots, positions)
+        x = self.get_submodule(self.embedding_name)(tokens)  # (B, T, hidden)
+        extra = (self.rotary(positions, x.dtype),) if self.rotary is not None else ()
+        return x, [ctx] * self.config.num_layers, extra
+
+    def finish(self, x: torch.Tensor) -> torch.Tensor:
+        """The chosen positions' states (B, hidden) -> the head's input: the final norm."""
+        raise NotImplementedError
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                slots: torch.Tensor | None, last: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens, positions: (B, T); slots: (B,) cache rows, None for all, or (1, T) for packed
+        prompts; last: (B,) index into T, or (B, N) for N positions per row.
+
+        Returns the logits (B, vocab) of position `last` of each row (default: the final one), or
+        (B, N, vocab).
+        """
+        x, contexts, extra = self.prepare(tokens, positions, cache, slots, last)
+        for layer, ctx in zip(self.get_submodule(self.layers_name), contexts):
+            x = layer(x, *extra, ctx)
+        x = self.finish(last_token_states(x, last))  # (B, hidden)
+        return self.get_submodule(self.head_name)(x)  # (B, vocab)
