@@ -127,7 +127,8 @@ def hf_greedy(checkpoint: Path, prompts: Sequence[Sequence[int]], max_new_tokens
 
 def expected_rows(prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]], max_seq_len: int,
                   pad: int) -> np.ndarray:
-    """Output rows per DESIGN.md: prompt, generated tokens, then the pad (first start) token. (N, S)."""
+    """Output rows as the README's "What the job writes" says: prompt, generated tokens, then the pad
+    (first start) token. (N, S)."""
     rows = np.full((len(prompts), max_seq_len), pad, dtype=np.int32)
     for i, (prompt, tokens) in enumerate(zip(prompts, continuations)):
         row = list(prompt) + list(tokens)

@@ -289,7 +289,7 @@ def test_signal_while_loading_stops_with_a_summary(job, tmp_path, capsys, monkey
 
 def test_soak_sigkill_at_random_moments(job, tmp_path):
     """20 kills, each followed by a rerun: half at a random moment between the process start and
-    a little after its first file (start-up, loading, kernel and GEMM set-up, the first steps), half
+    its first new file (start-up, loading, kernel and GEMM set-up, the first prefill), half
     a random moment after a random number of new files (decode, the next batch's prefill,
     mid-write); then the files equal an uninterrupted run's and no temp file is left."""
     params = write_params(tmp_path / "params.yaml", job["checkpoint"], job["data"], batch_size=2, start_token=START,
@@ -312,8 +312,10 @@ def test_soak_sigkill_at_random_moments(job, tmp_path):
             while finished(model_dir) < wanted and process.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.002)
             time.sleep(rng.uniform(0, 0.05))
-        else:
-            time.sleep(rng.uniform(0, first_file + 0.2))
+        else:  # a random time, but no later than this run's first new file (so the job is never done early)
+            before, deadline = finished(model_dir), time.monotonic() + rng.uniform(0, first_file + 0.2)
+            while time.monotonic() < deadline and finished(model_dir) == before and process.poll() is None:
+                time.sleep(0.002)
         killed_running += process.poll() is None
         process.kill()
         process.communicate()

@@ -10,35 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import BloomConfig, FalconConfig, MptConfig
 
 from harness import assert_family_matches_transformers
 from modelzoo.errors import UserError
-from modelzoo.models.layers import alibi_slopes
 from modelzoo.models.falcon import config_from_hf as falcon_config_from_hf
+from modelzoo.models.layers import alibi_slopes
 from modelzoo.models.mpt import config_from_hf as mpt_config_from_hf
 from modelzoo.models.mpt import mpt_alibi_slopes
-
-VOCAB = 96
-LAYERS = 3
-
-
-def bloom_config(**overrides) -> BloomConfig:
-    values = dict(vocab_size=VOCAB, hidden_size=64, n_layer=LAYERS, n_head=4, architectures=["BloomForCausalLM"])
-    return BloomConfig(**{**values, **overrides})
-
-
-def mpt_config(attn_config: dict | None = None, **overrides) -> MptConfig:
-    values = dict(vocab_size=VOCAB, d_model=64, n_layers=LAYERS, n_heads=4, max_seq_len=128,
-                  attn_config=attn_config or {}, architectures=["MptForCausalLM"])
-    return MptConfig(**{**values, **overrides})
-
-
-def falcon_config(**overrides) -> FalconConfig:
-    values = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
-                  max_position_embeddings=128, architectures=["FalconForCausalLM"])
-    return FalconConfig(**{**values, **overrides})
-
+from tiny_configs import bloom_config, falcon_config, mpt_config
 
 @pytest.mark.parametrize("overrides", [
     dict(n_head=4),  # power-of-two heads

@@ -9,10 +9,8 @@ import pytest
 from transformers import GPT2Config, GPTBigCodeConfig, OPTConfig
 
 from harness import assert_family_matches_transformers
-
-VOCAB = 80
-TINY = dict(vocab_size=VOCAB, n_embd=48, n_layer=2, n_head=4, n_positions=80)
-
+from tiny_configs import LEARNED_VOCAB as VOCAB
+from tiny_configs import TINY
 
 @pytest.mark.parametrize("overrides", [
     dict(tie_word_embeddings=True, scale_attn_by_inverse_layer_idx=True, reorder_and_upcast_attn=True),

@@ -10,42 +10,13 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import GPTJConfig, GPTNeoXConfig, MistralConfig, Qwen2Config
+from transformers import GPTNeoXConfig
 
 from harness import (assert_family_matches_transformers, family_prompts, hf_last_logits, our_last_logits,
                      save_tiny_model)
 from modelzoo.models.gpt_neox import config_from_hf as gpt_neox_config_from_hf
 from modelzoo.models.llama import config_from_hf as llama_config_from_hf
-
-VOCAB = 96
-SMALL = dict(vocab_size=VOCAB, num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=128)
-
-
-def mistral_config() -> MistralConfig:
-    """GQA (4 heads over 2 KV heads), a sliding window far shorter than the 40-token prompt."""
-    return MistralConfig(**SMALL, hidden_size=64, intermediate_size=128, num_key_value_heads=2, sliding_window=8,
-                         tie_word_embeddings=False, architectures=["MistralForCausalLM"])
-
-
-def qwen2_config(**overrides) -> Qwen2Config:
-    """GQA, q / k / v biases, tied embeddings."""
-    values = dict(**SMALL, hidden_size=64, intermediate_size=128, num_key_value_heads=2, tie_word_embeddings=True,
-                  architectures=["Qwen2ForCausalLM"])
-    values.update(overrides)
-    return Qwen2Config(**values)
-
-
-def neox_config(parallel: bool, **overrides) -> GPTNeoXConfig:
-    """Partial rotary (a quarter of each 16-wide head), fused qkv with biases."""
-    return GPTNeoXConfig(**SMALL, hidden_size=64, intermediate_size=128, rotary_pct=0.25,
-                         use_parallel_residual=parallel, architectures=["GPTNeoXForCausalLM"], **overrides)
-
-
-def gptj_config() -> GPTJConfig:
-    """rotary_dim 8 of head_dim 16, gelu_new MLP."""
-    return GPTJConfig(vocab_size=VOCAB, n_embd=64, n_layer=3, n_head=4, n_positions=128, rotary_dim=8,
-                      bos_token_id=0, eos_token_id=0, architectures=["GPTJForCausalLM"])
-
+from tiny_configs import SMALL, VOCAB, gptj_config, mistral_config, neox_config, qwen2_config
 
 def test_mistral_sliding_window_matches_transformers(tmp_path):
     assert llama_config_from_hf(mistral_config()).sliding_windows == (8, 8, 8)

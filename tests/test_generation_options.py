@@ -13,7 +13,9 @@ import yaml
 
 from harness import (expected_rows, hf_greedy, load_predictions, prompt_rows, run_job, save_tiny_model,
                      stacked_predictions, write_h5, write_params)
-from test_runner import START, VOCAB, tiny_llama_config
+from tiny_configs import VOCAB, tiny_llama_config
+
+START = VOCAB  # outside the vocabulary, as recommended
 
 MAX_SEQ_LEN = 48
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig
+from transformers import GPT2Config, LlamaConfig
 
 from harness import assert_family_matches_transformers, family_prompts, save_tiny_model, shared_prefix_prompts
 from modelzoo.checkpoint import load_model
@@ -15,9 +15,7 @@ from modelzoo.generation.kv_cache import KVCache
 from modelzoo.kernels import cpu_kernels
 from modelzoo.models import layers
 from modelzoo.models.layers import ForwardContext
-from test_family_alibi import bloom_config, falcon_config, mpt_config
-from test_family_learned_positions import TINY, GPT2Config
-from test_family_rotary import VOCAB, gptj_config, mistral_config, neox_config
+from tiny_configs import TINY, VOCAB, bloom_config, falcon_config, gptj_config, mistral_config, mpt_config, neox_config
 
 kernels = cpu_kernels()
 

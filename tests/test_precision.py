@@ -10,7 +10,9 @@ from safetensors.torch import load_file, save_file
 
 from harness import prompt_rows, run_job, save_tiny_model, stacked_predictions, write_h5, write_params
 from modelzoo import precision
-from test_runner import START, VOCAB, tiny_llama_config
+from tiny_configs import VOCAB, tiny_llama_config
+
+START = VOCAB  # outside the vocabulary, as recommended
 
 
 @pytest.mark.parametrize("flags, dtype, device, expected", [

@@ -1,4 +1,4 @@
-"""The run_inference.py contract (DESIGN.md section 2) on a tiny random Llama, against transformers."""
+"""The run_inference.py contract (README: "What the job writes") on a tiny random Llama, against transformers."""
 from __future__ import annotations
 
 import json
@@ -8,27 +8,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig
 
 from harness import (expected_rows, hf_greedy, load_predictions, prompt_rows, run_job, save_tiny_model,
                      stacked_predictions, truncate_at_stop, write_h5, write_params)
 from modelzoo.checkpoint import load_model
 from modelzoo.generation.engine import GenerationEngine, Request
+from tiny_configs import tiny_llama_config
 
 VOCAB = 96
 START = VOCAB  # outside the vocabulary, as recommended
 MAX_SEQ_LEN = 40
 BATCH = 3
 PROMPT_LENGTHS = (3, 9, 1, 17, 5, 12, 2)  # 7 prompts: 3 steps of 3, the last with 2 dummy rows
-
-
-def tiny_llama_config(**overrides) -> LlamaConfig:
-    """Several layers, grouped-query attention (4 heads over 2 KV heads)."""
-    values = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
-                  num_key_value_heads=2, intermediate_size=128, max_position_embeddings=128,
-                  tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
-    values.update(overrides)
-    return LlamaConfig(**values)
 
 
 @pytest.fixture(scope="module")
@@ -191,16 +182,25 @@ def test_llama_variants_match_transformers(tmp_path, prompts, overrides):
 
 
 def test_engine_prefill_groups_do_not_change_tokens(tiny_llama, prompts):
-    """A tiny prefill budget forces one group per prompt; the tokens stay the same."""
+    """A tiny prefill budget splits the prompts into more prefill forwards; the tokens stay the same."""
     model, _ = load_model(tiny_llama, torch.float32, torch.device("cpu"))
+    forward, prefills = model.forward, []
+
+    def recorded(tokens, positions, cache, slots, last=None):
+        prefills[-1] += tokens.shape[1] > 1  # a forward over several positions: a prefill group
+        return forward(tokens, positions, cache, slots, last)
+
+    model.forward = recorded
 
     def tokens(budget: int) -> dict[int, list[int]]:
+        prefills.append(0)
         engine = GenerationEngine(model, 4, MAX_SEQ_LEN, [], 8, torch.device("cpu"), torch.float32, budget)
         requests = [Request(i, np.array(p)) for i, p in enumerate(prompts)]
         return {c.index: c.tokens.tolist() for c in engine.generate(requests)}
 
-    assert tokens(8) == tokens(8192)
-    assert len(tokens(8)) == len(prompts)
+    small, large = tokens(8), tokens(8192)
+    assert small == large and len(small) == len(prompts)
+    assert prefills[0] > prefills[1], prefills
 
 
 def test_engine_last_steps_run_only_the_rows_left(tiny_llama, prompts):

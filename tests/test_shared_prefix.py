@@ -5,15 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig
+from transformers import GPT2Config, LlamaConfig
 
 from harness import assert_family_matches_transformers, save_tiny_model, shared_prefix_prompts
 from modelzoo.checkpoint import load_model
 from modelzoo.generation.engine import GenerationEngine, Request
 from modelzoo.generation.shared_prefix import MIN_SHARED_TOKENS, common_prefix
-from test_family_alibi import bloom_config
-from test_family_learned_positions import GPT2Config
-from test_family_rotary import VOCAB, mistral_config, qwen2_config
+from tiny_configs import VOCAB, bloom_config, mistral_config, qwen2_config
 
 
 @pytest.mark.parametrize("config", [

@@ -1,0 +1,70 @@
+"""The tiny transformers configs the tests build random checkpoints from, one definition each."""
+from __future__ import annotations
+
+from transformers import (BloomConfig, FalconConfig, GPTJConfig, GPTNeoXConfig, LlamaConfig, MistralConfig, MptConfig,
+                          Qwen2Config)
+
+VOCAB = 96
+
+
+def tiny_llama_config(**overrides) -> LlamaConfig:
+    """Several layers, grouped-query attention (4 heads over 2 KV heads)."""
+    values = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=128, max_position_embeddings=128,
+                  tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+    values.update(overrides)
+    return LlamaConfig(**values)
+
+
+LAYERS = 3
+
+
+def bloom_config(**overrides) -> BloomConfig:
+    values = dict(vocab_size=VOCAB, hidden_size=64, n_layer=LAYERS, n_head=4, architectures=["BloomForCausalLM"])
+    return BloomConfig(**{**values, **overrides})
+
+
+def mpt_config(attn_config: dict | None = None, **overrides) -> MptConfig:
+    values = dict(vocab_size=VOCAB, d_model=64, n_layers=LAYERS, n_heads=4, max_seq_len=128,
+                  attn_config=attn_config or {}, architectures=["MptForCausalLM"])
+    return MptConfig(**{**values, **overrides})
+
+
+def falcon_config(**overrides) -> FalconConfig:
+    values = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
+                  max_position_embeddings=128, architectures=["FalconForCausalLM"])
+    return FalconConfig(**{**values, **overrides})
+
+
+SMALL = dict(vocab_size=VOCAB, num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=128)
+
+
+def mistral_config() -> MistralConfig:
+    """GQA (4 heads over 2 KV heads), a sliding window far shorter than the 40-token prompt."""
+    return MistralConfig(**SMALL, hidden_size=64, intermediate_size=128, num_key_value_heads=2, sliding_window=8,
+                         tie_word_embeddings=False, architectures=["MistralForCausalLM"])
+
+
+def qwen2_config(**overrides) -> Qwen2Config:
+    """GQA, q / k / v biases, tied embeddings."""
+    values = dict(**SMALL, hidden_size=64, intermediate_size=128, num_key_value_heads=2, tie_word_embeddings=True,
+                  architectures=["Qwen2ForCausalLM"])
+    values.update(overrides)
+    return Qwen2Config(**values)
+
+
+def neox_config(parallel: bool, **overrides) -> GPTNeoXConfig:
+    """Partial rotary (a quarter of each 16-wide head), fused qkv with biases."""
+    return GPTNeoXConfig(**SMALL, hidden_size=64, intermediate_size=128, rotary_pct=0.25,
+                         use_parallel_residual=parallel, architectures=["GPTNeoXForCausalLM"], **overrides)
+
+
+def gptj_config() -> GPTJConfig:
+    """rotary_dim 8 of head_dim 16, gelu_new MLP."""
+    return GPTJConfig(vocab_size=VOCAB, n_embd=64, n_layer=3, n_head=4, n_positions=128, rotary_dim=8,
+                      bos_token_id=0, eos_token_id=0, architectures=["GPTJForCausalLM"])
+
+
+# GPT-2 style (tests/test_family_learned_positions.py): learned positions, a smaller vocabulary
+LEARNED_VOCAB = 80
+TINY = dict(vocab_size=LEARNED_VOCAB, n_embd=48, n_layer=2, n_head=4, n_positions=80)
