@@ -27,12 +27,11 @@ import numpy as np
 
 from data_tools.create_inference_h5 import load_tokenizer
 from modelzoo.errors import UserError
+from modelzoo.predictions import PER_ROW_KEYS, REQUIRED_KEYS
 
 PREDICTIONS_SUBDIR = Path("artifacts") / "predictions"
 FILE_PATTERN = re.compile(r"^predictions_(\d+)\.npz$")
-# Keys every file must have; `loop_dim` is optional (absent means 1).
-REQUIRED_KEYS = ("global_step", "predictions", "sample_index", "prompt_length", "num_generated", "stop_reason")
-PER_ROW_KEYS = ("sample_index", "prompt_length", "num_generated", "stop_reason")
+# Keys every file must have (modelzoo/predictions.py owns the schema); `loop_dim` is optional (absent means 1).
 # sample_index of the rows that only pad the last batch.
 DUMMY_INDEX = -1
 

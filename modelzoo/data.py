@@ -25,6 +25,13 @@ class Batch:
     sample_index: np.ndarray
 
 
+def start_positions(rows: np.ndarray, start_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Index of the first start token in each row (B,), and whether the row has one (B,): a row's
+    prompt is what comes before it."""
+    is_start = np.isin(rows, start_tokens)
+    return is_start.argmax(axis=1), is_start.any(axis=1)
+
+
 class GptHDF5MapDataProcessor:
     """Reads the prompts of a data folder in batches of `batch_size`, padding the last with dummy rows."""
 
@@ -109,13 +116,23 @@ class GptHDF5MapDataProcessor:
         index[: stop - start] = np.arange(start, stop)
         return Batch(step=step, rows=rows, sample_index=index)
 
+    def check_against_model(self, start_tokens: np.ndarray, vocab_size: int) -> None:
+        """The data tool's attributes (start_token, vocab_size) must agree with the params and the model."""
+        attrs = self.attrs
+        if "start_token" in attrs and int(attrs["start_token"]) not in start_tokens:
+            raise UserError(f"the data in {self.data_dir} was tokenized with start_token {int(attrs['start_token'])} "
+                            f"but params model.start_token is {[int(t) for t in start_tokens]}")
+        if "vocab_size" in attrs and int(attrs["vocab_size"]) > vocab_size:
+            raise UserError(f"the data in {self.data_dir} was tokenized with a vocabulary of {int(attrs['vocab_size'])} "
+                            f"tokens ({attrs.get('tokenizer', '?')}) but the model has {vocab_size}")
+
     def check_prompt_tokens(self, steps: list[int], vocab_size: int, start_tokens: np.ndarray) -> None:
         """Reads the samples of `steps` once, in large slices, and raises on the first prompt token
         outside 0..vocab_size-1 (what follows a row's first start token is never read as a prompt)."""
         for start, stop in self._sample_ranges(steps):
             rows = self.read(start, stop)  # (n, max_seq_len)
-            is_start = np.isin(rows, start_tokens)
-            prompt_end = np.where(is_start.any(axis=1), is_start.argmax(axis=1), 0)  # no start token: no prompt
+            starts, has_start = start_positions(rows, start_tokens)
+            prompt_end = np.where(has_start, starts, 0)  # no start token: no prompt
             in_prompt = np.arange(rows.shape[1])[None, :] < prompt_end[:, None]
             bad = in_prompt & ((rows < 0) | (rows >= vocab_size))
             if bad.any():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import BinaryIO
@@ -18,6 +19,10 @@ import numpy as np
 
 from modelzoo.files import write_atomic
 
+# The file's keys: global_step (0-d), predictions (2-D), one value per row of each PER_ROW_KEYS, loop_dim
+# (0-d), inputs_sha256 (0-d); readers need REQUIRED_KEYS (files of older versions lack the last two).
+PER_ROW_KEYS = ("sample_index", "prompt_length", "num_generated", "stop_reason")
+REQUIRED_KEYS = ("global_step", "predictions", *PER_ROW_KEYS)
 _ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)  # the earliest zip timestamp: no wall-clock time in the file
 _READERS = 8  # files checked at once at resume (reading is I/O bound)
 
@@ -29,6 +34,24 @@ class FileState(Enum):
     COMPLETE = "complete"  # whole, of this run's shape, made from this run's inputs
     DAMAGED = "damaged"  # unreadable, truncated, a bad CRC, or of another shape
     OTHER_INPUTS = "other inputs"  # whole, but made from other params, data or checkpoint
+
+
+@dataclass
+class StepAssembly:
+    """The output arrays of one global step, filled row by row as completions arrive."""
+
+    predictions: np.ndarray  # (batch_size, max_seq_len) int32
+    sample_index: np.ndarray  # (batch_size,) int64, -1 for dummy rows
+    prompt_length: np.ndarray  # (batch_size,) int32
+    num_generated: np.ndarray  # (batch_size,) int32
+    stop_reason: np.ndarray  # (batch_size,) unicode
+    remaining: int  # rows still generating
+
+    def arrays(self, loop_dim: int) -> dict[str, np.ndarray]:
+        """The npz payload; `predictions` transposed to (max_seq_len, batch_size) when loop_dim is 0."""
+        predictions = self.predictions if loop_dim == 1 else np.ascontiguousarray(self.predictions.T)
+        return {"predictions": predictions, **{key: getattr(self, key) for key in PER_ROW_KEYS},
+                "loop_dim": np.array(loop_dim, dtype=np.int64)}
 
 
 def predictions_path(folder: Path, step: int) -> Path:

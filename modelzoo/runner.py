@@ -11,7 +11,7 @@ import logging
 import os
 import signal
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -20,41 +20,24 @@ import torch
 import yaml
 
 from modelzoo.checkpoint import load_hf_config, resolve_dtype
-from modelzoo.data import Batch, GptHDF5MapDataProcessor
+from modelzoo.data import Batch, GptHDF5MapDataProcessor, start_positions
 from modelzoo.distributed import Shard
 from modelzoo.errors import UserError
 from modelzoo.files import WriteError, write_text_atomic
 from modelzoo.generation.engine import GenerationEngine, Request
+from modelzoo.generation.stopping import DUMMY, EMPTY_PROMPT, NO_START_TOKEN
 from modelzoo.manifest import build_manifest
 from modelzoo.model_setup import ModelSetup, resolve_device
 from modelzoo.output_folder import OutputFolder
 from modelzoo.params import InferenceParams
 from modelzoo.precision import arithmetic_dtype
+from modelzoo.predictions import StepAssembly
 from modelzoo.preemption import Interrupted, StopRequest
 from modelzoo.reporting import (Progress, RunStats, log_totals, read_shard_stats, shard_stats_path, summary_of,
                                 write_json)
 from modelzoo.tensor_parallel import AgreedStop, open_group
 
 log = logging.getLogger("zoo-infer")
-
-@dataclass
-class StepAssembly:
-    """The output arrays of one global step, filled row by row as completions arrive."""
-
-    predictions: np.ndarray  # (batch_size, max_seq_len) int32
-    sample_index: np.ndarray  # (batch_size,) int64, -1 for dummy rows
-    prompt_length: np.ndarray  # (batch_size,) int32
-    num_generated: np.ndarray  # (batch_size,) int32
-    stop_reason: np.ndarray  # (batch_size,) unicode
-    remaining: int  # rows still generating
-
-    def arrays(self, loop_dim: int) -> dict[str, np.ndarray]:
-        """The npz payload; `predictions` transposed to (max_seq_len, batch_size) when loop_dim is 0."""
-        predictions = self.predictions if loop_dim == 1 else np.ascontiguousarray(self.predictions.T)
-        return {"predictions": predictions, "sample_index": self.sample_index, "prompt_length": self.prompt_length,
-                "num_generated": self.num_generated, "stop_reason": self.stop_reason,
-                "loop_dim": np.array(loop_dim, dtype=np.int64)}
-
 
 class InferenceJob:
     """One run of `run_inference.py`: owns the data, the model, the engine and the output folder."""
@@ -85,7 +68,7 @@ class InferenceJob:
         self.vocab_size = int(hf_config.vocab_size)
         self.setup = ModelSetup(params, self.device, weights_dtype, arithmetic_dtype(weights_dtype, self.device),
                                 self.data.max_seq_len, self.vocab_size)
-        self._check_data_against_model()
+        self.data.check_against_model(self.start_tokens, self.vocab_size)
         self.stats = RunStats()
         self.written: set[int] = set()  # steps this run wrote
         self.shape = ((params.inference_input.batch_size, self.data.max_seq_len) if model.loop_dim == 1
@@ -95,16 +78,6 @@ class InferenceJob:
         self.output = OutputFolder(self.model_dir, shard.index, shard.count, self.writes)
         self.artifacts, self.predictions_dir = self.output.artifacts, self.output.predictions_dir
         self.output_taken = False  # True once this run writes into the folder (lock held, steps planned)
-
-    def _check_data_against_model(self) -> None:
-        """The data tool's attributes must agree with the params and the model."""
-        attrs = self.data.attrs
-        if "start_token" in attrs and int(attrs["start_token"]) not in self.start_tokens:
-            raise UserError(f"the data in {self.data.data_dir} was tokenized with start_token {int(attrs['start_token'])} "
-                            f"but params model.start_token is {list(self.params.model.start_token)}")
-        if "vocab_size" in attrs and int(attrs["vocab_size"]) > self.vocab_size:
-            raise UserError(f"the data in {self.data.data_dir} was tokenized with a vocabulary of {int(attrs['vocab_size'])} "
-                            f"tokens ({attrs.get('tokenizer', '?')}) but the model has {self.vocab_size}")
 
     def steps(self) -> list[int]:
         """Global steps this run processes: all, or the first `inference_steps` (clamped, with a warning)."""
@@ -200,7 +173,7 @@ class InferenceJob:
     def _check_forward(self, model: torch.nn.Module, engine: GenerationEngine) -> None:
         """compile_only: one forward pass over the first sample's prompt (one token 0 if it has none)."""
         row = self.data.batch(1).rows[0]
-        starts, has_start = self._start_positions(row[None])
+        starts, has_start = start_positions(row[None], self.start_tokens)
         prompt = row[: starts[0]] if has_start[0] and starts[0] > 0 else np.zeros(1, dtype=np.int32)
         tokens = torch.as_tensor(prompt, dtype=torch.long, device=self.device)[None]  # (1, T)
         with torch.inference_mode():
@@ -211,19 +184,14 @@ class InferenceJob:
         log.info("compile_only: params, data and checkpoint are valid; one forward pass gave logits %s; "
                  "no predictions written", tuple(logits.shape))
 
-    def _start_positions(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Index of the first start token in each row (B,), and whether the row has one (B,)."""
-        is_start = np.isin(rows, self.start_tokens)
-        return is_start.argmax(axis=1), is_start.any(axis=1)
-
     def _assemble(self, batch: Batch) -> tuple[StepAssembly, list[Request]]:
         """Output arrays for a batch, with pass-through rows final, and the requests of the rest."""
         rows = batch.rows
         size, width = rows.shape
-        starts, has_start = self._start_positions(rows)
+        starts, has_start = start_positions(rows, self.start_tokens)
         dummy = batch.sample_index < 0
         generate = has_start & (starts > 0) & ~dummy
-        reason = np.where(dummy, "dummy", np.where(~has_start, "no_start_token", "empty_prompt")).astype("<U16")
+        reason = np.where(dummy, DUMMY, np.where(~has_start, NO_START_TOKEN, EMPTY_PROMPT)).astype("<U16")
         prompt_length = np.where(has_start, starts, width).astype(np.int32)
         prompt_length[dummy] = 0
         predictions = rows.copy()
@@ -276,8 +244,8 @@ class InferenceJob:
         self.stats.batches_done += 1
         self.stats.generated_tokens += int(assembly.num_generated.sum())
         self.stats.samples_done += int(real.sum())
-        self.stats.rows_without_start_token += int((assembly.stop_reason[real] == "no_start_token").sum())
-        self.stats.rows_with_empty_prompt += int((assembly.stop_reason[real] == "empty_prompt").sum())
+        self.stats.rows_without_start_token += int((assembly.stop_reason[real] == NO_START_TOKEN).sum())
+        self.stats.rows_with_empty_prompt += int((assembly.stop_reason[real] == EMPTY_PROMPT).sum())
         self.stats.count_reasons(assembly.stop_reason[real])
         progress.update(step, self.stats.samples_done, engine.generated_tokens)
 
