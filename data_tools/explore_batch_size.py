@@ -31,7 +31,6 @@ import argparse
 import copy
 import csv
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -39,39 +38,12 @@ from typing import Any
 import yaml
 
 from data_tools.measure import run_measured
+from modelzoo.memory import available_host_memory
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RUN_INFERENCE = REPO_ROOT / "run_inference.py"
 COLUMNS = ("batch_size", "status", "steps", "samples", "generated_tokens", "generation_seconds", "samples_per_s",
            "tokens_per_s", "process_seconds", "peak_rss_mib", "fits_memory", "recommended", "note")
-
-
-def available_memory_bytes() -> int:
-    """Memory this job may still use: MemAvailable, capped by the cgroup v2/v1 limit if lower."""
-    available = 0
-    try:
-        with open("/proc/meminfo") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    available = int(line.split()[1]) * 1024
-                    break
-    except OSError:
-        pass
-    if not available:
-        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    for path, usage_path in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                             ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                              "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
-        try:
-            limit_text = Path(path).read_text().strip()
-            if limit_text == "max":
-                continue
-            room = int(limit_text) - int(Path(usage_path).read_text().strip())
-            if 0 < room < available:
-                available = room
-        except (OSError, ValueError):
-            continue
-    return available
 
 
 def parse_sizes(text: str) -> list[int]:
@@ -235,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or args.model_dir / "batch_exploration"
     out.mkdir(parents=True, exist_ok=True)
     # Measured once, before any run, so every size is judged against the same budget.
-    limit_mib = args.memory_fraction * available_memory_bytes() / 2**20
+    limit_mib = args.memory_fraction * available_host_memory() / 2**20
     print(f"batch sizes {sizes}, {args.steps} step(s) each; memory limit {limit_mib:.0f} MiB "
           f"({args.memory_fraction:.0%} of available)", flush=True)
     rows = []

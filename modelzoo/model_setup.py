@@ -15,6 +15,7 @@ from modelzoo.generation.engine import GenerationEngine
 from modelzoo.generation.kv_cache import KVCache
 from modelzoo.generation.sampling import TokenChoice
 from modelzoo.generation.speculative import DraftModelDrafter, Drafter, PromptLookupDrafter
+from modelzoo.memory import available_host_memory
 from modelzoo.params import InferenceParams
 from modelzoo.quantization import int8_summary
 from modelzoo.tensor_parallel import TensorParallelGroup, shard_plan
@@ -39,17 +40,10 @@ def resolve_device(name: str) -> torch.device:
 
 
 def available_memory(device: torch.device) -> int:
-    """Bytes free on the device (CPU: MemAvailable of /proc/meminfo, else physical memory)."""
+    """Bytes free on the device (CPU: the host's, cgroup limits included)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return available_host_memory()
 
 
 class ModelSetup:
