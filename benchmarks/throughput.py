@@ -72,7 +72,8 @@ from benchmarks import machine  # noqa: E402
 from benchmarks.prompts import PYPI_NAME, load_prompts  # noqa: E402
 from benchmarks.random_model import RANDOM_PREFIX, SHAPES, ensure_random_model, is_random  # noqa: E402
 from data_tools import measure  # noqa: E402
-from data_tools.create_inference_h5 import build_rows, load_tokenizer, tokenize_prompts, write_h5  # noqa: E402
+from data_tools.create_inference_h5 import build_rows, write_h5  # noqa: E402
+from data_tools.prompts import load_tokenizer, tokenize_prompts  # noqa: E402
 
 run_measured = functools.partial(measure.run_measured, cwd=REPO_ROOT)  # every engine runs from the repo root
 

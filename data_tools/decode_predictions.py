@@ -25,7 +25,7 @@ from typing import Any, Sequence, TextIO
 
 import numpy as np
 
-from data_tools.create_inference_h5 import load_tokenizer
+from data_tools.prompts import load_tokenizer
 from modelzoo.errors import UserError
 from modelzoo.predictions import PER_ROW_KEYS, REQUIRED_KEYS
 

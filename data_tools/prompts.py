@@ -1,0 +1,148 @@
+"""Prompts in, token ids out: reading prompt files (.jsonl, .txt, .csv) and the tokenizer that turns
+them into ids, with a one-line error for every file or folder it cannot use."""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+from modelzoo.errors import UserError
+
+SUFFIXES = (".jsonl", ".txt", ".csv")
+
+
+# --------------------------------------------------------------------------------------------
+# Reading prompts
+# --------------------------------------------------------------------------------------------
+
+
+def read_jsonl_prompts(path: Path, field: str) -> list[str]:
+    """Returns the string in `field` of every JSON object line of a .jsonl file."""
+    prompts = []
+    for line_no, line in enumerate(read_text(path).splitlines(), start=1):
+        # A blank line is not a record (editors often leave one at the end); skipping it keeps the
+        # rows aligned with the records, which is what users count.
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{path}: line {line_no} is not valid JSON ({exc.msg})") from None
+        if not isinstance(record, dict):
+            raise UserError(f"{path}: line {line_no} is not a JSON object")
+        if field not in record:
+            raise UserError(f"{path}: line {line_no} has no field {field!r} (use --field to pick another)")
+        value = record[field]
+        if not isinstance(value, str):
+            raise UserError(f"{path}: line {line_no}: field {field!r} is a {type(value).__name__}, not a string")
+        prompts.append(value)
+    return prompts
+
+
+def read_txt_prompts(path: Path) -> list[str]:
+    """Returns every line of a .txt file as one prompt, blank lines included."""
+    # splitlines() drops the final newline without adding an empty row, and keeps blank lines in
+    # the middle so row i of the output is line i of the input.
+    return read_text(path).splitlines()
+
+
+def read_csv_prompts(path: Path, column: str) -> list[str]:
+    """Returns the values of `column` of a .csv file with a header row."""
+    # utf-8-sig strips the byte-order mark that spreadsheet programs put before the header.
+    with open(path, newline="", encoding="utf-8-sig") as handle:
+        try:
+            reader = csv.DictReader(handle)
+            columns = reader.fieldnames or []
+            if column not in columns:
+                existing = ", ".join(repr(name) for name in columns) or "none"
+                raise UserError(f"{path}: no column {column!r} (columns: {existing}; use --column to pick one)")
+            # A short row has no value for the column (None): it is an empty prompt, still a row.
+            return [row[column] or "" for row in reader]
+        except UnicodeDecodeError as exc:
+            raise UserError(f"{path}: not UTF-8 text ({exc.reason})") from None
+        except csv.Error as exc:
+            raise UserError(f"{path}: malformed CSV ({exc})") from None
+
+
+def read_text(path: Path) -> str:
+    """Returns the contents of a UTF-8 text file, as a UserError if it cannot be decoded."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path}: not UTF-8 text ({exc.reason})") from None
+
+
+def read_prompts(path: Path | str, field: str = "prompt", column: str = "prompt") -> list[str]:
+    """Reads the prompts of a .jsonl, .txt or .csv file (format chosen by suffix), in file order."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix not in SUFFIXES:
+        raise UserError(f"{path}: unsupported input suffix {path.suffix!r} (use one of {', '.join(SUFFIXES)})")
+    if not path.is_file():
+        raise UserError(f"input file not found: {path}")
+    if suffix == ".jsonl":
+        prompts = read_jsonl_prompts(path, field)
+    elif suffix == ".txt":
+        prompts = read_txt_prompts(path)
+    else:
+        prompts = read_csv_prompts(path, column)
+    if not prompts:
+        raise UserError(f"{path}: no prompts found")
+    return prompts
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenizing
+# --------------------------------------------------------------------------------------------
+
+
+def no_tokenizer(path: Path, needs: str) -> UserError:
+    """The error for a folder without the tokenizer files: what it needs and what it holds."""
+    found = sorted(entry.name for entry in path.iterdir())
+    listed = ", ".join(found[:12]) + (f" and {len(found) - 12} more" if len(found) > 12 else "")
+    return UserError(f"no tokenizer in {path}: it needs {needs} (found: {listed or 'nothing'})")
+
+
+def load_tokenizer(path: Path | str) -> Any:
+    """Loads a Hugging Face tokenizer from a local checkpoint or tokenizer folder: tokenizer.json, or
+    the vocabulary files of the tokenizer class it names (transformers 5 otherwise builds an empty
+    tokenizer for some classes, with no error)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise UserError(f"tokenizer folder not found: {path}")
+    # Imported here so that --help and argument errors do not pay for importing transformers.
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        if not (path / "tokenizer.json").is_file():
+            raise no_tokenizer(path, "tokenizer.json, or tokenizer_config.json with the vocabulary files of its "
+                                     "tokenizer class") from None
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"could not load a tokenizer from {path}: {first_line}") from None
+    vocabulary = [name for key, name in getattr(tokenizer, "vocab_files_names", {}).items()
+                  if key in ("vocab_file", "merges_file") and not (path / name).is_file()]
+    if vocabulary and not (path / "tokenizer.json").is_file():
+        raise no_tokenizer(path, f"tokenizer.json, or the vocabulary files of {type(tokenizer).__name__}: "
+                                 f"{', '.join(vocabulary)}")
+    return tokenizer
+
+
+def tokenize_prompts(tokenizer: Any, prompts: Sequence[str], chat_template: bool) -> list[list[int]]:
+    """Returns the token ids of each prompt, optionally wrapped in the tokenizer's chat template."""
+    if not chat_template:
+        # The tokenizer's own default (add_special_tokens=True) adds a BOS where the model expects one.
+        return [list(ids) for ids in tokenizer(list(prompts))["input_ids"]]
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise UserError("--chat_template was given but the tokenizer has no chat template")
+    texts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
+        for prompt in prompts
+    ]
+    # The template already writes every special token the model expects; adding them again would
+    # put e.g. a second BOS in front.
+    return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
