@@ -206,7 +206,12 @@ def assert_family_matches_transformers(config: Any, tmp_path: Path, max_seq_len:
         np.testing.assert_array_equal(got, expected, err_msg=f"gemm_backend {backend}")
 
 
-def small_job(root: Path, num_samples: int = 90, batch_size: int = 4, vocab: int = 80) -> dict[str, Any]:
+# small_job's workload: 90 prompts, 23 steps of 4 (the last with 2 dummy rows), vocabulary 80 (start token 80)
+SMALL_VOCAB, SMALL_SAMPLES, SMALL_BATCH, SMALL_STEPS = 80, 90, 4, 23
+
+
+def small_job(root: Path, num_samples: int = SMALL_SAMPLES, batch_size: int = SMALL_BATCH,
+              vocab: int = SMALL_VOCAB) -> dict[str, Any]:
     """A tiny Llama, `num_samples` random prompts (start token = vocab) and their params (max_tokens 40,
     a progress line per step), plus one uninterrupted run's output in root/reference: the workload of
     the resume and failure tests."""

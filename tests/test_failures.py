@@ -15,15 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from modelzoo.model_setup import ModelSetup
 from fs_faults import error_lines, fill, grow, read_only, run_process, small_disk, start_job
-from harness import prompt_rows, run_job, small_job, write_h5, write_params
+from harness import (SMALL_BATCH, SMALL_SAMPLES, SMALL_STEPS, SMALL_VOCAB, prompt_rows, run_job, small_job, write_h5,
+                     write_params)
+from modelzoo.model_setup import ModelSetup
 
-VOCAB = 80
+VOCAB, NUM_SAMPLES, BATCH, STEPS = SMALL_VOCAB, SMALL_SAMPLES, SMALL_BATCH, SMALL_STEPS
 START = VOCAB
-NUM_SAMPLES = 90  # 23 steps of 4, the last with 2 dummy rows
-BATCH = 4
-STEPS = 23
 
 
 @pytest.fixture(scope="module")

@@ -13,13 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness import REPO_ROOT, prompt_rows, run_job, small_job, write_h5
+from harness import (REPO_ROOT, SMALL_BATCH, SMALL_SAMPLES, SMALL_STEPS, SMALL_VOCAB, prompt_rows, run_job, small_job,
+                     write_h5)
 
-VOCAB = 80
+VOCAB, NUM_SAMPLES, BATCH, STEPS = SMALL_VOCAB, SMALL_SAMPLES, SMALL_BATCH, SMALL_STEPS
 START = VOCAB
-NUM_SAMPLES = 90  # 23 steps of 4, the last with 2 dummy rows
-BATCH = 4
-STEPS = 23
 
 
 @pytest.fixture(scope="module")
