@@ -144,16 +144,16 @@ class GptHDF5MapDataProcessor:
         """[start, stop) sample ranges covering `steps`: runs of consecutive steps, cut to about 8 MiB
         (the check's temporaries are a few times that: small next to the model, flat in the data size)."""
         most = max(1, (8 << 20) // (4 * self.max_seq_len))
-        first = previous = None
-        for step in sorted(steps) + [None]:
-            if first is not None and (step is None or step != previous + 1):
-                begin, end = (first - 1) * self.batch_size, min(previous * self.batch_size, self.num_samples)
-                for lo in range(begin, end, most):
-                    yield lo, min(lo + most, end)
-                first = None
-            if step is not None:
-                first = step if first is None else first
-                previous = step
+        runs: list[list[int]] = []  # [start, stop) of consecutive steps' samples
+        for step in sorted(steps):
+            start, stop = (step - 1) * self.batch_size, min(step * self.batch_size, self.num_samples)
+            if runs and runs[-1][1] == start:
+                runs[-1][1] = stop
+            else:
+                runs.append([start, stop])
+        for start, stop in runs:
+            for lo in range(start, stop, most):
+                yield lo, min(lo + most, stop)
 
     def batches(self, steps: list[int]) -> Iterator[Batch]:
         """The batches of `steps`, in the given order."""

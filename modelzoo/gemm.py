@@ -164,7 +164,8 @@ def measure_shape(in_features: int, out_features: int, dtype: torch.dtype, backe
 
 def fastest(measured: dict, exclude: tuple[str, ...] = ()) -> str:
     """The backend of least time per row summed over the row counts timed (M = 256 and M = 32 in a job:
-    as many prompt tokens as generated ones) among the batch-invariant ones measured (all measured if none is), `exclude` left out."""
+    as many prompt tokens as generated ones) among the batch-invariant ones measured (all measured if
+    none is), `exclude` left out."""
     cost = {backend: sum(1 / rate for rate in rates.values())  # time per row is proportional to 1 / rate
             for backend, rates in measured["gflops"].items() if backend not in exclude}
     usable = [backend for backend in cost if measured["invariant"][backend]] or list(cost)

@@ -90,7 +90,11 @@ class OutputFolder:
                 remove(leftover)
         self.repair_manifest()
         if params_yaml is not None:
-            write_text_atomic(self.artifacts / "params_inference.yaml", params_yaml)
+            self.write_params(params_yaml)
+
+    def write_params(self, params_yaml: str) -> None:
+        """artifacts/params_inference.yaml: the effective params."""
+        write_text_atomic(self.artifacts / "params_inference.yaml", params_yaml)
 
     def repair_manifest(self) -> None:
         """Writes the manifest where it is missing or damaged. Every shard does, before its first file:

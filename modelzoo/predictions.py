@@ -93,12 +93,9 @@ def write_predictions(folder: Path, step: int, inputs_sha256: str, arrays: dict[
 
 
 def file_state(folder: Path, step: int, shape: tuple[int, int], inputs_sha256: str) -> FileState:
-    """Reads every entry of the step's file (so zip's CRC checks every byte) and classifies it."""
-    path = predictions_path(folder, step)
-    if not path.is_file():
-        return FileState.MISSING
+    """Reads every entry of the step's file, which exists (so zip's CRC checks every byte), and classifies it."""
     try:
-        with np.load(path, allow_pickle=False) as npz:
+        with np.load(predictions_path(folder, step), allow_pickle=False) as npz:
             arrays = {name: npz[name] for name in npz.files}
     except Exception:  # truncated, not a zip, a flipped byte (BadZipFile: bad CRC), ...
         return FileState.DAMAGED
@@ -112,7 +109,11 @@ def file_state(folder: Path, step: int, shape: tuple[int, int], inputs_sha256: s
 
 
 def file_states(folder: Path, steps: list[int], shape: tuple[int, int], inputs_sha256: str) -> dict[int, FileState]:
-    """`file_state` of every step, read a few files at a time."""
+    """`file_state` of every step: one listing of the folder (no per-step lookup on a fresh run), then
+    the files there are read a few at a time."""
+    written = written_steps(folder) if folder.is_dir() else set()
+    present = [step for step in steps if step in written]
+    states = dict.fromkeys(steps, FileState.MISSING)
     with ThreadPoolExecutor(_READERS) as pool:
-        states = pool.map(lambda step: file_state(folder, step, shape, inputs_sha256), steps)
-        return dict(zip(steps, states))
+        states.update(zip(present, pool.map(lambda step: file_state(folder, step, shape, inputs_sha256), present)))
+    return states

@@ -23,7 +23,7 @@ from modelzoo.checkpoint import load_hf_config, resolve_dtype
 from modelzoo.data import Batch, GptHDF5MapDataProcessor, start_positions
 from modelzoo.distributed import Shard
 from modelzoo.errors import UserError
-from modelzoo.files import WriteError, write_text_atomic
+from modelzoo.files import WriteError
 from modelzoo.generation.engine import GenerationEngine, Request
 from modelzoo.generation.stopping import DUMMY, EMPTY_PROMPT, NO_START_TOKEN
 from modelzoo.manifest import build_manifest
@@ -132,7 +132,7 @@ class InferenceJob:
         if self.params.runconfig.compile_only:
             self.data.check_prompt_tokens(self.todo, self.vocab_size, self.start_tokens)
             if self.writes and params_yaml:
-                write_text_atomic(self.artifacts / "params_inference.yaml", params_yaml)
+                self.output.write_params(params_yaml)
             return self.todo
         manifest = build_manifest(self.params, self.data.files)
         self.todo = self.output.plan(self.steps_of_shard, manifest, self.shape, self.overwrite)
