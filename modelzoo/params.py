@@ -123,8 +123,35 @@ def _speculative(key: str, value: Any) -> SpeculativeParams | None:
 
 
 @dataclass(frozen=True)
-class ModelParams:
-    """`model:` section: what to run, how tokens are chosen and when a row stops."""
+class TokenChoiceParams:
+    """How the next token is chosen: the `model:` keys temperature, top_k, top_p, seed, repetition_penalty and
+    no_repeat_ngram_size. temperature 0 is greedy (argmax of the penalised scores); top_k 0 and top_p 1.0 are off.
+    Defined once here; modelzoo/generation/sampling.py's TokenChoice adds the arithmetic."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    repetition_penalty: float = 1.0
+    no_repeat_ngram_size: int = 0
+
+    def __post_init__(self) -> None:
+        checks = {"temperature": self.temperature >= 0, "top_k": self.top_k >= 0, "top_p": 0 < self.top_p <= 1,
+                  "seed": self.seed >= 0, "repetition_penalty": self.repetition_penalty > 0,
+                  "no_repeat_ngram_size": self.no_repeat_ngram_size >= 0}
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(f"{type(self).__name__}.{name} out of range: {getattr(self, name)!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """Whether each token is the argmax of the (possibly penalised) logits; no randomness then."""
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelParams(TokenChoiceParams):
+    """`model:` section: what to run, how tokens are chosen (TokenChoiceParams) and when a row stops."""
 
     start_token: tuple[int, ...]
     checkpoint_path: str | None = None
@@ -133,18 +160,7 @@ class ModelParams:
     stop_sequences: tuple[tuple[int, ...], ...] = ()
     max_tokens: int | None = None
     loop_dim: int = 1
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    repetition_penalty: float = 1.0
-    no_repeat_ngram_size: int = 0
     speculative: SpeculativeParams | None = None
-
-    @property
-    def greedy(self) -> bool:
-        """Whether each token is the argmax of the (possibly penalised) logits."""
-        return self.temperature == 0.0
 
     def check_combinations(self) -> None:
         """Keys that are valid alone but not together."""
@@ -190,14 +206,15 @@ class InferenceParams:
     runconfig: RunConfig
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain YAML-ready dict (tuples become lists)."""
+        """Plain YAML-ready dict (tuples become lists), each section's keys in the params reference's order."""
         def plain(value: Any) -> Any:
             if isinstance(value, (tuple, list)):
                 return [plain(v) for v in value]
             if isinstance(value, dict):
                 return {k: plain(v) for k, v in value.items()}
             return value
-        return plain(asdict(self))
+        sections = plain(asdict(self))
+        return {name: {key: sections[name][key] for key in SCHEMA[name][1]} for name in SCHEMA}
 
 
 # Section -> (dataclass, {key: check}). Order of keys is the order of the params reference.

@@ -215,11 +215,9 @@ def small_job(root: Path, num_samples: int = SMALL_SAMPLES, batch_size: int = SM
     """A tiny Llama, `num_samples` random prompts (start token = vocab) and their params (max_tokens 40,
     a progress line per step), plus one uninterrupted run's output in root/reference: the workload of
     the resume and failure tests."""
-    from transformers import LlamaConfig
+    from tiny_configs import tiny_llama_config
 
-    config = LlamaConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, intermediate_size=128, max_position_embeddings=128,
-                         architectures=["LlamaForCausalLM"])
+    config = tiny_llama_config(vocab_size=vocab, num_hidden_layers=2)
     checkpoint = save_tiny_model(config, root / "ckpt")
     rng = np.random.default_rng(7)
     prompts = [rng.integers(0, vocab, size=rng.integers(1, 20)).tolist() for _ in range(num_samples)]

@@ -9,9 +9,9 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig
 
 from harness import prompt_rows, run_job, save_tiny_model, write_h5, write_params
+from tiny_configs import narrow_llama_config
 
 VOCAB = 64
 START = VOCAB
@@ -20,9 +20,7 @@ WIDTH = 16
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                         intermediate_size=64, max_position_embeddings=64, architectures=["LlamaForCausalLM"])
-    return save_tiny_model(config, tmp_path_factory.mktemp("ckpt"))
+    return save_tiny_model(narrow_llama_config(vocab_size=VOCAB), tmp_path_factory.mktemp("ckpt"))
 
 
 def good_rows() -> np.ndarray:

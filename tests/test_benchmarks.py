@@ -71,12 +71,10 @@ def test_throughput_table(tmp_path: Path, capsys: pytest.CaptureFixture) -> None
 def test_explore_batch_size(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """Two batch sizes on a tiny random Llama: a CSV row each, one recommended, the plot written."""
     pytest.importorskip("matplotlib", reason="the plot needs matplotlib (the `bench` extra)")
-    from transformers import LlamaConfig
+    from tiny_configs import narrow_llama_config
 
     vocab = 64
-    config = LlamaConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                         intermediate_size=64, max_position_embeddings=64, architectures=["LlamaForCausalLM"])
-    checkpoint = save_tiny_model(config, tmp_path / "checkpoint")
+    checkpoint = save_tiny_model(narrow_llama_config(vocab_size=vocab), tmp_path / "checkpoint")
     prompts = [[(7 * i + j) % vocab for j in range(3 + i % 5)] for i in range(4)]
     write_h5(tmp_path / "data", prompt_rows(prompts, 32, vocab))
     params = write_params(tmp_path / "params.yaml", checkpoint, tmp_path / "data", batch_size=8, start_token=vocab,

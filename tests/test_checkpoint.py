@@ -6,18 +6,17 @@ import shutil
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+from transformers import AutoModelForCausalLM, GPT2Config
 
 from harness import our_last_logits, save_tiny_model
 from modelzoo.checkpoint import load_model
+from tiny_configs import narrow_llama_config
 
 PROMPT = [[5, 9, 2, 31, 7]]
 
 
 def test_sharded_safetensors_with_index(tmp_path):
-    config = LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                         intermediate_size=64, max_position_embeddings=64, architectures=["LlamaForCausalLM"])
-    single = save_tiny_model(config, tmp_path / "single")
+    single = save_tiny_model(narrow_llama_config(), tmp_path / "single")
     sharded = tmp_path / "sharded"
     AutoModelForCausalLM.from_pretrained(single).save_pretrained(sharded, max_shard_size="20KB")
     index = json.loads((sharded / "model.safetensors.index.json").read_text())
@@ -38,9 +37,7 @@ def test_base_model_weight_names_without_prefix(tmp_path):
 
 
 def test_dtype_is_cast_on_load(tmp_path):
-    config = LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                         intermediate_size=64, max_position_embeddings=64, tie_word_embeddings=True,
-                         architectures=["LlamaForCausalLM"])
+    config = narrow_llama_config(num_hidden_layers=1, tie_word_embeddings=True)
     checkpoint = save_tiny_model(config, tmp_path / "ckpt")
     model, _ = load_model(checkpoint, torch.bfloat16, torch.device("cpu"))
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}

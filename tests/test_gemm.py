@@ -118,13 +118,13 @@ def test_onednn_single_row_equals_that_row_among_others():
 def test_weights_load_into_memory_of_their_own(monkeypatch, tmp_path):
     """A weight viewing the checkpoint's memory map would keep every page of the file resident after
     the GEMM backend re-lays it out: a plain load reads each tensor into its own memory."""
-    from transformers import LlamaConfig
-
     import modelzoo.checkpoint as checkpoint
     from harness import save_tiny_model
+    from tiny_configs import narrow_llama_config
 
-    folder = save_tiny_model(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1), tmp_path / "ckpt")
+    config = narrow_llama_config(num_hidden_layers=1, num_key_value_heads=1, max_position_embeddings=2048,
+                                 architectures=None)
+    folder = save_tiny_model(config, tmp_path / "ckpt")
     seen = []
     real = checkpoint.iter_tensors
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import (BloomConfig, FalconConfig, GPT2Config, GPTBigCodeConfig, GPTJConfig, GPTNeoXConfig,
-                          LlamaConfig, MistralConfig, MptConfig, OPTConfig, Qwen2Config)
+                          MistralConfig, MptConfig, OPTConfig, Qwen2Config)
 
 import modelzoo.checkpoint as checkpoint_module
 from harness import family_prompts, prompt_rows, run_job, save_tiny_model, stacked_predictions, write_h5, write_params
@@ -31,6 +31,7 @@ from modelzoo.generation.kv_cache import KVCache
 from modelzoo.models.gpt2 import Conv1D
 from modelzoo.gemm import apply_gemm_backend
 from modelzoo.quantization import Int8Embedding, Int8Linear, dequantize_rows, quantize_rows
+from tiny_configs import tiny_llama_config
 
 VOCAB = 96
 LOGITS_REL_TOL = 0.08
@@ -40,8 +41,7 @@ SMALL = {"vocab_size": VOCAB, "num_hidden_layers": 3, "num_attention_heads": 4, 
 # One config per family, each with what its int8 swap must get right.
 FAMILIES = {
     # fused qkv_proj / gate_up_proj, GQA, lm_head tied to the embedding
-    "llama_tied": lambda: LlamaConfig(**SMALL, hidden_size=64, intermediate_size=128, num_key_value_heads=2,
-                                      tie_word_embeddings=True, architectures=["LlamaForCausalLM"]),
+    "llama_tied": lambda: tiny_llama_config(vocab_size=VOCAB, tie_word_embeddings=True),
     "mistral_untied": lambda: MistralConfig(**SMALL, hidden_size=64, intermediate_size=128, num_key_value_heads=2,
                                             sliding_window=8, tie_word_embeddings=False,
                                             architectures=["MistralForCausalLM"]),

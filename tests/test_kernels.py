@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig
 
 from modelzoo.checkpoint import load_model
 from modelzoo.generation.engine import GenerationEngine, Request
@@ -19,6 +18,7 @@ from modelzoo.models import layers
 from modelzoo.models.config import RopeConfig
 from modelzoo.models.layers import RotaryEmbedding, apply_rotary
 from harness import family_prompts, save_tiny_model
+from tiny_configs import tiny_llama_config
 
 kernels = cpu_kernels()
 needs_kernels = pytest.mark.skipif(kernels is None, reason="the C++ kernels could not be built here")
@@ -290,8 +290,8 @@ def generate_all(checkpoint, prompts, monkeypatch, use_kernel: bool) -> dict[int
 
 @needs_kernels
 def test_engine_gives_the_same_tokens_with_and_without_the_kernels(tmp_path, monkeypatch):
-    config = LlamaConfig(vocab_size=96, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64)
+    config = tiny_llama_config(vocab_size=96, hidden_size=96, num_hidden_layers=2, num_attention_heads=6,
+                               max_position_embeddings=64, architectures=None)
     checkpoint = save_tiny_model(config, tmp_path / "llama")
     prompts = family_prompts(96)
     with_kernel = generate_all(checkpoint, prompts, monkeypatch, use_kernel=True)

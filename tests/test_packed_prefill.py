@@ -15,14 +15,14 @@ from modelzoo.generation.kv_cache import KVCache
 from modelzoo.kernels import cpu_kernels
 from modelzoo.models import layers
 from modelzoo.models.layers import ForwardContext
-from tiny_configs import TINY, VOCAB, bloom_config, falcon_config, gptj_config, mistral_config, mpt_config, neox_config
+from tiny_configs import (TINY, VOCAB, bloom_config, falcon_config, gptj_config, mistral_config, mpt_config,
+                          neox_config, tiny_llama_config)
 
 kernels = cpu_kernels()
 
 
 def llama_config() -> LlamaConfig:
-    return LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    return tiny_llama_config(vocab_size=VOCAB, intermediate_size=96, num_hidden_layers=2, architectures=None)
 
 
 def generate(checkpoint, prompts, packed: bool, budget: int = 1024, num_slots: int = 4) -> tuple[dict, list[int]]:
@@ -124,7 +124,8 @@ def test_packed_context_rejects_bad_inputs():
     with pytest.raises(ValueError, match=r"one shape \(1, T\)"):
         ForwardContext.build(cache, torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="no ALiBi"):
-        ForwardContext.build(cache, torch.zeros(1, 3, dtype=torch.long), torch.arange(3)[None], alibi_slopes=torch.ones(1))
+        ForwardContext.build(cache, torch.zeros(1, 3, dtype=torch.long), torch.arange(3)[None]).add_position_bias(
+            torch.ones(1, 1, 1, 3), torch.float32)
 
 
 def test_packed_context_splits_the_row_into_its_sequences():

@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from transformers import GPT2Config, LlamaConfig
+from transformers import GPT2Config
 
 from harness import assert_family_matches_transformers, save_tiny_model, shared_prefix_prompts
 from modelzoo.checkpoint import load_model
 from modelzoo.generation.engine import GenerationEngine, Request
 from modelzoo.generation.shared_prefix import MIN_SHARED_TOKENS, common_prefix
-from tiny_configs import VOCAB, bloom_config, mistral_config, qwen2_config
+from tiny_configs import VOCAB, bloom_config, mistral_config, qwen2_config, tiny_llama_config
 
 
 @pytest.mark.parametrize("config", [
@@ -36,8 +36,7 @@ def test_common_prefix(prompts, expected):
 
 
 def run_engine(tmp_path, prompts, num_slots=3):
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    config = tiny_llama_config(vocab_size=VOCAB, intermediate_size=96, num_hidden_layers=2, architectures=None)
     model, _ = load_model(save_tiny_model(config, tmp_path / "llama"), torch.float32, torch.device("cpu"))
     engine = GenerationEngine(model, num_slots, 96, [], 8, torch.device("cpu"), torch.float32)
     out = {c.index: c.tokens.tolist() for c in engine.generate(Request(i, np.array(p)) for i, p in enumerate(prompts))}

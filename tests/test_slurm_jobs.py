@@ -9,10 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from transformers import LlamaConfig
 
 from harness import REPO_ROOT, prompt_rows, run_job, save_tiny_model, write_h5, write_params
 from slurm_cluster import ensure_slurm, sbatch, sbatch_wait, srun, wait_for_job
+from tiny_configs import tiny_llama_config
 
 pytestmark = pytest.mark.slurm
 VOCAB = 64
@@ -24,9 +24,7 @@ def job(tmp_path_factory) -> dict[str, Path]:
     """Tiny model, 38 prompts in 10 steps of 4, params, and the files of one uninterrupted process."""
     ensure_slurm()
     root = tmp_path_factory.mktemp("slurm_jobs")
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, intermediate_size=128, max_position_embeddings=128,
-                         architectures=["LlamaForCausalLM"])
+    config = tiny_llama_config(vocab_size=VOCAB, num_hidden_layers=2)
     checkpoint = save_tiny_model(config, root / "ckpt")
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, VOCAB, size=rng.integers(1, 16)).tolist() for _ in range(38)]

@@ -6,9 +6,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from transformers import LlamaConfig
 
 from harness import REPO_ROOT, load_predictions, save_tiny_model, write_h5, write_params
+from tiny_configs import tiny_llama_config
 
 VOCAB = 32
 WIDTH = 512  # 100,000 rows x 512 int32 = 205 MB: loading the file whole would show in the peak
@@ -31,8 +31,8 @@ def peak_rss_kib(params: Path, model_dir: Path) -> int:
 
 
 def test_peak_memory_is_flat_in_the_number_of_prompts(tmp_path):
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                         intermediate_size=32, max_position_embeddings=WIDTH, architectures=["LlamaForCausalLM"])
+    config = tiny_llama_config(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                               intermediate_size=32, max_position_embeddings=WIDTH)
     checkpoint = save_tiny_model(config, tmp_path / "ckpt")
     rng = np.random.default_rng(0)
     peaks = {}

@@ -23,9 +23,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import GPT2Config, LlamaConfig, Qwen2Config
+from transformers import GPT2Config, Qwen2Config
 
 from harness import REPO_ROOT, prompt_rows, run_job, save_tiny_model, write_h5, write_params
+from tiny_configs import tiny_llama_config
 
 VOCAB = 81  # odd: the vocabulary rows split 40 / 41
 START = VOCAB
@@ -35,11 +36,9 @@ STEPS = 8
 HEADS = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
          "intermediate_size": 128, "max_position_embeddings": 128}
 CONFIGS = {
-    "llama_bias": LlamaConfig(vocab_size=VOCAB, attention_bias=True, mlp_bias=True,
-                              architectures=["LlamaForCausalLM"], **HEADS),
+    "llama_bias": tiny_llama_config(vocab_size=VOCAB, attention_bias=True, mlp_bias=True, **HEADS),
     "qwen2": Qwen2Config(vocab_size=VOCAB, architectures=["Qwen2ForCausalLM"], **HEADS),
-    "tied": LlamaConfig(vocab_size=VOCAB, tie_word_embeddings=True, architectures=["LlamaForCausalLM"],
-                        **{**HEADS, "num_key_value_heads": 4}),
+    "tied": tiny_llama_config(vocab_size=VOCAB, tie_word_embeddings=True, **{**HEADS, "num_key_value_heads": 4}),
 }
 
 
@@ -202,8 +201,9 @@ def fails(tmp_path: Path, capsys, checkpoint: Path, root: Path, tensor_parallel:
 
 
 def test_heads_that_do_not_divide(root, tmp_path, capsys):
-    LlamaConfig(vocab_size=VOCAB, architectures=["LlamaForCausalLM"],
-                **{**HEADS, "hidden_size": 48, "num_attention_heads": 6, "num_key_value_heads": 3}).save_pretrained(tmp_path / "ckpt")
+    config = tiny_llama_config(vocab_size=VOCAB, **{**HEADS, "hidden_size": 48, "num_attention_heads": 6,
+                                                   "num_key_value_heads": 3})
+    config.save_pretrained(tmp_path / "ckpt")
     err = fails(tmp_path, capsys, tmp_path / "ckpt", root)
     assert ("runconfig.tensor_parallel 2 must divide the model's num_attention_heads, num_key_value_heads and "
             "intermediate_size; it has num_attention_heads=6, num_key_value_heads=3, intermediate_size=128 "

@@ -16,6 +16,13 @@ def tiny_llama_config(**overrides) -> LlamaConfig:
     return LlamaConfig(**values)
 
 
+def narrow_llama_config(**overrides) -> LlamaConfig:
+    """Two layers of two 16-wide heads (no grouping), 64 positions, a 64-token vocabulary."""
+    values = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                  intermediate_size=64, max_position_embeddings=64)
+    return tiny_llama_config(**{**values, **overrides})
+
+
 LAYERS = 3
 
 

@@ -11,14 +11,14 @@ tokens whatever the batch size, the number of ranks, the device or a resume in b
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from modelzoo.generation.ngrams import earlier_occurrences
-from modelzoo.params import ModelParams
+from modelzoo.params import TokenChoiceParams
 
 # splitmix64 (Steele, Lea and Flood, 2014): the increment and the two finaliser multipliers, and a second odd
 # constant to step along the row (it must differ from the increment, or (index, length + 1) and (index + 1, length)
@@ -171,36 +171,13 @@ def keep_top_p(scores: Tensor, top_p: float) -> Tensor:
 
 
 @dataclass(frozen=True)
-class TokenChoice:
-    """How the next token is chosen: the `model:` keys temperature, top_k, top_p, seed, repetition_penalty and
-    no_repeat_ngram_size. temperature 0 is greedy (argmax of the penalised scores); top_k 0 and top_p 1.0 are off.
-    """
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    repetition_penalty: float = 1.0
-    no_repeat_ngram_size: int = 0
-
-    def __post_init__(self) -> None:
-        checks = {"temperature": self.temperature >= 0, "top_k": self.top_k >= 0, "top_p": 0 < self.top_p <= 1,
-                  "seed": self.seed >= 0, "repetition_penalty": self.repetition_penalty > 0,
-                  "no_repeat_ngram_size": self.no_repeat_ngram_size >= 0}
-        for name, ok in checks.items():
-            if not ok:
-                raise ValueError(f"TokenChoice.{name} out of range: {getattr(self, name)!r}")
+class TokenChoice(TokenChoiceParams):
+    """The arithmetic of a token choice (modelzoo/params.py's TokenChoiceParams: the six `model:` options)."""
 
     @classmethod
-    def from_params(cls, model: ModelParams) -> TokenChoice:
-        """The token choice of a validated `model:` section."""
-        return cls(temperature=model.temperature, top_k=model.top_k, top_p=model.top_p, seed=model.seed,
-                   repetition_penalty=model.repetition_penalty, no_repeat_ngram_size=model.no_repeat_ngram_size)
-
-    @property
-    def greedy(self) -> bool:
-        """Whether the token is the argmax of the (possibly penalised) scores; no randomness then."""
-        return self.temperature == 0.0
+    def from_params(cls, options: TokenChoiceParams) -> TokenChoice:
+        """The token choice of a validated `model:` section (or any TokenChoiceParams)."""
+        return cls(**{field.name: getattr(options, field.name) for field in fields(TokenChoiceParams)})
 
     @property
     def needs_history(self) -> bool:

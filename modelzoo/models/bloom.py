@@ -17,7 +17,7 @@ from modelzoo.errors import UserError
 from modelzoo.generation.kv_cache import KVCache
 from modelzoo.models.base import CausalLM
 from modelzoo.models.config import DecoderConfig
-from modelzoo.models.layers import ForwardContext, alibi_slopes, cached_attention
+from modelzoo.models.layers import DenseMLP, ForwardContext, alibi_bias, alibi_slopes, cached_attention
 
 
 @dataclass(frozen=True)
@@ -71,18 +71,6 @@ class BloomAttention(nn.Module):
         return self.dense(cached_attention(q, k, v, self.layer, ctx))
 
 
-class BloomMLP(nn.Module):
-    """dense_4h_to_h(bloom_gelu(dense_h_to_4h(x)))."""
-
-    def __init__(self, config: BloomDecoderConfig) -> None:
-        super().__init__()
-        self.dense_h_to_4h = nn.Linear(config.hidden_size, config.intermediate_size, bias=True)
-        self.dense_4h_to_h = nn.Linear(config.intermediate_size, config.hidden_size, bias=True)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dense_4h_to_h(bloom_gelu(self.dense_h_to_4h(x)))
-
-
 class BloomBlock(nn.Module):
     """Pre-norm block; the residual is the block input, or the normed input when
     `residual_post_layernorm` is set."""
@@ -93,7 +81,7 @@ class BloomBlock(nn.Module):
         self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
         self.self_attention = BloomAttention(config, layer)
         self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
-        self.mlp = BloomMLP(config)
+        self.mlp = DenseMLP(config.hidden_size, config.intermediate_size, bloom_gelu, True, ("dense_h_to_4h", "dense_4h_to_h"))
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         normed = self.input_layernorm(x)
@@ -132,7 +120,8 @@ class BloomForCausalLM(CausalLM):
                 last: torch.Tensor | None) -> tuple[torch.Tensor, list[ForwardContext], tuple[torch.Tensor, ...]]:
         """The ALiBi bias rides on the context's mask; the embeddings have a norm of their own."""
         x = self.transformer.word_embeddings(tokens)  # (B, T, hidden)
-        ctx = ForwardContext.build(cache, slots, positions, alibi_slopes=self.alibi_slopes, dtype=x.dtype)
+        ctx = ForwardContext.build(cache, slots, positions)
+        ctx.add_position_bias(alibi_bias(self.alibi_slopes, ctx.length), x.dtype)
         return self.transformer.word_embeddings_layernorm(x), [ctx] * self.config.num_layers, ()
 
     def finish(self, x: torch.Tensor) -> torch.Tensor:

@@ -116,8 +116,7 @@ class AlibiSlopes(nn.Module):
         else:
             per_head = (slopes / -config.alibi_factor)[None, :].expand(positions.shape[0], -1)
         bias = per_head[:, :, None, None] * distance[:, None]  # (B, heads, T, length)
-        ctx.mask = bias.masked_fill(~ctx.mask, float("-inf")).to(dtype)
-        return ctx
+        return ctx.add_position_bias(bias, dtype)
 
 
 class BTLMAttention(GPT2Attention):

@@ -20,7 +20,7 @@ from modelzoo.errors import UserError
 from modelzoo.generation.kv_cache import KVCache
 from modelzoo.models.base import CausalLM
 from modelzoo.models.config import DecoderConfig, RopeConfig
-from modelzoo.models.layers import (ForwardContext, RotaryEmbedding, activation, alibi_slopes, apply_rotary,
+from modelzoo.models.layers import (DenseMLP, ForwardContext, RotaryEmbedding, alibi_slopes, apply_rotary,
                                     cached_attention)
 
 
@@ -102,19 +102,6 @@ class FalconAttention(nn.Module):
         return self.dense(cached_attention(q, k, v, self.layer, ctx))
 
 
-class FalconMLP(nn.Module):
-    """dense_4h_to_h(act(dense_h_to_4h(x)))."""
-
-    def __init__(self, config: FalconDecoderConfig) -> None:
-        super().__init__()
-        self.dense_h_to_4h = FalconLinear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.dense_4h_to_h = FalconLinear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
-        self.act = activation(config.hidden_act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dense_4h_to_h(self.act(self.dense_h_to_4h(x)))
-
-
 class FalconDecoderLayer(nn.Module):
     """Parallel: x + (mlp(ln(x)) + attn(ln(x))), with one shared or two separate norms.
     Sequential: x + attn(input_layernorm(x)), then x + mlp(post_attention_layernorm(x))."""
@@ -131,7 +118,8 @@ class FalconDecoderLayer(nn.Module):
         if not self.parallel_attn:
             self.post_attention_layernorm = nn.LayerNorm(hidden, eps=eps)
         self.self_attention = FalconAttention(config, layer)
-        self.mlp = FalconMLP(config)
+        self.mlp = DenseMLP(config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias,
+                            ("dense_h_to_4h", "dense_4h_to_h"), FalconLinear)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None,
                 ctx: ForwardContext) -> torch.Tensor:
@@ -189,8 +177,7 @@ class FalconForCausalLM(CausalLM):
         keys = torch.arange(ctx.length, device=positions.device)
         bias = (self.alibi_slopes.bfloat16()[:, None] * keys[None, :]).to(dtype)  # (heads, length), bf16-rounded
         bias = bias / math.sqrt(self.config.head_dim)
-        ctx.mask = bias[None, :, None, :].masked_fill(~ctx.mask, float("-inf"))  # (B, heads, T, length)
-        return ctx
+        return ctx.add_position_bias(bias[None, :, None, :], dtype)
 
     def prepare(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: torch.Tensor | None,
                 last: torch.Tensor | None) -> tuple[torch.Tensor, list[ForwardContext], tuple[torch.Tensor, ...]]:

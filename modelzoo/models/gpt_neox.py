@@ -15,7 +15,9 @@ from torch import nn
 
 from modelzoo.models.base import CausalLM
 from modelzoo.models.config import DecoderConfig, RopeConfig
-from modelzoo.models.layers import ForwardContext, RotaryEmbedding, activation, apply_rotary, cached_attention
+from modelzoo.models.layers import DenseMLP, ForwardContext, RotaryEmbedding, apply_rotary, cached_attention
+
+
 @dataclass(frozen=True)
 class NeoXConfig(DecoderConfig):
     """DecoderConfig plus GPT-NeoX's rotated width per head and its residual layout."""
@@ -72,19 +74,6 @@ class GPTNeoXAttention(nn.Module):
         return self.dense(cached_attention(q, k, v, self.layer, ctx))
 
 
-class GPTNeoXMLP(nn.Module):
-    """dense_4h_to_h(act(dense_h_to_4h(x)))."""
-
-    def __init__(self, config: NeoXConfig) -> None:
-        super().__init__()
-        self.dense_h_to_4h = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.dense_4h_to_h = nn.Linear(config.intermediate_size, config.hidden_size)
-        self.act = activation(config.hidden_act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dense_4h_to_h(self.act(self.dense_h_to_4h(x)))
-
-
 class GPTNeoXLayer(nn.Module):
     """Parallel: x + attn(ln1(x)) + mlp(ln2(x)); sequential: h = x + attn(ln1(x)), h + mlp(ln2(h))."""
 
@@ -94,7 +83,7 @@ class GPTNeoXLayer(nn.Module):
         self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
         self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
         self.attention = GPTNeoXAttention(config, layer)
-        self.mlp = GPTNeoXMLP(config)
+        self.mlp = DenseMLP(config.hidden_size, config.intermediate_size, config.hidden_act, True, ("dense_h_to_4h", "dense_4h_to_h"))
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
         attn = self.attention(self.input_layernorm(x), rotary, ctx)

@@ -15,8 +15,10 @@ from torch import nn
 
 from modelzoo.models.base import CausalLM
 from modelzoo.models.config import DecoderConfig, RopeConfig
-from modelzoo.models.layers import (ForwardContext, RotaryEmbedding, activation, apply_rotary, cached_attention,
+from modelzoo.models.layers import (DenseMLP, ForwardContext, RotaryEmbedding, apply_rotary, cached_attention,
                                     split_heads)
+
+
 @dataclass(frozen=True)
 class GPTJConfig(DecoderConfig):
     """DecoderConfig plus the rotated width of each head."""
@@ -65,19 +67,6 @@ class GPTJAttention(nn.Module):
         return self.out_proj(cached_attention(q, k, v, self.layer, ctx))
 
 
-class GPTJMLP(nn.Module):
-    """fc_out(act(fc_in(x)))."""
-
-    def __init__(self, config: GPTJConfig) -> None:
-        super().__init__()
-        self.fc_in = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.fc_out = nn.Linear(config.intermediate_size, config.hidden_size)
-        self.act = activation(config.hidden_act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc_out(self.act(self.fc_in(x)))
-
-
 class GPTJBlock(nn.Module):
     """Parallel block: h = ln_1(x); x + attn(h) + mlp(h) (HF's summation order: attn + mlp + x)."""
 
@@ -85,7 +74,7 @@ class GPTJBlock(nn.Module):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
         self.attn = GPTJAttention(config, layer)
-        self.mlp = GPTJMLP(config)
+        self.mlp = DenseMLP(config.hidden_size, config.intermediate_size, config.hidden_act, True, ("fc_in", "fc_out"))
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
         h = self.ln_1(x)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -26,8 +27,8 @@ class ForwardContext:
     "every slot, in order" (the fast path: cache reads are views), or (1, T) for packed prompts: one
     row holding several sequences side by side, each token naming its cache row. length: number of
     cache positions attended over (max position + 1). mask: (B, 1, T, length) bool, True where a key
-    is visible, or, with ALiBi, an additive float bias (B, heads, T, length) with -inf where a key is
-    hidden; None when packed. key_ranges: each query's visible cache positions [start, end), two
+    is visible, or, after add_position_bias (ALiBi), an additive float bias (B, heads, T, length) with
+    -inf where a key is hidden; None when packed. key_ranges: each query's visible cache positions [start, end), two
     (B, T) tensors, for the C++ attention kernel (end = position + 1; start > 0 only under a sliding
     window). fresh: every row's positions are 0 .. T-1 (new prompts), so attention needs only this
     forward's own keys and values, not the cache. windowed: the sliding window hides some key.
@@ -53,14 +54,10 @@ class ForwardContext:
 
     @classmethod
     def build(cls, cache: KVCache, slots: torch.Tensor | None, positions: torch.Tensor,
-              sliding_window: int | None = None, alibi_slopes: torch.Tensor | None = None,
-              dtype: torch.dtype = torch.float32) -> "ForwardContext":
+              sliding_window: int | None = None) -> "ForwardContext":
         """Causal mask over cache positions: key j is visible to a query at position p iff j <= p
-        (and j > p - sliding_window). With `alibi_slopes` (heads,), adds slope * j to the scores:
-        softmax is shift-invariant per query, so this equals the usual slope * (j - p)."""
+        (and j > p - sliding_window)."""
         if slots is not None and slots.dim() == 2:
-            if alibi_slopes is not None:
-                raise ValueError("packed prompts take no ALiBi bias")
             return cls.packed(cache, slots, positions, sliding_window)
         length = int(positions.max()) + 1
         keys = torch.arange(length, device=positions.device)
@@ -68,15 +65,20 @@ class ForwardContext:
         if sliding_window is not None:
             visible &= keys[None, None, :] > positions[:, :, None] - sliding_window
         mask = visible[:, None]
-        if alibi_slopes is not None:
-            bias = alibi_slopes[None, :, None, None] * keys.to(torch.float32)[None, None, None, :]
-            mask = bias.masked_fill(~mask, float("-inf")).to(dtype)  # (B, heads, T, length)
         width = positions.shape[1]
         fresh = width > 1 and bool((positions == keys[:width]).all())  # one sync, prefill only
         windowed = sliding_window is not None and length > sliding_window
         end = positions + 1
         start = (end - sliding_window).clamp(min=0) if windowed else torch.zeros_like(end)
         return cls(cache, slots, positions, length, mask, (start, end), fresh, windowed)
+
+    def add_position_bias(self, bias: torch.Tensor, dtype: torch.dtype) -> "ForwardContext":
+        """This context with its boolean mask turned into an additive one (ALiBi and its kin): `bias`,
+        broadcastable to (B, heads, T, length), where a key is visible, -inf where hidden, in `dtype`."""
+        if self.mask is None:
+            raise ValueError("packed prompts take no ALiBi bias")
+        self.mask = bias.masked_fill(~self.mask, float("-inf")).to(dtype)  # (B, heads, T, length)
+        return self
 
     @classmethod
     def packed(cls, cache: KVCache, slots: torch.Tensor, positions: torch.Tensor,
@@ -110,6 +112,13 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
         remaining = min(closest, num_heads - closest)
         slopes = torch.cat([slopes, torch.pow(extra, torch.arange(1, 1 + 2 * remaining, 2, dtype=torch.int32))])
     return slopes
+
+
+def alibi_bias(slopes: torch.Tensor, length: int) -> torch.Tensor:
+    """slope * j for each head and key position j < length, (1, heads, 1, length) float32: softmax is
+    shift-invariant per query, so this equals the paper's slope * (j - p) for a query at position p."""
+    keys = torch.arange(length, device=slopes.device, dtype=torch.float32)
+    return (slopes[:, None] * keys[None, :])[None, :, None, :]
 
 
 # The dtypes the C++ kernels are compiled for (one template each, float32 arithmetic inside).
@@ -303,6 +312,26 @@ def activation(name: str):
     if name not in ACTIVATIONS:
         raise UserError(f"activation {name!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
     return ACTIVATIONS[name]
+
+
+class DenseMLP(nn.Module):
+    """down(act(up(x))): the two-matrix MLP of GPT-NeoX, GPT-J, Falcon, BLOOM and MPT.
+
+    `names` are the checkpoint's (up, down) module names, so weights load by name; `linear` builds each
+    projection (Falcon's adds its bias as a separate op); `act` is a config activation name or a function.
+    """
+
+    def __init__(self, hidden: int, intermediate: int, act: str | Callable[[torch.Tensor], torch.Tensor], bias: bool,
+                 names: tuple[str, str], linear: type[nn.Linear] = nn.Linear) -> None:
+        super().__init__()
+        self.names = names
+        self.add_module(names[0], linear(hidden, intermediate, bias=bias))
+        self.add_module(names[1], linear(intermediate, hidden, bias=bias))
+        self.act = activation(act) if isinstance(act, str) else act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        up, down = (getattr(self, name) for name in self.names)  # looked up per call: packing replaces modules
+        return down(self.act(up(x)))
 
 
 class GatedMLP(nn.Module):

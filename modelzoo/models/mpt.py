@@ -18,7 +18,7 @@ from modelzoo.errors import UserError
 from modelzoo.generation.kv_cache import KVCache
 from modelzoo.models.base import CausalLM
 from modelzoo.models.config import DecoderConfig
-from modelzoo.models.layers import ForwardContext, activation, cached_attention, split_heads
+from modelzoo.models.layers import DenseMLP, ForwardContext, alibi_bias, cached_attention, split_heads
 
 # attn_config options transformers' MPT ignores: any value but these would make it compute something
 # other than the checkpoint was trained for (it always uses ALiBi with alibi_bias_max 8, full multi-head
@@ -97,19 +97,6 @@ class MptAttention(nn.Module):
         return self.out_proj(cached_attention(q, k, v, self.layer, ctx, scale=self.scale))
 
 
-class MptMLP(nn.Module):
-    """down_proj(gelu(up_proj(x))), exact (erf) GELU."""
-
-    def __init__(self, config: MptDecoderConfig) -> None:
-        super().__init__()
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.act = activation(config.hidden_act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.up_proj(x)))
-
-
 class MptBlock(nn.Module):
     """Pre-norm block: x + attn(norm_1(x)), then x + ffn(norm_2(x)); LayerNorms have no bias."""
 
@@ -118,7 +105,7 @@ class MptBlock(nn.Module):
         self.norm_1 = nn.LayerNorm(config.hidden_size, eps=config.norm_eps, bias=False)
         self.attn = MptAttention(config, layer)
         self.norm_2 = nn.LayerNorm(config.hidden_size, eps=config.norm_eps, bias=False)
-        self.ffn = MptMLP(config)
+        self.ffn = DenseMLP(config.hidden_size, config.intermediate_size, config.hidden_act, False, ("up_proj", "down_proj"))
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.attn(self.norm_1(x), ctx) + x
@@ -154,7 +141,8 @@ class MptForCausalLM(CausalLM):
                 last: torch.Tensor | None) -> tuple[torch.Tensor, list[ForwardContext], tuple[torch.Tensor, ...]]:
         """The ALiBi bias rides on the context's mask, in the states' dtype."""
         x = self.transformer.wte(tokens)  # (B, T, hidden)
-        ctx = ForwardContext.build(cache, slots, positions, alibi_slopes=self.alibi_slopes, dtype=x.dtype)
+        ctx = ForwardContext.build(cache, slots, positions)
+        ctx.add_position_bias(alibi_bias(self.alibi_slopes, ctx.length), x.dtype)
         return x, [ctx] * self.config.num_layers, ()
 
     def finish(self, x: torch.Tensor) -> torch.Tensor:
