@@ -13,9 +13,16 @@ Input formats, chosen by the file suffix:
   .jsonl  one JSON object per line; the prompt is in --field (blank lines are skipped)
   .txt    one prompt per line; every line is a row, blank ones included
   .csv    a header row; the prompt is in --column
+or, with --format openai_batch, an OpenAI batch file (data_tools/openai_batch.py): chat requests through
+the chat template, completion requests as raw prompts, per-request max_tokens and stop strings.
 
-The output folder gets data.h5 with the datasets `data` and `prompt_lengths` and attributes that
-record how it was made. A YAML snippet for the params file is printed at the end.
+Ids: --id_field names the .jsonl field or .csv column holding each prompt's id (default: `custom_id` or
+`id` when the file has one; an OpenAI batch file's `custom_id`). Ids must be unique; they travel into
+every predictions file (`sample_id`) and every decoded line.
+
+The output folder gets data.h5 with the datasets `data` and `prompt_lengths` (and `sample_id`,
+`max_tokens`, `stop_sequences`, `requests` where the input has them) and attributes that record how it
+was made. A YAML snippet for the params file is printed at the end.
 """
 from __future__ import annotations
 
@@ -24,16 +31,18 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import h5py
 import numpy as np
 import yaml
 
+from data_tools.openai_batch import BatchRequest, prompt_text, read_batch_file, stop_token_ids
+from data_tools.prompts import PromptFile, load_tokenizer, read_prompt_file, read_text, tokenize_prompts
 from modelzoo import __version__
 from modelzoo.errors import UserError
-from data_tools.prompts import load_tokenizer, read_prompts, tokenize_prompts
 from modelzoo.files import describe
+from modelzoo.params import load_params
 
 TOOL_NAME = "zoo-infer create_inference_h5"
 OUTPUT_NAME = "data.h5"
@@ -110,10 +119,12 @@ def check_start_token_absent(data: np.ndarray, lengths: np.ndarray, start_token:
 # --------------------------------------------------------------------------------------------
 
 
-def write_h5(output_dir: Path, data: np.ndarray, prompt_lengths: np.ndarray, loop_dim: int, attrs: dict) -> Path:
+def write_h5(output_dir: Path, data: np.ndarray, prompt_lengths: np.ndarray, loop_dim: int, attrs: dict,
+             per_row: dict[str, np.ndarray | list] | None = None) -> Path:
     """Writes data.h5 into output_dir atomically and returns its path.
 
-    With loop_dim 0 `data` is stored transposed, (max_seq_len, num_samples).
+    With loop_dim 0 `data` is stored transposed, (max_seq_len, num_samples). per_row: more datasets
+    (lists of str become UTF-8 string datasets).
     """
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -128,6 +139,9 @@ def write_h5(output_dir: Path, data: np.ndarray, prompt_lengths: np.ndarray, loo
         with h5py.File(tmp_name, "w") as h5:
             h5.create_dataset("data", data=np.ascontiguousarray(data.T if loop_dim == 0 else data))
             h5.create_dataset("prompt_lengths", data=prompt_lengths.astype(np.int32))
+            for name, values in (per_row or {}).items():
+                strings = isinstance(values, list)
+                h5.create_dataset(name, data=values, dtype=h5py.string_dtype() if strings else values.dtype)
             for key, value in attrs.items():
                 h5.attrs[key] = value
         os.replace(tmp_name, target)
@@ -211,6 +225,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output_dir", type=Path, required=True, help="folder to write data.h5 into (created if missing)")
     parser.add_argument("--field", default="prompt", help="JSON field that holds the prompt in a .jsonl file (default: prompt)")
     parser.add_argument("--column", default="prompt", help="column that holds the prompt in a .csv file (default: prompt)")
+    parser.add_argument("--id_field", default=None, help="field (.jsonl) or column (.csv) holding each prompt's unique "
+                        "id (default: custom_id or id when present)")
+    parser.add_argument("--format", choices=("prompts", "openai_batch"), default="prompts",
+                        help="prompts: a prompt file as above; openai_batch: an OpenAI batch file of /v1/chat/completions "
+                        "and /v1/completions requests (default: prompts)")
+    parser.add_argument("--params", type=Path, default=None, help="openai_batch: the run's params.yaml; a request may "
+                        "set temperature, top_p or seed only to its values (default: greedy, top_p 1, seed 0)")
     parser.add_argument(
         "--start_token", type=int, default=None,
         help="id that fills every position after the prompt; generation starts at the first one "
@@ -251,15 +272,58 @@ def check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--start_token must be between 0 and {INT32_MAX}, got {args.start_token}")
 
 
+def openai_rows(args: argparse.Namespace, tokenizer: Any) -> tuple[PromptFile, list[list[int]], dict[str, Any]]:
+    """An OpenAI batch file's runnable requests as prompts with ids, their token ids, and the per-row
+    datasets: max_tokens (0 = none), stop_sequences (JSON token-id lists) and requests (every request,
+    runnable or not, in input order: what decode_predictions.py --format openai_batch answers)."""
+    run_wide = {}
+    if args.params is not None:
+        model = load_params(args.params).model
+        run_wide = {"temperature": model.temperature, "top_p": model.top_p, "seed": model.seed}
+    requests = read_batch_file(args.input, read_text(args.input), run_wide)
+    runnable: list[BatchRequest] = []
+    stops: list[list[list[int]]] = []
+    for request in requests:
+        sequences = stop_token_ids(tokenizer, request.stop) if request.runs else []
+        if isinstance(sequences, str):
+            request.error = sequences
+        elif request.runs:
+            runnable.append(request)
+            stops.append(sequences)
+    texts = [prompt_text(tokenizer, request) for request in runnable]
+    # The chat template writes the special tokens itself; a raw completion prompt gets the tokenizer's own.
+    token_lists = [list(tokenizer(text, add_special_tokens=request.kind == "completion")["input_ids"])
+                   for text, request in zip(texts, runnable)]
+    rows = {request.custom_id: row for row, request in enumerate(runnable)}
+    table = [json.dumps({"line": r.line, "custom_id": r.custom_id, "kind": r.kind, "model": r.model, "stop": r.stop,
+                         "error": r.error, "row": rows.get(r.custom_id, -1)}) for r in requests]
+    per_row = {"max_tokens": np.array([r.max_tokens for r in runnable], dtype=np.int32),
+               "stop_sequences": [json.dumps(s) for s in stops], "requests": table}
+    return PromptFile(texts, [r.custom_id for r in runnable]), token_lists, per_row
+
+
 def run(args: argparse.Namespace) -> str:
     """Reads, tokenizes, packs and writes the prompts; returns the summary to print."""
     check_args(args)
-    prompts = read_prompts(args.input, args.field, args.column)
+    if args.format == "openai_batch" and not args.input.is_file():
+        raise UserError(f"input file not found: {args.input}")
+    prompts = read_prompt_file(args.input, args.field, args.column, args.id_field) if args.format == "prompts" else None
     tokenizer = load_tokenizer(args.tokenizer)
     vocab_size = len(tokenizer)
     start_token = vocab_size if args.start_token is None else args.start_token
     eos_token_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else -1
-    token_lists = tokenize_prompts(tokenizer, prompts, args.chat_template)
+    per_row: dict[str, Any] = {}
+    if prompts is None:
+        prompts, token_lists, per_row = openai_rows(args, tokenizer)
+        rejected = [json.loads(r) for r in per_row["requests"] if json.loads(r)["error"]]
+        if not prompts.prompts:
+            raise UserError(f"{args.input}: no request can run here: " + "; ".join(
+                f"{r['custom_id']}: {r['error']}" for r in rejected[:MAX_LISTED_ROWS]))
+    else:
+        token_lists = tokenize_prompts(tokenizer, prompts.prompts, args.chat_template)
+        rejected = []
+    if prompts.ids is not None:
+        per_row["sample_id"] = prompts.ids
     data, prompt_lengths, num_truncated = build_rows(
         token_lists, args.max_seq_len, start_token, args.min_new_tokens, args.truncate
     )
@@ -270,19 +334,26 @@ def run(args: argparse.Namespace) -> str:
         "max_seq_len": args.max_seq_len,
         "loop_dim": args.loop_dim,
         "eos_token_id": int(eos_token_id),
-        "chat_template": bool(args.chat_template),
+        "chat_template": bool(args.chat_template or args.format == "openai_batch"),
+        "format": args.format,
         "source": args.input.name,
         "tool": TOOL_NAME,
         "tool_version": __version__,
-        "num_samples": len(prompts),
+        "num_samples": len(prompts.prompts),
     }
-    target = write_h5(args.output_dir, data, prompt_lengths, args.loop_dim, attrs)
+    target = write_h5(args.output_dir, data, prompt_lengths, args.loop_dim, attrs, per_row)
     # "Empty" is judged on the text: with a chat template an empty prompt still has tokens.
-    empty_rows = [row for row, prompt in enumerate(prompts, start=1) if not prompt.strip()]
-    return summary_text(
+    empty_rows = [row for row, prompt in enumerate(prompts.prompts, start=1) if not prompt.strip()]
+    summary = summary_text(
         target, prompt_lengths, num_truncated, empty_rows, start_token, int(eos_token_id), vocab_size,
         str(args.output_dir),
     )
+    if rejected:
+        shown = "; ".join(f"line {r['line']} ({r['custom_id']}): {r['error']}" for r in rejected[:MAX_LISTED_ROWS])
+        more = f" and {len(rejected) - MAX_LISTED_ROWS} more" if len(rejected) > MAX_LISTED_ROWS else ""
+        summary = (f"warning: {len(rejected)} request(s) cannot run here and will be error records in the output: "
+                   f"{shown}{more}\n" + summary)
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,10 +7,16 @@
 Reads MODEL_DIR/artifacts/predictions/predictions_<global_step>.npz in step order and writes one
 JSON line per real sample (dummy padding rows are skipped), in increasing sample_index order:
 
-    {"sample_index": 0, "prompt": "...", "completion": "...", "num_generated": 12, "stop_reason": "stop_sequence"}
+    {"sample_index": 0, "sample_id": "q1", "prompt": "...", "completion": "...", "num_generated": 12,
+     "stop_reason": "stop_sequence"}
 
-The prompt and completion are decoded with the given tokenizer; --skip_special_tokens drops tokens
-such as <|im_start|> from both.
+(`sample_id` where the data has ids). The prompt and completion are decoded with the given tokenizer;
+--skip_special_tokens drops tokens such as <|im_start|> from both.
+
+--format openai_batch answers an OpenAI batch file made into data with create_inference_h5.py --format
+openai_batch: one line per request of that file, in its order, in the OpenAI batch output format
+(data_tools/openai_batch.py), error records included. The requests are read from the run's data
+(inference_input.data_dir of MODEL_DIR/artifacts/params_inference.yaml, or --data_dir).
 """
 from __future__ import annotations
 
@@ -25,9 +31,13 @@ from typing import Any, Sequence, TextIO
 
 import numpy as np
 
+import h5py
+import yaml
+
+from data_tools.openai_batch import response_line
 from data_tools.prompts import load_tokenizer
 from modelzoo.errors import UserError
-from modelzoo.predictions import PER_ROW_KEYS, REQUIRED_KEYS
+from modelzoo.predictions import OPTIONAL_PER_ROW_KEYS, PER_ROW_KEYS, REQUIRED_KEYS
 
 PREDICTIONS_SUBDIR = Path("artifacts") / "predictions"
 FILE_PATTERN = re.compile(r"^predictions_(\d+)\.npz$")
@@ -47,6 +57,7 @@ class PredictionBatch:
     prompt_length: np.ndarray
     num_generated: np.ndarray
     stop_reason: np.ndarray
+    sample_id: np.ndarray | None = None  # where the data has ids
 
 
 def find_prediction_files(model_dir: Path | str) -> list[Path]:
@@ -87,7 +98,7 @@ def load_batch(path: Path) -> PredictionBatch:
         path=path,
         global_step=int(arrays["global_step"]),
         predictions=predictions,
-        **{key: arrays[key] for key in PER_ROW_KEYS},
+        **{key: arrays[key] for key in PER_ROW_KEYS + OPTIONAL_PER_ROW_KEYS if key in arrays},
     )
     check_batch(batch)
     return batch
@@ -96,7 +107,9 @@ def load_batch(path: Path) -> PredictionBatch:
 def check_batch(batch: PredictionBatch) -> None:
     """Raises a UserError if the per-row arrays do not match the predictions' shape."""
     batch_size, max_seq_len = batch.predictions.shape
-    for key in PER_ROW_KEYS:
+    for key in PER_ROW_KEYS + OPTIONAL_PER_ROW_KEYS:
+        if getattr(batch, key) is None:
+            continue
         shape = getattr(batch, key).shape
         if shape != (batch_size,):
             raise UserError(f"{batch.path}: {key} has shape {shape}, expected ({batch_size},)")
@@ -146,6 +159,7 @@ def decode_batch(batch: PredictionBatch, tokenizer: Any, skip_special_tokens: bo
         records.append(
             {
                 "sample_index": index,
+                **({"sample_id": as_text(batch.sample_id[row])} if batch.sample_id is not None else {}),
                 "prompt": tokenizer.decode(ids[:start].tolist(), skip_special_tokens=skip_special_tokens),
                 "completion": tokenizer.decode(ids[start:end].tolist(), skip_special_tokens=skip_special_tokens),
                 "num_generated": end - start,
@@ -192,6 +206,57 @@ def decode_predictions(model_dir: Path | str, tokenizer: Any, skip_special_token
     return decode_batches(load_run(model_dir), tokenizer, skip_special_tokens)
 
 
+def read_requests(model_dir: Path, data_dir: Path | None) -> list[dict]:
+    """The `requests` table of the run's data (every .h5 file of its data_dir, in order), each request's
+    row made a global sample_index."""
+    if data_dir is None:
+        params_path = Path(model_dir) / "artifacts" / "params_inference.yaml"
+        try:
+            data_dir = Path(yaml.safe_load(params_path.read_text())["inference_input"]["data_dir"])
+        except (OSError, yaml.YAMLError, KeyError, TypeError) as exc:
+            raise UserError(f"cannot find the run's data from {params_path} ({exc}); pass --data_dir") from None
+    files = sorted(Path(data_dir).glob("*.h5"))
+    if not files:
+        raise UserError(f"no .h5 file in {data_dir} (the run's data, which holds its requests); pass --data_dir")
+    requests, offset = [], 0
+    for path in files:
+        with h5py.File(path, "r") as h5:
+            if "requests" not in h5:
+                raise UserError(f"{path} holds no OpenAI batch requests: make it with create_inference_h5.py "
+                                "--format openai_batch")
+            for entry in h5["requests"][:]:
+                request = json.loads(as_text(entry))
+                request["sample_index"] = offset + request["row"] if request["row"] >= 0 else -1
+                requests.append(request)
+            offset += len(h5["prompt_lengths"])
+    return requests
+
+
+def openai_records(batches: Sequence[PredictionBatch], requests: Sequence[dict], tokenizer: Any) -> list[dict]:
+    """One OpenAI batch output line per request, in the requests' order."""
+    rows = {}
+    for batch in batches:  # the later step wins, as in decode_batches
+        for row, index in enumerate(batch.sample_index.tolist()):
+            if index != DUMMY_INDEX:
+                rows[index] = (batch, row)
+    created = int(max((b.path.stat().st_mtime for b in batches), default=0))
+    lines = []
+    for number, request in enumerate(requests, start=1):
+        completion = None
+        if request["sample_index"] in rows:
+            batch, row = rows[request["sample_index"]]
+            start, count = int(batch.prompt_length[row]), int(batch.num_generated[row])
+            reason = as_text(batch.stop_reason[row])
+            text = tokenizer.decode(batch.predictions[row, start:start + count].tolist(), skip_special_tokens=True)
+            ended = next((stop for stop in request.get("stop", []) if text.endswith(stop)), "")
+            if reason == "stop_sequence" and ended:  # OpenAI leaves the stop string out (a special token is already)
+                text = text[:-len(ended)]
+            completion = {"text": text, "finish_reason": "stop" if reason == "stop_sequence" else "length",
+                          "prompt_tokens": start, "completion_tokens": count}
+        lines.append(response_line(number, request, completion, created))
+    return lines
+
+
 def write_jsonl(records: Sequence[dict], out: TextIO) -> None:
     """Writes one JSON object per line, keeping non-ASCII text readable."""
     for record in records:
@@ -211,6 +276,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--skip_special_tokens", action="store_true",
         help="leave special tokens (e.g. <|im_start|>, <|im_end|>) out of the decoded text",
     )
+    parser.add_argument("--format", choices=("jsonl", "openai_batch"), default="jsonl",
+                        help="jsonl: one record per sample; openai_batch: the OpenAI batch output of the requests the "
+                        "data was made from (default: jsonl)")
+    parser.add_argument("--data_dir", type=Path, default=None, help="openai_batch: the run's data folder (default: "
+                        "inference_input.data_dir of MODEL_DIR/artifacts/params_inference.yaml)")
     return parser
 
 
@@ -218,8 +288,12 @@ def run(args: argparse.Namespace) -> int:
     """Decodes the run's predictions and writes them; returns the number of records."""
     # The files are read and checked first, so a bad run fails fast, before the slow tokenizer load.
     batches = load_run(args.model_dir)
+    requests = read_requests(args.model_dir, args.data_dir) if args.format == "openai_batch" else None
     tokenizer = load_tokenizer(args.tokenizer)
-    records = decode_batches(batches, tokenizer, args.skip_special_tokens)
+    if requests is None:
+        records = decode_batches(batches, tokenizer, args.skip_special_tokens)
+    else:
+        records = openai_records(batches, requests, tokenizer)
     if args.output is None:
         write_jsonl(records, sys.stdout)
     else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -17,9 +18,28 @@ SUFFIXES = (".jsonl", ".txt", ".csv")
 # --------------------------------------------------------------------------------------------
 
 
-def read_jsonl_prompts(path: Path, field: str) -> list[str]:
-    """Returns the string in `field` of every JSON object line of a .jsonl file."""
-    prompts = []
+ID_DEFAULTS = ("custom_id", "id")  # the id field or column used when --id_field is not given, if present
+
+
+@dataclass
+class PromptFile:
+    """The prompts of a file in order, and each one's id (None: the file has no ids)."""
+
+    prompts: list[str]
+    ids: list[str] | None = None
+
+
+def _id_text(path: Path, where: str, value: Any, id_field: str) -> str:
+    if isinstance(value, bool) or not isinstance(value, (str, int)) or value == "":
+        raise UserError(f"{path}: {where}: id field {id_field!r} must be a non-empty string or an integer, "
+                        f"got {value!r}")
+    return str(value)
+
+
+def read_jsonl_prompts(path: Path, field: str, id_field: str | None = None) -> PromptFile:
+    """The string in `field` of every JSON object line of a .jsonl file, and its `id_field` (None: the
+    first of ID_DEFAULTS the first record has, if any)."""
+    prompts, ids = [], []
     for line_no, line in enumerate(read_text(path).splitlines(), start=1):
         # A blank line is not a record (editors often leave one at the end); skipping it keeps the
         # rows aligned with the records, which is what users count.
@@ -36,33 +56,49 @@ def read_jsonl_prompts(path: Path, field: str) -> list[str]:
         value = record[field]
         if not isinstance(value, str):
             raise UserError(f"{path}: line {line_no}: field {field!r} is a {type(value).__name__}, not a string")
+        if not prompts and id_field is None:
+            id_field = next((name for name in ID_DEFAULTS if name in record), "")
+        if id_field:
+            if id_field not in record:
+                raise UserError(f"{path}: line {line_no} has no id field {id_field!r} (use --id_field to pick another)")
+            ids.append(_id_text(path, f"line {line_no}", record[id_field], id_field))
         prompts.append(value)
-    return prompts
+    return PromptFile(prompts, ids if id_field else None)
 
 
-def read_txt_prompts(path: Path) -> list[str]:
-    """Returns every line of a .txt file as one prompt, blank lines included."""
+def read_txt_prompts(path: Path) -> PromptFile:
+    """Every line of a .txt file as one prompt, blank lines included (no ids)."""
     # splitlines() drops the final newline without adding an empty row, and keeps blank lines in
     # the middle so row i of the output is line i of the input.
-    return read_text(path).splitlines()
+    return PromptFile(read_text(path).splitlines())
 
 
-def read_csv_prompts(path: Path, column: str) -> list[str]:
-    """Returns the values of `column` of a .csv file with a header row."""
+def read_csv_prompts(path: Path, column: str, id_column: str | None = None) -> PromptFile:
+    """The values of `column` of a .csv file with a header row, and of `id_column` (None: the first of
+    ID_DEFAULTS in the header, if any)."""
     # utf-8-sig strips the byte-order mark that spreadsheet programs put before the header.
     with open(path, newline="", encoding="utf-8-sig") as handle:
         try:
             reader = csv.DictReader(handle)
             columns = reader.fieldnames or []
+            existing = ", ".join(repr(name) for name in columns) or "none"
             if column not in columns:
-                existing = ", ".join(repr(name) for name in columns) or "none"
                 raise UserError(f"{path}: no column {column!r} (columns: {existing}; use --column to pick one)")
-            # A short row has no value for the column (None): it is an empty prompt, still a row.
-            return [row[column] or "" for row in reader]
+            if id_column is None:
+                id_column = next((name for name in ID_DEFAULTS if name in columns), "")
+            elif id_column not in columns:
+                raise UserError(f"{path}: no id column {id_column!r} (columns: {existing}; use --id_field to pick one)")
+            rows = list(reader)
         except UnicodeDecodeError as exc:
             raise UserError(f"{path}: not UTF-8 text ({exc.reason})") from None
         except csv.Error as exc:
             raise UserError(f"{path}: malformed CSV ({exc})") from None
+    # A short row has no value for the column (None): it is an empty prompt, still a row.
+    prompts = [row[column] or "" for row in rows]
+    if not id_column:
+        return PromptFile(prompts)
+    return PromptFile(prompts, [_id_text(path, f"row {i}", row[id_column] or "", id_column)
+                                for i, row in enumerate(rows, start=1)])
 
 
 def read_text(path: Path) -> str:
@@ -73,23 +109,46 @@ def read_text(path: Path) -> str:
         raise UserError(f"{path}: not UTF-8 text ({exc.reason})") from None
 
 
-def read_prompts(path: Path | str, field: str = "prompt", column: str = "prompt") -> list[str]:
-    """Reads the prompts of a .jsonl, .txt or .csv file (format chosen by suffix), in file order."""
+def check_unique_ids(path: Path, ids: Sequence[str]) -> None:
+    """Raises naming the ids used more than once, with their 1-based rows (the first few)."""
+    rows: dict[str, list[int]] = {}
+    for row, sample_id in enumerate(ids, start=1):
+        rows.setdefault(sample_id, []).append(row)
+    repeated = [(sample_id, where) for sample_id, where in rows.items() if len(where) > 1]
+    if repeated:
+        shown = ", ".join(f"{sample_id!r} (rows {', '.join(map(str, where))})" for sample_id, where in repeated[:10])
+        more = f" and {len(repeated) - 10} more" if len(repeated) > 10 else ""
+        raise UserError(f"{path}: ids must be unique; used more than once: {shown}{more}")
+
+
+def read_prompt_file(path: Path | str, field: str = "prompt", column: str = "prompt",
+                     id_field: str | None = None) -> PromptFile:
+    """The prompts (and ids, see read_jsonl_prompts / read_csv_prompts) of a .jsonl, .txt or .csv file
+    (format chosen by suffix), in file order."""
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix not in SUFFIXES:
         raise UserError(f"{path}: unsupported input suffix {path.suffix!r} (use one of {', '.join(SUFFIXES)})")
     if not path.is_file():
         raise UserError(f"input file not found: {path}")
+    if suffix == ".txt" and id_field:
+        raise UserError(f"{path}: a .txt file has no fields, so no --id_field")
     if suffix == ".jsonl":
-        prompts = read_jsonl_prompts(path, field)
+        read = read_jsonl_prompts(path, field, id_field)
     elif suffix == ".txt":
-        prompts = read_txt_prompts(path)
+        read = read_txt_prompts(path)
     else:
-        prompts = read_csv_prompts(path, column)
-    if not prompts:
+        read = read_csv_prompts(path, column, id_field)
+    if not read.prompts:
         raise UserError(f"{path}: no prompts found")
-    return prompts
+    if read.ids is not None:
+        check_unique_ids(path, read.ids)
+    return read
+
+
+def read_prompts(path: Path | str, field: str = "prompt", column: str = "prompt") -> list[str]:
+    """Reads the prompts of a .jsonl, .txt or .csv file (format chosen by suffix), in file order."""
+    return read_prompt_file(path, field, column).prompts
 
 
 # --------------------------------------------------------------------------------------------

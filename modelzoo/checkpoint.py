@@ -186,7 +186,7 @@ class ShardPlan(Protocol):
 
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, plan: ShardPlan | None = None,
-               weight_dtype: str | None = None) -> tuple[nn.Module, Any]:
+               weight_dtype: str | None = None, int8_group_size: int = 0) -> tuple[nn.Module, Any]:
     """Builds our implementation of the checkpoint's family and fills it with the checkpoint's weights.
 
     Weights load by Hugging Face name. A family may fuse several HF weights into one of its own
@@ -211,7 +211,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, plan:
             plan.prepare(model)
     expected = dict(model.state_dict())  # names and full-precision shapes, as the checkpoint stores them
     # int8 weight name -> stored transposed (Conv1D); the model now expects int8 weights and their scales
-    quantized = quantize_modules(model, dtype) if weight_dtype == "int8" else {}
+    quantized = quantize_modules(model, dtype, int8_group_size) if weight_dtype == "int8" else {}
     fused = {k: v for k, v in getattr(model, "fused_weights", dict)().items() if k in expected}
     part_of = {source: (target, i) for target, sources in fused.items() for i, source in enumerate(sources)}
     # Checkpoints saved from a base model (GPT-2's `h.0...`, OPT's `decoder...`) lack the prefix
@@ -230,7 +230,8 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, plan:
             raise UserError(f"weight {what} has shape {tuple(tensor.shape)} in the checkpoint but the config "
                             f"implies {tuple(expected[name].shape)}")
         if name in quantized:  # quantized from the checkpoint's precision; the full tensor is dropped here
-            loaded[name], loaded[scale_name(name)] = quantize_rows(tensor.T if quantized[name] else tensor)
+            loaded[name], loaded[scale_name(name)] = quantize_rows(tensor.T if quantized[name] else tensor,
+                                                                   int8_group_size)
             release_freed_memory()
         else:
             loaded[name] = tensor

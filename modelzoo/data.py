@@ -1,11 +1,14 @@
 """GptHDF5MapDataProcessor: the `.h5` files of `data_dir` -> fixed-size batches of rows, streamed.
 
 Files are read in sorted name order and concatenated. Each holds an integer dataset `data` of shape
-(num_samples, max_seq_len), or (max_seq_len, num_samples) when loop_dim is 0. Batches are read
-slice by slice, never the whole file, so memory stays flat in the number of samples.
+(num_samples, max_seq_len), or (max_seq_len, num_samples) when loop_dim is 0, and may hold per-row
+datasets (data_tools/create_inference_h5.py writes them): `sample_id` (the user's ids, strings),
+`max_tokens` (each row's own limit, 0 = none) and `stop_sequences` (each row's own, JSON token-id lists).
+Batches are read slice by slice, never the whole file, so memory stays flat in the number of samples.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -16,13 +19,20 @@ import numpy as np
 from modelzoo.errors import UserError
 
 
+PER_ROW_DATASETS = ("sample_id", "max_tokens", "stop_sequences")
+
+
 @dataclass
 class Batch:
-    """One global step: rows (batch_size, max_seq_len) int32 and sample_index (batch_size,), -1 = dummy."""
+    """One global step: rows (batch_size, max_seq_len) int32 and sample_index (batch_size,), -1 = dummy;
+    where the data has them, each row's sample_id ("" for dummies), max_tokens (0: none) and stop_sequences."""
 
     step: int
     rows: np.ndarray
     sample_index: np.ndarray
+    sample_id: np.ndarray | None = None
+    max_tokens: np.ndarray | None = None
+    stop_sequences: list[tuple[tuple[int, ...], ...]] | None = None
 
 
 def start_positions(rows: np.ndarray, start_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -52,6 +62,7 @@ class GptHDF5MapDataProcessor:
         self.num_samples = sum(self.sizes)
         if self.num_samples == 0:
             raise UserError(f"the .h5 files in {self.data_dir} hold no samples")
+        self.per_row = self._check_per_row()
         self.num_steps = -(-self.num_samples // batch_size)
 
     @property
@@ -86,6 +97,21 @@ class GptHDF5MapDataProcessor:
             raise UserError(f"{path}: dataset 'data' must be 2-D {layout}, found shape {data.shape}")
         return data
 
+    def _check_per_row(self) -> tuple[str, ...]:
+        """The per-row datasets every file has (one per sample); one some files lack is an error."""
+        present = []
+        for name in PER_ROW_DATASETS:
+            holders = [path for path, handle in zip(self.files, self._handles) if name in handle]
+            if holders and len(holders) < len(self.files):
+                lacking = next(path for path in self.files if path not in holders)
+                raise UserError(f"{holders[0]} has the per-row dataset {name!r} but {lacking} does not")
+            for path, handle, size in zip(self.files, self._handles, self.sizes):
+                if holders and handle[name].shape != (size,):
+                    raise UserError(f"{path}: dataset {name!r} has shape {handle[name].shape}, expected ({size},)")
+            if holders:
+                present.append(name)
+        return tuple(present)
+
     def _width(self, data: h5py.Dataset) -> int:
         return data.shape[1] if self.loop_dim == 1 else data.shape[0]
 
@@ -106,15 +132,56 @@ class GptHDF5MapDataProcessor:
             offset += size
         return np.concatenate(parts).astype(np.int32, copy=False)
 
+    def read_per_row(self, name: str, start: int, stop: int) -> list:
+        """Per-row dataset `name` for samples [start, stop) across files, strings decoded."""
+        values, offset = [], 0
+        for handle, size in zip(self._handles, self.sizes):
+            lo, hi = max(start - offset, 0), min(stop - offset, size)
+            if lo < hi:
+                values += [v.decode() if isinstance(v, bytes) else v for v in handle[name][lo:hi].tolist()]
+            offset += size
+        return values
+
+    def row_stop_sequences(self) -> list[tuple[int, ...]]:
+        """Every stop sequence some row asks for (the `stop_sequences` dataset, read in slices), once each."""
+        if "stop_sequences" not in self.per_row:
+            return []
+        found: dict[tuple[int, ...], None] = {}
+        for start in range(0, self.num_samples, 65536):
+            for text in self.read_per_row("stop_sequences", start, min(start + 65536, self.num_samples)):
+                found.update(dict.fromkeys(self._stops(text)))
+        return list(found)
+
+    def _stops(self, text: str) -> tuple[tuple[int, ...], ...]:
+        try:
+            sequences = json.loads(text)
+            assert isinstance(sequences, list) and all(isinstance(s, list) and s and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in s) for s in sequences)
+        except (ValueError, AssertionError):
+            raise UserError(f"the data in {self.data_dir}: a stop_sequences entry is not a JSON list of token-id "
+                            f"lists: {text[:80]!r}") from None
+        return tuple(tuple(s) for s in sequences)
+
     def batch(self, step: int) -> Batch:
         """The rows of global step `step` (1-based), dummy rows (all pad token) after the last sample."""
         start = (step - 1) * self.batch_size
         stop = min(start + self.batch_size, self.num_samples)
+        real = stop - start
         rows = np.full((self.batch_size, self.max_seq_len), self.pad_token, dtype=np.int32)
-        rows[: stop - start] = self.read(start, stop)
+        rows[:real] = self.read(start, stop)
         index = np.full(self.batch_size, -1, dtype=np.int64)
-        index[: stop - start] = np.arange(start, stop)
-        return Batch(step=step, rows=rows, sample_index=index)
+        index[:real] = np.arange(start, stop)
+        batch = Batch(step=step, rows=rows, sample_index=index)
+        if "sample_id" in self.per_row:
+            ids = [str(v) for v in self.read_per_row("sample_id", start, stop)]
+            batch.sample_id = np.array(ids + [""] * (self.batch_size - real), dtype=str)
+        if "max_tokens" in self.per_row:
+            batch.max_tokens = np.zeros(self.batch_size, dtype=np.int64)
+            batch.max_tokens[:real] = self.read_per_row("max_tokens", start, stop)
+        if "stop_sequences" in self.per_row:
+            batch.stop_sequences = [self._stops(t) for t in self.read_per_row("stop_sequences", start, stop)]
+            batch.stop_sequences += [()] * (self.batch_size - real)
+        return batch
 
     def check_against_model(self, start_tokens: np.ndarray, vocab_size: int) -> None:
         """The data tool's attributes (start_token, vocab_size) must agree with the params and the model."""

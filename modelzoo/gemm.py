@@ -133,9 +133,10 @@ def _seconds_per_call(fn: Callable[[], torch.Tensor], budget_s: float = 0.15) ->
 
 
 def measure_shape(in_features: int, out_features: int, dtype: torch.dtype, backends: list[str],
-                  timed_rows: tuple[int, ...] = (PREFILL_ROWS, DECODE_ROWS)) -> ShapeChoice:
+                  timed_rows: tuple[int, ...] = (PREFILL_ROWS, DECODE_ROWS),
+                  build: Callable[[nn.Linear, str], nn.Module] = wrap) -> ShapeChoice:
     """Times (at each of `timed_rows`) and checks each backend on a random weight of this shape; keeps
-    the fastest invariant one."""
+    the fastest invariant one. build(layer, backend): the module a backend multiplies that layer with."""
     generator = torch.Generator().manual_seed(0)
     linear = nn.Linear(in_features, out_features, bias=False, dtype=dtype)
     with torch.no_grad():
@@ -145,7 +146,7 @@ def measure_shape(in_features: int, out_features: int, dtype: torch.dtype, backe
     with torch.inference_mode():
         for backend in backends:
             try:
-                module = wrap(linear, backend)
+                module = build(linear, backend)
                 full = module(x)  # (rows, N)
                 choice.invariant[backend] = all(torch.equal(module(x[:rows].contiguous()), full[:rows])
                                                 for rows in INVARIANCE_ROWS)
@@ -177,7 +178,7 @@ def _cache_path(root: Path | None = None) -> Path:
     return machine_dir(root) / "gemm_choices.json"
 
 
-def _read_cache() -> dict:
+def read_choices() -> dict:
     """The choices of every kernel root merged, the first root's entry winning (a read-only shared
     install's choices, then those measured since into the writable root)."""
     shapes = {}
@@ -191,7 +192,7 @@ def _read_cache() -> dict:
     return {"version": CACHE_VERSION, "shapes": shapes}
 
 
-def _write_cache(entries: dict) -> None:
+def write_choices(entries: dict) -> None:
     """Best effort: where no root is writable, the next job measures again."""
     path = _cache_path()
     try:
@@ -217,6 +218,38 @@ class GemmPlan:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def check_invariance(self) -> None:
+        """Sets batch_invariant, with one warning naming the layers whose rows depend on the batch."""
+        varying = [f"{key} ({backend})" for key, backend in self.layers.items()
+                   if not self.measured[key]["invariant"].get(backend, False)]
+        self.batch_invariant = not varying
+        if varying:
+            log.warning("not batch-invariant on this CPU, so a row's tokens may depend on which rows share its batch: "
+                        "%s", ", ".join(varying))
+
+    def add(self, other: GemmPlan) -> None:
+        """Takes in another plan's layers (the int8 ones of modelzoo/int8_compute.py)."""
+        self.requested = f"{self.requested}; int8 {other.requested}"
+        self.layers.update(other.layers)
+        self.measured.update(other.measured)
+        self.batch_invariant &= other.batch_invariant
+
+
+def measured_shapes(shapes: dict[str, tuple[int, int]], dtype: torch.dtype, backends: list[str],
+                    build: Callable[[nn.Linear, str], nn.Module] = wrap) -> dict[str, dict]:
+    """{key: ShapeChoice as a dict} for each {key: (in_features, out_features)}: this machine's cached
+    choice where it covers `backends`, else measured now with `build` (logged, and cached)."""
+    cache, measured = read_choices()["shapes"], {}
+    for key, (in_features, out_features) in shapes.items():
+        if key not in cache or set(cache[key]["gflops"]) | set(cache[key]["rejected"]) != set(backends):
+            start = time.perf_counter()
+            cache[key] = asdict(measure_shape(in_features, out_features, dtype, backends, build=build))
+            log.info("%s measured in %.1fs: %s", key, time.perf_counter() - start, rates_text(cache[key]))
+            measured[key] = cache[key]
+    if measured:
+        write_choices(cache)
+    return {key: cache[key] for key in shapes}
+
 
 def linear_layers(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
     """(parent, attribute name, layer) of every plain nn.Linear of `model` (not int8 or other subclasses)."""
@@ -239,20 +272,8 @@ def apply_gemm_backend(model: nn.Module, dtype: torch.dtype, device: torch.devic
     if device.type != "cpu" or not layers:
         plan.layers = {_shape_key(layer, dtype): "torch" for _, _, layer in layers}
         return plan
-    cache = _read_cache().get("shapes", {})
-    fresh = False
-    for _, _, layer in layers:
-        key = _shape_key(layer, dtype)
-        if key in plan.measured:
-            continue
-        if key not in cache or set(cache[key]["gflops"]) | set(cache[key]["rejected"]) != set(backends):
-            start = time.perf_counter()
-            cache[key] = asdict(measure_shape(layer.in_features, layer.out_features, dtype, backends))
-            fresh = True
-            log.info("GEMM %s measured in %.1fs: %s", key, time.perf_counter() - start, _rates_text(cache[key]))
-        plan.measured[key] = cache[key]
-    if fresh:
-        _write_cache(cache)
+    plan.measured = measured_shapes({_shape_key(layer, dtype): (layer.in_features, layer.out_features)
+                                     for _, _, layer in layers}, dtype, backends)
     for key, measured in plan.measured.items():
         plan.layers[key] = measured["backend"] if requested == "auto" else requested
     # MKL keeps the plain weight beside its packed copy: only where that second copy fits.
@@ -267,22 +288,18 @@ def apply_gemm_backend(model: nn.Module, dtype: torch.dtype, device: torch.devic
         for key, backend in plan.layers.items():
             if backend == "mkl":
                 plan.layers[key] = fastest(plan.measured[key], exclude=("mkl",))
-    for key, backend in plan.layers.items():
-        if not plan.measured[key]["invariant"].get(backend, False):
-            plan.batch_invariant = False
-            log.warning("GEMM backend %s for %s is not batch-invariant on this CPU: a row's tokens may depend on "
-                        "which rows share its batch", backend, key)
+    plan.check_invariance()
     while layers:  # one layer at a time, dropping each old layer at once: at most one weight is held twice
         parent, name, layer = layers.pop()
         setattr(parent, name, wrap(layer, plan.layers[_shape_key(layer, dtype)], decode_rows))
         del layer
     release_freed_memory()  # the checkpoint-layout weights just dropped
     log.info("GEMM backends (%s): %s", requested, "; ".join(
-        f"{key} {backend} ({_rates_text(plan.measured[key], backend)})" for key, backend in plan.layers.items()))
+        f"{key} {backend} ({rates_text(plan.measured[key], backend)})" for key, backend in plan.layers.items()))
     return plan
 
 
-def _rates_text(measured: dict, only: str | None = None) -> str:
+def rates_text(measured: dict, only: str | None = None) -> str:
     """'onednn 205/190 GFLOP/s, torch 114/93 (not batch-invariant)' (M=256 / M=32)."""
     parts = []
     for backend, rates in measured["gflops"].items():

@@ -50,6 +50,8 @@ def build_manifest(params: InferenceParams, data_files: list[Path]) -> dict[str,
     """The manifest of a run: params that shape the outputs, input fingerprints, tool version."""
     model = params.to_dict()["model"]
     model.pop("checkpoint_path")  # the fingerprint stands for it: a moved checkpoint still resumes
+    if model["weight_dtype"] is None:
+        model.pop("int8_group_size")  # shapes nothing without int8: runs from before it existed still resume
     inputs = params.to_dict()["inference_input"]
     inputs.pop("data_dir")
     return {

@@ -15,6 +15,7 @@ from modelzoo.generation.engine import GenerationEngine
 from modelzoo.generation.kv_cache import KVCache
 from modelzoo.generation.sampling import TokenChoice
 from modelzoo.generation.speculative import DraftModelDrafter, Drafter, PromptLookupDrafter
+from modelzoo.int8_compute import apply_int8_backend
 from modelzoo.memory import available_host_memory
 from modelzoo.params import InferenceParams
 from modelzoo.quantization import int8_summary
@@ -64,8 +65,10 @@ class ModelSetup:
         weights, arithmetic = (str(d).replace("torch.", "") for d in (self.weights_dtype, self.dtype))
         return weights if weights == arithmetic else f"{weights} weights, {arithmetic} arithmetic"
 
-    def build(self, tp: TensorParallelGroup) -> tuple[torch.nn.Module, GenerationEngine]:
-        """Loads the model (and drafter), checks the KV cache fits, chooses the GEMM path, builds the engine."""
+    def build(self, tp: TensorParallelGroup,
+              row_stop_sequences: list[tuple[int, ...]] = ()) -> tuple[torch.nn.Module, GenerationEngine]:
+        """Loads the model (and drafter), checks the KV cache fits, chooses the GEMM path, builds the engine
+        (row_stop_sequences: every stop sequence a row of the data asks for besides the job's)."""
         load_start = time.perf_counter()
         weight_dtype = self.params.model.weight_dtype
         batch_size = self.params.inference_input.batch_size
@@ -75,8 +78,10 @@ class ModelSetup:
                  time.perf_counter() - load_start)
         if weight_dtype == "int8":
             q = int8_summary(model, self.dtype)
-            log.info("int8 weights: %d linear layers and %d token embedding quantized per output channel: %.1f MiB "
-                     "instead of %.1f MiB in %s, %.1f MiB saved", q.linear_layers, q.embeddings, q.int8_bytes / 2**20,
+            group = self.params.model.int8_group_size
+            log.info("int8 weights: %d linear layers and %d token embedding quantized %s: %.1f MiB instead of %.1f MiB "
+                     "in %s, %.1f MiB saved", q.linear_layers, q.embeddings,
+                     f"in groups of {group} inputs" if group else "per output channel", q.int8_bytes / 2**20,
                      q.full_bytes / 2**20, str(self.dtype).replace("torch.", ""), q.saved_bytes / 2**20)
         weights, cache = self.memory_estimate(model)
         free = available_memory(self.device)
@@ -96,7 +101,8 @@ class ModelSetup:
         engine = GenerationEngine(model, batch_size, self.max_seq_len,
                                   [list(s) for s in self.params.model.stop_sequences], self.params.model.max_tokens,
                                   self.device, self.dtype, choice=TokenChoice.from_params(self.params.model),
-                                  drafter=self._drafter(), small_step_rows=small_step_rows)
+                                  drafter=self._drafter(), small_step_rows=small_step_rows,
+                                  row_stop_sequences=row_stop_sequences)
         return model, engine
 
     def memory_estimate(self, model: torch.nn.Module) -> tuple[int, int]:
@@ -117,7 +123,7 @@ class ModelSetup:
         """
         rounded = self.dtype != self.weights_dtype and not weight_dtype
         model, _ = load_model(checkpoint, self.weights_dtype if rounded else self.dtype, self.device,
-                              shard_plan(checkpoint, tensor_parallel), weight_dtype)
+                              shard_plan(checkpoint, tensor_parallel), weight_dtype, self.params.model.int8_group_size)
         if rounded:
             name = str(self.weights_dtype).replace("torch.", "")
             log.info("this CPU has no native %s matrix multiplies: weights keep their %s values, arithmetic and "
@@ -127,7 +133,8 @@ class ModelSetup:
 
     def _choose_gemm(self, model: torch.nn.Module, weight_dtype: str | None, spare_bytes: int) -> int | None:
         """Puts every float linear layer in the layout of the GEMM backend chosen for it (runconfig.gemm_backend;
-        MKL's second copy of the weights only within `spare_bytes`); returns the row count of a job's last
+        MKL's second copy of the weights only within `spare_bytes`), and every int8 one in its backend's
+        (runconfig.int8_backend); returns the row count of a job's last
         decode steps, or None to keep every step full.
 
         Every decode forward has batch_size rows (times K + 1 when verifying K drafted tokens); once at
@@ -139,7 +146,9 @@ class ModelSetup:
         self.gemm = apply_gemm_backend(model, self.dtype, self.device, self.params.runconfig.gemm_backend,
                                        decode_rows=batch_size * (1 + (spec.num_tokens if spec else 0)),
                                        spare_bytes=spare_bytes)
-        if weight_dtype or spec or batch_size <= SMALL_STEP_ROWS or self.device.type != "cpu":
+        if weight_dtype == "int8":
+            self.gemm.add(apply_int8_backend(model, self.dtype, self.device, self.params.runconfig.int8_backend))
+        if spec or batch_size <= SMALL_STEP_ROWS or self.device.type != "cpu":
             return None
         return SMALL_STEP_ROWS if self.gemm.batch_invariant else None
 

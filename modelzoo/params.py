@@ -14,6 +14,7 @@ DATA_PROCESSOR = "GptHDF5MapDataProcessor"
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 GEMM_BACKENDS = ("auto", "mkl", "onednn", "torch")  # modelzoo/gemm.py
+INT8_BACKENDS = ("auto", "vnni", "float")  # modelzoo/int8_compute.py
 WEIGHT_DTYPES = ("int8",)
 SPECULATIVE_METHODS = ("prompt_lookup", "draft_model")
 
@@ -101,6 +102,13 @@ class SpeculativeParams:
     max_ngram: int = 3
 
 
+def _group_size(key: str, value: Any) -> int:
+    if not _is_int(value) or value < 0 or value % 16:
+        raise UserError(f"{key} must be 0 (one scale per output channel) or a positive multiple of 16 "
+                        f"(inputs per scale), got {value!r}")
+    return value
+
+
 def _speculative(key: str, value: Any) -> SpeculativeParams | None:
     if value is None:
         return None
@@ -157,6 +165,7 @@ class ModelParams(TokenChoiceParams):
     checkpoint_path: str | None = None
     dtype: str = "auto"
     weight_dtype: str | None = None
+    int8_group_size: int = 32  # inputs per int8 scale (0: one per output channel); modelzoo/quantization.py
     stop_sequences: tuple[tuple[int, ...], ...] = ()
     max_tokens: int | None = None
     loop_dim: int = 1
@@ -195,6 +204,7 @@ class RunConfig:
     log_steps: int = 10
     tensor_parallel: int = 1
     gemm_backend: str = "auto"  # auto (measured at start-up), mkl, onednn or torch: see modelzoo/gemm.py
+    int8_backend: str = "auto"  # auto (measured at start-up), vnni or float: see modelzoo/int8_compute.py
 
 
 @dataclass(frozen=True)
@@ -224,6 +234,7 @@ SCHEMA: dict[str, tuple[type, dict[str, Callable[[str, Any], Any]]]] = {
         "dtype": _choice(DTYPE_NAMES, lambda v: isinstance(v, str)),
         "weight_dtype": lambda key, value: None if value is None else _choice(
             WEIGHT_DTYPES, lambda v: isinstance(v, str))(key, value),
+        "int8_group_size": _group_size,
         "start_token": _start_token,
         "stop_sequences": _stop_sequences,
         "max_tokens": _int(1, nullable=True),
@@ -249,6 +260,7 @@ SCHEMA: dict[str, tuple[type, dict[str, Callable[[str, Any], Any]]]] = {
         "log_steps": _int(1),
         "tensor_parallel": _int(1),
         "gemm_backend": _choice(GEMM_BACKENDS, lambda v: isinstance(v, str)),
+        "int8_backend": _choice(INT8_BACKENDS, lambda v: isinstance(v, str)),
     }),
 }
 

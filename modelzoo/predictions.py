@@ -21,6 +21,7 @@ from modelzoo.files import write_atomic
 # The file's keys: global_step (0-d), predictions (2-D), one value per row of each PER_ROW_KEYS, loop_dim
 # (0-d), inputs_sha256 (0-d); readers need REQUIRED_KEYS (files of older versions lack the last two).
 PER_ROW_KEYS = ("sample_index", "prompt_length", "num_generated", "stop_reason")
+OPTIONAL_PER_ROW_KEYS = ("sample_id",)  # where the data has ids: unicode, "" for dummy rows
 REQUIRED_KEYS = ("global_step", "predictions", *PER_ROW_KEYS)
 _ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)  # the earliest zip timestamp: no wall-clock time in the file
 
@@ -44,11 +45,13 @@ class StepAssembly:
     num_generated: np.ndarray  # (batch_size,) int32
     stop_reason: np.ndarray  # (batch_size,) unicode
     remaining: int  # rows still generating
+    sample_id: np.ndarray | None = None  # (batch_size,) unicode, where the data has ids
 
     def arrays(self, loop_dim: int) -> dict[str, np.ndarray]:
         """The npz payload; `predictions` transposed to (max_seq_len, batch_size) when loop_dim is 0."""
         predictions = self.predictions if loop_dim == 1 else np.ascontiguousarray(self.predictions.T)
-        return {"predictions": predictions, **{key: getattr(self, key) for key in PER_ROW_KEYS},
+        optional = {key: getattr(self, key) for key in OPTIONAL_PER_ROW_KEYS if getattr(self, key) is not None}
+        return {"predictions": predictions, **{key: getattr(self, key) for key in PER_ROW_KEYS}, **optional,
                 "loop_dim": np.array(loop_dim, dtype=np.int64)}
 
 

@@ -96,7 +96,7 @@ class InferenceJob:
                     todo = self._take_output()
                     if todo is None:
                         return self.stats
-                    model, engine = self.setup.build(self.tp)
+                    model, engine = self.setup.build(self.tp, self.data.row_stop_sequences())
                     if self.params.runconfig.compile_only:
                         self._check_forward(model, engine)
                         return self.stats
@@ -199,9 +199,11 @@ class InferenceJob:
         for row in np.flatnonzero(generate):
             prompt = rows[row, : starts[row]]  # its token ids were checked up front
             predictions[row, starts[row]:] = self.pad_token
-            requests.append(Request(index=int(batch.sample_index[row]), prompt=prompt))
+            own_limit = int(batch.max_tokens[row]) if batch.max_tokens is not None else 0
+            own_stops = batch.stop_sequences[row] if batch.stop_sequences is not None else ()
+            requests.append(Request(int(batch.sample_index[row]), prompt, own_limit, own_stops))
         assembly = StepAssembly(predictions, batch.sample_index, prompt_length, np.zeros(size, dtype=np.int32),
-                                reason, remaining=len(requests))
+                                reason, remaining=len(requests), sample_id=batch.sample_id)
         return assembly, requests
 
     def _generate(self, engine: GenerationEngine, steps: list[int], stop: Callable[[], bool]) -> None:

@@ -61,12 +61,13 @@ def write_h5(folder: Path, rows: np.ndarray, loop_dim: int = 1, name: str = "dat
 
 def write_params(path: Path, checkpoint: Path, data_dir: Path, batch_size: int, start_token: int | list[int],
                  stop_sequences: list[list[int]] | None = None, max_tokens: int | None = None, loop_dim: int = 1,
-                 dtype: str = "float32", weight_dtype: str | None = None, **runconfig: Any) -> Path:
-    """A params.yaml for the runner."""
+                 dtype: str = "float32", weight_dtype: str | None = None, model_keys: dict[str, Any] | None = None,
+                 **runconfig: Any) -> Path:
+    """A params.yaml for the runner (`model_keys`: more model: keys; the keyword arguments: runconfig: keys)."""
     params = {
         "model": {"checkpoint_path": str(checkpoint), "dtype": dtype, "start_token": start_token,
                   "stop_sequences": stop_sequences or [], "max_tokens": max_tokens, "loop_dim": loop_dim,
-                  **({"weight_dtype": weight_dtype} if weight_dtype else {})},
+                  **({"weight_dtype": weight_dtype} if weight_dtype else {}), **(model_keys or {})},
         "inference_input": {"data_processor": "GptHDF5MapDataProcessor", "data_dir": str(data_dir),
                             "batch_size": batch_size},
         "runconfig": {"device": "cpu", **runconfig},
@@ -227,3 +228,21 @@ def small_job(root: Path, num_samples: int = SMALL_SAMPLES, batch_size: int = SM
     assert run_job(params, root / "reference") == 0
     return {"params": params, "reference": root / "reference", "checkpoint": checkpoint, "data": root / "data",
             "prompts": prompts}
+
+
+def last_logits(model: torch.nn.Module, prompts: list[list[int]], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Last-position logits of each prompt, one at a time, in float32: (prompts, vocab)."""
+    from modelzoo.generation.kv_cache import KVCache
+
+    c = model.config
+    out = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            cache = KVCache(c.num_layers, 1, c.num_kv_heads, len(prompt), c.head_dim, dtype, torch.device("cpu"))
+            out.append(model(torch.tensor([prompt]), torch.arange(len(prompt))[None], cache, None)[0].float())
+    return torch.stack(out)
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """Per row: ||got - want|| / ||want||."""
+    return (got - want).norm(dim=-1) / want.norm(dim=-1)

@@ -17,6 +17,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may be downloaded
 
 from data_tools import create_inference_h5 as create  # noqa: E402
 from data_tools import decode_predictions as decode  # noqa: E402
+from data_tools.prompts import read_prompts  # noqa: E402
 from modelzoo import __version__  # noqa: E402
 from modelzoo.errors import UserError  # noqa: E402
 
@@ -99,6 +100,7 @@ def test_jsonl_round_trip(tokenizer, tmp_path, capsys):
         "loop_dim": 1,
         "eos_token_id": EOS_ID,
         "chat_template": False,
+        "format": "prompts",
         "source": "p.jsonl",
         "tool": "zoo-infer create_inference_h5",
         "tool_version": __version__,
@@ -167,7 +169,7 @@ def test_txt_round_trip_keeps_blank_lines(tokenizer, tmp_path, capsys):
 def test_txt_trailing_newline_makes_no_row(tmp_path, text, expected):
     src = tmp_path / "p.txt"
     src.write_bytes(text.encode("utf-8"))
-    assert create.read_prompts(src) == expected
+    assert read_prompts(src) == expected
 
 
 def test_csv_round_trip(tokenizer, tmp_path):
@@ -189,7 +191,7 @@ def test_csv_round_trip(tokenizer, tmp_path):
 def test_csv_with_byte_order_mark(tmp_path):
     src = tmp_path / "p.csv"
     src.write_bytes("prompt\nhi\n".encode("utf-8-sig"))
-    assert create.read_prompts(src) == ["hi"]
+    assert read_prompts(src) == ["hi"]
 
 
 def test_loop_dim_0_stores_transpose(tokenizer, tmp_path):

@@ -76,7 +76,7 @@ def test_choice_is_cached_and_reused(tmp_path, monkeypatch):
     apply_gemm_backend(nn.Sequential(nn.Linear(32, 48)), torch.float32, CPU, "auto")
     cached = json.loads((modelzoo.kernels.machine_dir(tmp_path / "build") / "gemm_choices.json").read_text())
     assert list(cached["shapes"]) == ["float32 32x48"]
-    monkeypatch.setattr(gemm, "measure_shape", lambda *args: pytest.fail("measured again"))
+    monkeypatch.setattr(gemm, "measure_shape", lambda *args, **kwargs: pytest.fail("measured again"))
     plan = apply_gemm_backend(nn.Sequential(nn.Linear(32, 48)), torch.float32, CPU, "auto")
     assert plan.layers == {"float32 32x48": cached["shapes"]["float32 32x48"]["backend"]}
 
@@ -148,7 +148,7 @@ def test_mkl_second_copy_only_within_the_spare_memory(monkeypatch):
     assert type(model[0]) is nn.Linear  # nothing swapped
     fake = {"backend": "mkl", "gflops": {b: {"M=256": 100.0 + (b == "mkl"), "M=32": 100.0} for b in FLOAT32_BACKENDS},
             "invariant": {b: True for b in FLOAT32_BACKENDS}, "rejected": {}}
-    monkeypatch.setattr(gemm, "measure_shape", lambda *args: gemm.ShapeChoice(**fake))  # MKL measured fastest
+    monkeypatch.setattr(gemm, "measure_shape", lambda *args, **kwargs: gemm.ShapeChoice(**fake))  # MKL measured fastest
     other = nn.Sequential(nn.Linear(64, 80))  # a shape not cached yet
     assert apply_gemm_backend(nn.Sequential(nn.Linear(64, 80)), torch.float32, CPU, "auto").layers == {"float32 64x80": "mkl"}
     plan = apply_gemm_backend(other, torch.float32, CPU, "auto", spare_bytes=1000)

@@ -3,7 +3,7 @@ int8 model against float32, tied weights sharing one int8 tensor, memory while l
 
 How close is close: a weight is off by at most scale / 2 = absmax(row) / 254, an RMS error of about
 0.7% of a Gaussian row's spread. Through the few layers of these tiny models that moves the logits by
-1.0-3.9% (relative L2, measured over the families below), so LOGITS_REL_TOL is 0.08, a 2x margin,
+1.0-3.9% (relative L2, measured over the families below), so INT8_LOGITS_REL_TOL is 0.08, a 2x margin,
 where a lost scale, a wrong axis or a missing Conv1D transpose moves them by 50-100%. The exact part
 of the contract is tighter: an int8 model computes what the float32 model computes on the
 dequantized weights, up to float rounding (1e-4).
@@ -20,83 +20,24 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import (BloomConfig, FalconConfig, GPT2Config, GPTBigCodeConfig, GPTJConfig, GPTNeoXConfig,
-                          MistralConfig, MptConfig, OPTConfig, Qwen2Config)
 
 import modelzoo.checkpoint as checkpoint_module
-from harness import family_prompts, prompt_rows, run_job, save_tiny_model, stacked_predictions, write_h5, write_params
+from harness import (family_prompts, last_logits, prompt_rows, relative_error, run_job, save_tiny_model,
+                     stacked_predictions, write_h5, write_params)
 from modelzoo.checkpoint import load_model, read_safetensors
 from modelzoo.errors import UserError
-from modelzoo.generation.kv_cache import KVCache
 from modelzoo.models.gpt2 import Conv1D
 from modelzoo.gemm import apply_gemm_backend
 from modelzoo.quantization import Int8Embedding, Int8Linear, dequantize_rows, quantize_rows
-from tiny_configs import tiny_llama_config
+from tiny_configs import INT8_FAMILIES, INT8_LOGITS_REL_TOL, VOCAB
 
-VOCAB = 96
-LOGITS_REL_TOL = 0.08
 CPU = torch.device("cpu")
-SMALL = {"vocab_size": VOCAB, "num_hidden_layers": 3, "num_attention_heads": 4, "max_position_embeddings": 128}
-
-# One config per family, each with what its int8 swap must get right.
-FAMILIES = {
-    # fused qkv_proj / gate_up_proj, GQA, lm_head tied to the embedding
-    "llama_tied": lambda: tiny_llama_config(vocab_size=VOCAB, tie_word_embeddings=True),
-    "mistral_untied": lambda: MistralConfig(**SMALL, hidden_size=64, intermediate_size=128, num_key_value_heads=2,
-                                            sliding_window=8, tie_word_embeddings=False,
-                                            architectures=["MistralForCausalLM"]),
-    "qwen2_qkv_bias": lambda: Qwen2Config(**SMALL, hidden_size=64, intermediate_size=128, num_key_value_heads=2,
-                                          tie_word_embeddings=True, architectures=["Qwen2ForCausalLM"]),
-    # Conv1D (in, out) weights, learned positions left in float, tied head
-    "gpt2": lambda: GPT2Config(vocab_size=VOCAB, n_embd=48, n_layer=2, n_head=4, n_positions=80,
-                               architectures=["GPT2LMHeadModel"]),
-    # project_in / project_out, embeddings narrower than hidden, positions table with offset 2
-    "opt_projected": lambda: OPTConfig(vocab_size=VOCAB, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
-                                       ffn_dim=96, max_position_embeddings=80, pad_token_id=1,
-                                       do_layer_norm_before=False, word_embed_proj_dim=32, enable_bias=False,
-                                       tie_word_embeddings=False, architectures=["OPTForCausalLM"]),
-    "bloom": lambda: BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=3, n_head=4,
-                                 architectures=["BloomForCausalLM"]),
-    "mpt": lambda: MptConfig(vocab_size=VOCAB, d_model=64, n_layers=3, n_heads=4, max_seq_len=128, attn_config={},
-                             architectures=["MptForCausalLM"]),
-    # FalconLinear, an nn.Linear subclass; GQA groups, biases, untied
-    "falcon_new_arch": lambda: FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3,
-                                            num_attention_heads=8, num_kv_heads=2, new_decoder_architecture=True,
-                                            bias=True, tie_word_embeddings=False, max_position_embeddings=128,
-                                            architectures=["FalconForCausalLM"]),
-    # the head is `embed_out`
-    "gpt_neox": lambda: GPTNeoXConfig(**SMALL, hidden_size=64, intermediate_size=128, rotary_pct=0.25,
-                                      architectures=["GPTNeoXForCausalLM"]),
-    # lm_head with a bias
-    "gptj": lambda: GPTJConfig(vocab_size=VOCAB, n_embd=64, n_layer=3, n_head=4, n_positions=128, rotary_dim=8,
-                               bos_token_id=0, eos_token_id=0, architectures=["GPTJForCausalLM"]),
-    "gpt_bigcode_mqa": lambda: GPTBigCodeConfig(vocab_size=VOCAB, n_embd=48, n_layer=2, n_head=4, n_positions=80,
-                                                n_inner=96, multi_query=True, bos_token_id=0, eos_token_id=0,
-                                                architectures=["GPTBigCodeForCausalLM"]),
-}
-
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     """Each family's tiny random checkpoint, saved once for the module."""
     root = tmp_path_factory.mktemp("int8_checkpoints")
-    return {name: save_tiny_model(make(), root / name) for name, make in FAMILIES.items()}
-
-
-def last_logits(model: nn.Module, prompts: list[list[int]], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Last-position logits of each prompt, one at a time, in float32: (prompts, vocab)."""
-    c = model.config
-    out = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            cache = KVCache(c.num_layers, 1, c.num_kv_heads, len(prompt), c.head_dim, dtype, CPU)
-            out.append(model(torch.tensor([prompt]), torch.arange(len(prompt))[None], cache, None)[0].float())
-    return torch.stack(out)
-
-
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
-    """Per row: ||got - want|| / ||want||."""
-    return (got - want).norm(dim=-1) / want.norm(dim=-1)
+    return {name: save_tiny_model(make(), root / name) for name, make in INT8_FAMILIES.items()}
 
 
 def unique_bytes(model: nn.Module) -> int:
@@ -159,7 +100,7 @@ def test_int8_embedding_gathers_dequantized_rows():
 
 # --- families --------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", list(INT8_FAMILIES))
 def test_int8_model_is_float32_on_dequantized_weights_and_close_to_float32(family, checkpoints):
     checkpoint = checkpoints[family]
     prompts = family_prompts(VOCAB)
@@ -184,7 +125,7 @@ def test_int8_model_is_float32_on_dequantized_weights_and_close_to_float32(famil
                 original.weight.copy_(rounded.T if transposed else rounded)
     got = last_logits(model, prompts)
     torch.testing.assert_close(got, last_logits(reference, prompts), rtol=1e-4, atol=1e-4)
-    assert relative_error(got, want).max() < LOGITS_REL_TOL
+    assert relative_error(got, want).max() < INT8_LOGITS_REL_TOL
 
 
 def test_bfloat16_compute_with_int8_weights(checkpoints):
@@ -193,7 +134,7 @@ def test_bfloat16_compute_with_int8_weights(checkpoints):
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}  # norms stay in the compute dtype
     reference, _ = load_model(checkpoints["llama_tied"], torch.float32, CPU)
     got = last_logits(model, prompts, torch.bfloat16)
-    assert relative_error(got, last_logits(reference, prompts)).max() < 2 * LOGITS_REL_TOL  # + bfloat16 rounding
+    assert relative_error(got, last_logits(reference, prompts)).max() < 2 * INT8_LOGITS_REL_TOL  # + bfloat16 rounding
 
 
 @pytest.mark.parametrize("family, head, embedding", [
@@ -320,7 +261,7 @@ def test_run_inference_int8_tokens_mostly_equal_float32(family, checkpoints, tmp
     # int8 outputs are not float32 outputs: resuming a float32 run with int8 weights is refused.
     params = tmp_path / "int8.yaml"
     assert run_job(params, tmp_path / "fp32") == 2
-    assert "changed: model.weight_dtype" in capsys.readouterr().err
+    assert "changed: model.int8_group_size, model.weight_dtype" in capsys.readouterr().err
 
 
 def test_compile_only_with_int8_logs_what_was_quantized(checkpoints, tmp_path, caplog):
@@ -329,7 +270,7 @@ def test_compile_only_with_int8_logs_what_was_quantized(checkpoints, tmp_path, c
                           start_token=VOCAB, weight_dtype="int8")
     with caplog.at_level(logging.INFO, logger="zoo-infer"):
         assert run_job(params, tmp_path / "run", "--compile_only") == 0
-    assert "int8 weights: 13 linear layers and 1 token embedding quantized per output channel" in caplog.text
+    assert "int8 weights: 13 linear layers and 1 token embedding quantized in groups of 32 inputs" in caplog.text
     assert "(int8) + KV cache" in caplog.text
     assert "compile_only: params, data and checkpoint are valid" in caplog.text
     assert not (tmp_path / "run" / "artifacts" / "predictions").exists()

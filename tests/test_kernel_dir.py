@@ -96,7 +96,7 @@ def measured(monkeypatch):
     """measure_shape without the timing: the cache is what is tested here."""
     choice = gemm.ShapeChoice(backend="torch", gflops={"torch": {"M=256": 1.0, "M=32": 1.0}}, invariant={"torch": True})
     monkeypatch.setattr(gemm, "available_backends", lambda *args: ["torch"])
-    monkeypatch.setattr(gemm, "measure_shape", lambda *args: choice)
+    monkeypatch.setattr(gemm, "measure_shape", lambda *args, **kwargs: choice)
 
 
 def test_gemm_choices_go_to_the_writable_root_and_are_read_back(tmp_path, roots, read_only, measured, monkeypatch):
@@ -104,7 +104,7 @@ def test_gemm_choices_go_to_the_writable_root_and_are_read_back(tmp_path, roots,
     gemm.apply_gemm_backend(nn.Sequential(nn.Linear(32, 48)), torch.float32, torch.device("cpu"))
     written = machine_dir(tmp_path / "xdg" / "zoo-infer" / "kernels") / "gemm_choices.json"
     assert list(json.loads(written.read_text())["shapes"]) == ["float32 32x48"]
-    monkeypatch.setattr(gemm, "measure_shape", lambda *args: pytest.fail("measured again"))
+    monkeypatch.setattr(gemm, "measure_shape", lambda *args, **kwargs: pytest.fail("measured again"))
     gemm.apply_gemm_backend(nn.Sequential(nn.Linear(32, 48)), torch.float32, torch.device("cpu"))
 
 

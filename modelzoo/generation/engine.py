@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -39,10 +39,13 @@ log = logging.getLogger("zoo-infer")
 
 @dataclass
 class Request:
-    """One prompt to complete. `index` is the caller's key (the sample index); prompt: (p,), p >= 1."""
+    """One prompt to complete. `index` is the caller's key (the sample index); prompt: (p,), p >= 1. Its own
+    stop sequences must be among the engine's `row_stop_sequences`."""
 
     index: int
     prompt: np.ndarray
+    max_tokens: int = 0  # the row's own limit, 0: the job's alone (the smaller one holds)
+    stop_sequences: tuple[tuple[int, ...], ...] = ()  # the row's own, besides the job's
 
 
 @dataclass
@@ -60,7 +63,8 @@ class GenerationEngine:
     def __init__(self, model: nn.Module, num_slots: int, max_seq_len: int, stop_sequences: list[list[int]],
                  max_tokens: int | None, device: torch.device, dtype: torch.dtype,
                  prefill_token_budget: int = 1024, choice: TokenChoice | None = None,
-                 drafter: Drafter | None = None, small_step_rows: int | None = None) -> None:
+                 drafter: Drafter | None = None, small_step_rows: int | None = None,
+                 row_stop_sequences: Sequence[Sequence[int]] = ()) -> None:
         config = model.config
         self.model = model
         self.num_slots = num_slots
@@ -77,7 +81,7 @@ class GenerationEngine:
         self.packs_prompts = bool(getattr(model, "packs_prompts", False)) and drafter is None
         self.cache = KVCache(config.num_layers, num_slots, config.num_kv_heads, max_seq_len, config.head_dim,
                              dtype, device)
-        self.stops = StopChecker(stop_sequences, max_tokens, max_seq_len, num_slots, device)
+        self.stops = StopChecker(stop_sequences, max_tokens, max_seq_len, num_slots, device, row_stop_sequences)
         # Per-slot state, on the device: the row's tokens (prompt, then generated), its length, the
         # prompt length, the token to feed next, the sample index (the random stream's key).
         self.sequences = torch.zeros((num_slots, max_seq_len), dtype=torch.long, device=device)
@@ -175,7 +179,7 @@ class GenerationEngine:
             self.sequences[slots, prompt_len] = first
             self.seq_len[slots] = prompt_len + 1
             self.last_token[slots] = first
-            self.stops.reset(slots)
+            self.stops.reset(slots, [r.max_tokens for _, r, _ in group], [r.stop_sequences for _, r, _ in group])
             reason = self.stops.check(slots, first, torch.ones_like(first), prompt_len + 1)
             finished += self._done(slots, reason)
         self.generated_tokens += len(admitted)

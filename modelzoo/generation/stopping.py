@@ -1,6 +1,8 @@
 """Vectorised stop rules: stop sequences, max_tokens, max_seq_len; checked on tensors, per slot."""
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 # Stop reason codes (0 = keep going); names are what the predictions files and logs show.
@@ -14,26 +16,49 @@ class StopChecker:
     """Decides, for every slot at once, whether its sequence ends after the token just generated.
 
     Keeps the last K generated tokens of each slot (K = longest stop sequence), so a stop
-    sequence matches only within generated tokens, never across the prompt boundary.
+    sequence matches only within generated tokens, never across the prompt boundary. The job's stop
+    sequences and max_tokens hold for every slot; a slot may add stop sequences of its own (from
+    `row_stop_sequences`, every one a row may ask for) and a smaller max_tokens, set by `reset`.
     """
 
     def __init__(self, stop_sequences: list[list[int]], max_tokens: int | None, max_seq_len: int,
-                 num_slots: int, device: torch.device) -> None:
+                 num_slots: int, device: torch.device, row_stop_sequences: Sequence[Sequence[int]] = ()) -> None:
         self.max_tokens = max_tokens
         self.max_seq_len = max_seq_len
-        width = max((len(s) for s in stop_sequences), default=0)
+        table = [list(s) for s in stop_sequences]
+        table += [list(s) for s in dict.fromkeys(map(tuple, row_stop_sequences)) if list(s) not in table]
+        self.row_of = {tuple(seq): i for i, seq in enumerate(table)}
+        self.shared = len(stop_sequences)
+        width = max((len(s) for s in table), default=0)
         # Right-aligned stop sequences, left-padded with -2 and a mask of the real entries: (S, K).
-        self.sequences = torch.full((len(stop_sequences), width), -2, dtype=torch.long, device=device)
-        self.valid = torch.zeros((len(stop_sequences), width), dtype=torch.bool, device=device)
-        for i, seq in enumerate(stop_sequences):
+        self.sequences = torch.full((len(table), width), -2, dtype=torch.long, device=device)
+        self.valid = torch.zeros((len(table), width), dtype=torch.bool, device=device)
+        for i, seq in enumerate(table):
             self.sequences[i, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
             self.valid[i, width - len(seq):] = True
+        # Which sequences stop each slot (the job's always), and each slot's max_tokens: (num_slots, S), (num_slots,).
+        self.enabled = torch.zeros((num_slots, len(table)), dtype=torch.bool, device=device)
+        self.enabled[:, : self.shared] = True
+        self.limit = torch.full((num_slots,), max_tokens or max_seq_len, dtype=torch.long, device=device)
         # Last K generated tokens per slot, -1 where nothing was generated yet: (num_slots, K).
         self.history = torch.full((num_slots, width), -1, dtype=torch.long, device=device)
 
-    def reset(self, slots: torch.Tensor) -> None:
-        """Forgets the history of `slots` (B,) when they take new sequences."""
+    def reset(self, slots: torch.Tensor, max_tokens: Sequence[int] = (),
+              stop_sequences: Sequence[Sequence[Sequence[int]]] = ()) -> None:
+        """Forgets the history of `slots` (B,) when they take new sequences, and sets each one's own
+        max_tokens (0: the job's alone) and stop sequences (besides the job's; given to the constructor)."""
         self.history[slots] = -1
+        job = self.max_tokens or self.max_seq_len
+        limits = [min(job, own) if own else job for own in max_tokens] or [job] * len(slots)
+        self.limit[slots] = torch.tensor(limits, dtype=torch.long, device=self.limit.device)
+        enabled = torch.zeros((len(slots), self.enabled.shape[1]), dtype=torch.bool)
+        enabled[:, : self.shared] = True
+        for row, sequences in enumerate(stop_sequences):
+            for seq in sequences:
+                if tuple(seq) not in self.row_of:
+                    raise ValueError(f"stop sequence {list(seq)} was not given to the StopChecker")
+                enabled[row, self.row_of[tuple(seq)]] = True
+        self.enabled[slots] = enabled.to(self.enabled.device)
 
     def check(self, slots: torch.Tensor | None, tokens: torch.Tensor, num_generated: torch.Tensor,
               seq_lengths: torch.Tensor, taken: torch.Tensor | None = None) -> torch.Tensor:
@@ -45,18 +70,17 @@ class StopChecker:
         max_seq_len.
         """
         reason = torch.zeros_like(tokens)
+        rows = slice(None) if slots is None else slots
         if self.history.shape[1]:
-            rows = slice(None) if slots is None else slots
             history = torch.cat((self.history[rows][:, 1:], tokens[:, None]), dim=1)  # (B, K)
             if taken is not None:
                 history = torch.where(taken[:, None], history, self.history[rows])
             self.history[rows] = history
             # (B, 1, K) vs (1, S, K): a sequence matches when every real entry equals the history.
             equal = (history[:, None, :] == self.sequences[None]) | ~self.valid[None]
-            reason[equal.all(-1).any(-1)] = STOP_SEQUENCE
+            reason[(equal.all(-1) & self.enabled[rows]).any(-1)] = STOP_SEQUENCE
         go_on = reason == CONTINUE
-        if self.max_tokens is not None:
-            reason[go_on & (num_generated >= self.max_tokens)] = MAX_TOKENS
-            go_on = reason == CONTINUE
+        reason[go_on & (num_generated >= self.limit[rows])] = MAX_TOKENS
+        go_on = reason == CONTINUE
         reason[go_on & (seq_lengths >= self.max_seq_len)] = MAX_SEQ_LEN
         return reason if taken is None else reason * taken

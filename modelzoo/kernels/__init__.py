@@ -38,7 +38,8 @@ from modelzoo.cpu import cpu_flags, cpu_model
 
 log = logging.getLogger("zoo-infer")
 
-SOURCES = [Path(__file__).with_name(name) for name in ("bindings.cpp", "cached_attention.cpp", "decoder_ops.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("bindings.cpp", "cached_attention.cpp", "decoder_ops.cpp",
+                                                         "int8_gemm.cpp")]
 HEADERS = [Path(__file__).with_name(name) for name in ("kernels.h", "storage.h")]
 BUILD_ROOT = Path(__file__).with_name("build")
 MODULE_NAME = "zoo_infer_cpu_kernels"  # torch names the library <name>.so (<name>_v1.so, ... on a rebuild in-process)

@@ -10,5 +10,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("starts"), py::arg("ends"), py::arg("scale"), py::arg("cos") = py::none(), py::arg("sin") = py::none());
   m.def("rms_norm", &zoo::rms_norm, "weight * x * rsqrt(mean(x^2, -1) + eps), as transformers' RMSNorm computes it");
   m.def("add_rms_norm_", &zoo::add_rms_norm_, "x += delta in place, then returns rms_norm(x, weight, eps)");
+  m.def("int8_vnni_available", &zoo::int8_vnni_available, "Whether int8_linear was built (AVX512-VNNI)");
+  m.def("int8_linear", &zoo::int8_linear,
+        "x (..., K) @ W^T (+ bias) for a group-wise int8 W packed by modelzoo/int8_compute.py, x quantized per row "
+        "and group on the fly; (..., out_features) in x's dtype",
+        py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("bias") = py::none(),
+        py::arg("out_features"));
   m.def("silu_mul", &zoo::silu_mul, "silu(gate) * up for gate_up = gate | up along the last dimension");
 }

@@ -1,0 +1,199 @@
+"""OpenAI batch files (the JSONL of the OpenAI Batch API and `vllm run-batch`): requests in, responses out.
+
+Input, one request per line:
+    {"custom_id": "q1", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 64, "stop": ["\\n\\n"]}}
+`/v1/chat/completions` bodies go through the tokenizer's chat template; `/v1/completions` bodies are raw
+prompts. Per request: `max_tokens` (or `max_completion_tokens`) and `stop` strings, honoured by the runner.
+An option the runner cannot honour for one request (a `temperature` other than the params', `n` > 1,
+`logit_bias`, tools, ...) makes that request an error record of the output, not a failed job; so does a
+stop string that does not map to token ids. A malformed line or a repeated `custom_id` is an error for
+the whole file (the OpenAI Batch API rejects such a file too).
+
+Output, one line per request in the input's order (`decode_predictions.py --format openai_batch`):
+    {"id": "batch_req_1", "custom_id": "q1", "response": {"status_code": 200, "request_id": "...", "body": {...}},
+     "error": null}
+with a chat.completion or text_completion body (`finish_reason` `stop` or `length`, `usage`), or
+`"response": null, "error": {"code": ..., "message": ...}` for a request that could not run.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from modelzoo.errors import UserError
+
+CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
+KINDS = {CHAT_URL: "chat", COMPLETIONS_URL: "completion"}
+# Body keys read or allowed as they are.
+READ_KEYS = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "stop"}
+IGNORED_KEYS = {"user", "metadata", "store", "service_tier"}
+# Body keys the runner applies to every row alike: allowed where the request asks for the run's value.
+# name -> (the params' model key it must equal, or None for a fixed value, that value's default).
+RUN_WIDE = {"temperature": ("temperature", 0.0), "top_p": ("top_p", 1.0), "seed": ("seed", 0),
+            "n": (None, 1), "stream": (None, False), "presence_penalty": (None, 0.0),
+            "frequency_penalty": (None, 0.0), "logprobs": (None, False)}
+# What a request asks that no run here does (e.g. logit_bias, tools, response_format): its error record.
+
+
+@dataclass
+class BatchRequest:
+    """One line of an OpenAI batch file: what to run, or why it cannot run here."""
+
+    line: int  # 1-based, in the input file
+    custom_id: str
+    kind: str = "chat"  # chat or completion
+    model: str = ""
+    messages: list[dict[str, str]] = field(default_factory=list)
+    prompt: str = ""
+    max_tokens: int = 0  # 0: the params' model.max_tokens alone
+    stop: list[str] = field(default_factory=list)
+    error: str = ""  # non-empty: the request's error record, nothing is generated for it
+
+    @property
+    def runs(self) -> bool:
+        return not self.error
+
+
+def _text_content(content: Any) -> str | None:
+    """A message's content as text: a string, or a list of {"type": "text", "text": ...} parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    return None
+
+
+def _read_body(request: BatchRequest, body: dict[str, Any], run_wide: dict[str, Any]) -> None:
+    """Fills `request` from its body, or sets its error."""
+    for key, value in body.items():
+        if key in READ_KEYS or key in IGNORED_KEYS:
+            continue
+        if key in RUN_WIDE:
+            params_key, default = RUN_WIDE[key]
+            wanted = run_wide.get(params_key, default) if params_key else default
+            if value is not None and value != wanted:
+                request.error = (f"{key} {value!r} is not supported per request: this run uses {wanted!r} for every "
+                                 f"request" + (f" (model.{params_key} in the params)" if params_key else ""))
+                return
+            continue
+        request.error = f"{key} is not supported by zoo-infer"
+        return
+    request.model = str(body.get("model") or "")
+    if request.kind == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            request.error = "messages must be a non-empty list"
+            return
+        for message in messages:
+            text = _text_content(message.get("content")) if isinstance(message, dict) else None
+            if text is None or not isinstance(message.get("role"), str):
+                request.error = "each message needs a role and text content"
+                return
+            request.messages.append({"role": message["role"], "content": text})
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            request.error = "prompt must be one string (several prompts in one request are not supported)"
+            return
+        request.prompt = prompt
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    if limit is not None:
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+            request.error = f"max_tokens must be an integer >= 1, got {limit!r}"
+            return
+        request.max_tokens = limit
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop
+    if stops is not None and not (isinstance(stops, list) and all(isinstance(s, str) and s for s in stops)):
+        request.error = f"stop must be a non-empty string or a list of them, got {stop!r}"
+        return
+    request.stop = stops or []
+
+
+def read_batch_file(path: Path, text: str, run_wide: dict[str, Any]) -> list[BatchRequest]:
+    """Every request of an OpenAI batch file, in order; `run_wide`: the params' model section (or {})."""
+    requests: list[BatchRequest] = []
+    seen: dict[str, int] = {}
+    for line_no, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{path}: line {line_no} is not valid JSON ({exc.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("custom_id"), str) or not record["custom_id"]:
+            raise UserError(f"{path}: line {line_no} is not a batch request: it needs a non-empty string custom_id")
+        custom_id = record["custom_id"]
+        if custom_id in seen:
+            seen_line = seen[custom_id]
+            raise UserError(f"{path}: custom_id {custom_id!r} is used on lines {seen_line} and {line_no}; "
+                            "each request needs its own")
+        seen[custom_id] = line_no
+        request = BatchRequest(line_no, custom_id)
+        url, body = record.get("url"), record.get("body")
+        if record.get("method", "POST") != "POST":
+            request.error = f"method {record.get('method')!r} is not supported (POST only)"
+        elif url not in KINDS:
+            request.error = f"url {url!r} is not supported ({CHAT_URL} or {COMPLETIONS_URL})"
+        elif not isinstance(body, dict):
+            request.error = "body must be a JSON object"
+        else:
+            request.kind = KINDS[url]
+            _read_body(request, body, run_wide)
+        requests.append(request)
+    if not requests:
+        raise UserError(f"{path}: no requests found")
+    return requests
+
+
+def stop_token_ids(tokenizer: Any, stops: Sequence[str]) -> list[list[int]] | str:
+    """Each stop string as the token ids it encodes to, or an error when one does not round-trip (the
+    runner matches ids, so a string that only appears inside other tokens would never stop a row)."""
+    sequences = []
+    for stop in stops:
+        try:
+            ids = tokenizer.encode(stop, add_special_tokens=False)
+        except (TypeError, ValueError, UnicodeError):  # e.g. a lone surrogate, which JSON allows
+            ids = []
+        if not ids or tokenizer.decode(ids) != stop:
+            return f"stop string {stop!r} does not map to token ids of this tokenizer"
+        sequences.append(list(ids))
+    return sequences
+
+
+def prompt_text(tokenizer: Any, request: BatchRequest) -> str:
+    """The text a request's prompt is: its messages in the chat template, or its raw prompt."""
+    if request.kind == "completion":
+        return request.prompt
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise UserError("the batch file holds /v1/chat/completions requests but the tokenizer has no chat template")
+    return tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=False)
+
+
+def response_line(number: int, request: dict[str, Any], completion: dict[str, Any] | None, created: int) -> dict:
+    """One output line. request: the row's record (custom_id, kind, model, error); completion: the decoded
+    row (completion text without its stop sequence, finish_reason, prompt / completion token counts), or
+    None when the run has no prediction for it (an incomplete run)."""
+    base = {"id": f"batch_req_{number}", "custom_id": request["custom_id"]}
+    if request.get("error") or completion is None:
+        message = request.get("error") or "no prediction for this request: the run has not finished it"
+        code = "invalid_request" if request.get("error") else "not_generated"
+        return {**base, "response": None, "error": {"code": code, "message": message}}
+    choice: dict[str, Any] = {"index": 0, "finish_reason": completion["finish_reason"], "logprobs": None}
+    if request["kind"] == "chat":
+        choice["message"] = {"role": "assistant", "content": completion["text"]}
+        kind = "chat.completion"
+    else:
+        choice["text"] = completion["text"]
+        kind = "text_completion"
+    usage = {"prompt_tokens": completion["prompt_tokens"], "completion_tokens": completion["completion_tokens"],
+             "total_tokens": completion["prompt_tokens"] + completion["completion_tokens"]}
+    body = {"id": f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{request['custom_id']}", "object": kind,
+            "created": created, "model": request.get("model", ""), "choices": [choice], "usage": usage}
+    return {**base, "response": {"status_code": 200, "request_id": f"req_{number}", "body": body}, "error": None}

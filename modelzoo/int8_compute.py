@@ -1,0 +1,162 @@
+"""How int8 linear layers multiply on this CPU, chosen by measuring: int8 x int8, or the weight in floats.
+
+- `float`: Int8Linear as loaded (modelzoo/quantization.py): the weight cast (per-channel) or dequantized
+           (group-wise) to `model.dtype` at each call; activations stay exact. Works on every device.
+- `vnni`:  the weight repacked once for the C++ kernel (modelzoo/kernels/int8_gemm.cpp, AVX512-VNNI):
+           activations quantized per row and group on the fly (int8, absmax / 127, the weight's groups;
+           one group per row for a per-channel weight), integer dot products per group, both scales
+           applied after. The packed weight replaces the plain one.
+
+As for the float GEMMs (modelzoo/gemm.py), each int8 shape is timed with both at M = 256 and M = 32 on
+random weights and checked batch-invariant, the fastest kept, cached beside the kernels, logged and
+recorded in summary.json; `runconfig.int8_backend` forces one.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from modelzoo.checkpoint import release_freed_memory
+from modelzoo.errors import UserError
+from modelzoo.gemm import GemmPlan, measured_shapes, rates_text
+from modelzoo.kernels import cpu_kernels
+from modelzoo.quantization import Int8Embedding, Int8Linear, dequantize_rows, group_count, quantize_rows
+
+log = logging.getLogger("zoo-infer")
+
+INT8_BACKENDS = ("vnni", "float")
+BLOCK = 16  # output rows per packed block, and the kernel's unit of group size
+
+
+def kernel_group_size(in_features: int, group_size: int) -> int:
+    """The group the kernel runs: group_size, or per-channel the whole row rounded up to a multiple of 16."""
+    return group_size or -(-in_features // BLOCK) * BLOCK
+
+
+def pack_weight(q: torch.Tensor, scale: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (N, K) int8 and its scales (N,) or (N, G) -> the kernel's (packed, scales): packed (N/16, K/4, 16, 4)
+    uint8 = q + 128, scales (N/16, G, 16) float32 (N and K zero-padded to multiples of 16 and of the group;
+    see int8_gemm.cpp)."""
+    rows, columns = q.shape
+    group = kernel_group_size(columns, group_size)
+    groups = group_count(columns, group)
+    padded_rows = -(-rows // BLOCK) * BLOCK
+    shifted = F.pad(q, (0, groups * group - columns, 0, padded_rows - rows)).view(torch.uint8) ^ 0x80  # (Np, Kp)
+    scale = F.pad(scale.reshape(rows, groups), (0, 0, 0, padded_rows - rows))  # (Np, G)
+    blocks = padded_rows // BLOCK
+    return (shifted.view(blocks, BLOCK, -1, 4).permute(0, 2, 1, 3).contiguous(),
+            scale.view(blocks, BLOCK, groups).transpose(1, 2).contiguous())
+
+
+class VnniInt8Linear(nn.Module):
+    """An Int8Linear multiplied by the int8 x int8 kernel; holds only the packed weight."""
+
+    def __init__(self, layer: Int8Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.group_size = layer.in_features, layer.out_features, layer.group_size
+        packed, scales = pack_weight(layer.weight, layer.weight_scale, layer.group_size)
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales", scales)
+        self.bias = layer.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., in) -> (..., out) in x's dtype."""
+        return cpu_kernels().int8_linear(x, self.packed, self.scales, self.bias, self.out_features)
+
+    def rows(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The int8 weight rows `indices` (...) and their scales, read back from the packed layout:
+        q (..., in) int8, scales (..., groups) float32 (what Int8Linear held)."""
+        block, lane = indices // BLOCK, indices % BLOCK
+        shifted = self.packed[block, :, lane, :].flatten(-2)[..., :self.in_features]  # (..., in) uint8
+        groups = group_count(self.in_features, self.group_size) if self.group_size else 1
+        return (shifted ^ 0x80).view(torch.int8), self.scales[block, :groups, lane]
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"int8 x int8, {f'groups of {self.group_size}' if self.group_size else 'per channel'}")
+
+
+class TiedInt8Embedding(nn.Module):
+    """An Int8Embedding whose table is its tied head's packed weight (one copy for both)."""
+
+    def __init__(self, embedding: Int8Embedding, head: VnniInt8Linear) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.dtype = embedding.num_embeddings, embedding.embedding_dim, embedding.dtype
+        self.group_size = embedding.group_size
+        self.head = [head]  # a plain list: the head stays registered where it lives, not twice
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (...) -> (..., dim) in the compute dtype, as Int8Embedding computes it."""
+        q, scales = self.head[0].rows(tokens)
+        if not self.group_size:
+            return (q.to(torch.float32) * scales[..., 0, None]).to(self.dtype)
+        flat = dequantize_rows(q.flatten(0, -2), scales.flatten(0, -2), self.dtype, self.group_size)
+        return flat.view(q.shape)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, int8, the tied head's packed table"
+
+
+def available_int8_backends(device: torch.device, dtype: torch.dtype) -> list[str]:
+    """`vnni` where the C++ kernels were built with AVX512-VNNI (CPU, float dtypes), and `float` always."""
+    kernels = cpu_kernels() if device.type == "cpu" else None
+    vnni = kernels is not None and hasattr(kernels, "int8_vnni_available") and kernels.int8_vnni_available()
+    return ["vnni", "float"] if vnni else ["float"]
+
+
+def _candidate(linear: nn.Linear, backend: str, group_size: int) -> nn.Module:
+    """A random float layer quantized as a job's would be, multiplied by `backend`."""
+    layer = Int8Linear(linear.in_features, linear.out_features, False, linear.weight.dtype, group_size=group_size)
+    layer.weight, layer.weight_scale = quantize_rows(linear.weight.detach(), group_size)
+    return VnniInt8Linear(layer) if backend == "vnni" else layer
+
+
+def int8_layers(model: nn.Module) -> list[tuple[nn.Module, str, Int8Linear]]:
+    """(parent, attribute name, layer) of every Int8Linear of `model`."""
+    return [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+            if isinstance(child, Int8Linear)]
+
+
+def _shape_key(layer: Int8Linear, dtype: torch.dtype) -> str:
+    grouping = f"g{layer.group_size}" if layer.group_size else "per-channel"
+    return f"int8 {grouping} {str(dtype).replace('torch.', '')} {layer.in_features}x{layer.out_features}"
+
+
+def apply_int8_backend(model: nn.Module, dtype: torch.dtype, device: torch.device, requested: str = "auto") -> GemmPlan:
+    """Replaces every Int8Linear of `model` by the chosen backend's layer (`requested`: auto, vnni or float)."""
+    if requested not in ("auto", *INT8_BACKENDS):
+        raise ValueError(f"unknown int8 backend {requested!r}; one of auto, {', '.join(INT8_BACKENDS)}")
+    plan = GemmPlan(requested)
+    layers = int8_layers(model)
+    backends = available_int8_backends(device, dtype)
+    if requested != "auto" and requested not in backends:
+        raise UserError(f"runconfig.int8_backend {requested} needs the C++ kernels built with AVX512-VNNI on a CPU "
+                        f"that has it; available here: {', '.join(backends)}")
+    if not layers:
+        return plan
+    group_size = layers[0][2].group_size  # one model.int8_group_size for the whole model
+    plan.measured = measured_shapes({_shape_key(layer, dtype): (layer.in_features, layer.out_features)
+                                     for _, _, layer in layers}, dtype, backends,
+                                    build=lambda linear, backend: _candidate(linear, backend, group_size))
+    plan.layers = {key: measured["backend"] if requested == "auto" else requested
+                   for key, measured in plan.measured.items()}
+    plan.check_invariance()
+    embeddings = {module.weight.data_ptr(): (parent, name, module) for parent in model.modules()
+                  for name, module in parent.named_children() if isinstance(module, Int8Embedding)}
+    while layers:  # one layer at a time: at most one weight is held twice
+        parent, name, layer = layers.pop()
+        if plan.layers[_shape_key(layer, dtype)] == "vnni":
+            packed = VnniInt8Linear(layer)
+            setattr(parent, name, packed)
+            if layer.weight.data_ptr() in embeddings:  # a tied embedding reads the packed copy instead of its own
+                owner, attribute, embedding = embeddings.pop(layer.weight.data_ptr())
+                setattr(owner, attribute, TiedInt8Embedding(embedding, packed))
+                del embedding
+        del layer
+    release_freed_memory()  # the plain int8 weights just repacked
+    log.info("int8 backends (%s): %s", requested, "; ".join(
+        f"{key} {backend} ({rates_text(plan.measured[key], backend)})" for key, backend in plan.layers.items()))
+    return plan

@@ -1,0 +1,238 @@
+"""Ids carried through, and OpenAI batch files in and out: create_inference_h5.py -> run_inference.py ->
+decode_predictions.py on the default SmolLM2-135M-Instruct, each output line parsed back and checked field
+by field against transformers' greedy continuation of the same prompt, cut where the request says."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import yaml
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from data_tools import create_inference_h5 as create  # noqa: E402
+from data_tools import decode_predictions as decode  # noqa: E402
+from harness import hf_greedy, load_predictions, run_job  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MODEL = REPO_ROOT / "models" / "smollm2-135m-instruct"
+EOS, START, MAX_SEQ_LEN, RUN_MAX_TOKENS = 2, 49152, 80, 16
+
+
+def request(custom_id: str, url: str, **body) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": {"model": "smollm2", **body}}
+
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+REQUESTS = [
+    request("capital", CHAT, messages=[{"role": "system", "content": "Answer in one sentence."},
+                                       {"role": "user", "content": "What is the capital of France?"}], max_tokens=30),
+    request("colors", COMPLETIONS, prompt="The three primary colors are", max_tokens=12, stop=[","]),
+    request("hot", CHAT, messages=[{"role": "user", "content": "Hi"}], temperature=0.9),
+    request("count", CHAT, messages=[{"role": "user", "content": [{"type": "text", "text": "Count to five."}]}],
+            max_completion_tokens=6, temperature=0, n=1),
+    request("tools", CHAT, messages=[{"role": "user", "content": "Weather?"}], tools=[{"type": "function"}]),
+    request("odd-stop", COMPLETIONS, prompt="Hello", stop=["\ud800"]),  # a lone surrogate
+    request("free", COMPLETIONS, prompt="def fibonacci(n):"),
+]
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def write_run_params(path: Path, data_dir: Path) -> Path:
+    path.write_text(yaml.safe_dump({
+        "model": {"checkpoint_path": str(MODEL), "dtype": "float32", "start_token": START, "stop_sequences": [[EOS]],
+                  "max_tokens": RUN_MAX_TOKENS},
+        "inference_input": {"data_processor": "GptHDF5MapDataProcessor", "data_dir": str(data_dir), "batch_size": 2},
+        "runconfig": {"device": "cpu"}}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def batch_run(tmp_path_factory) -> dict:
+    """The OpenAI batch file through the three tools; what each printed and wrote."""
+    root = tmp_path_factory.mktemp("openai")
+    source = write_jsonl(root / "requests.jsonl", REQUESTS)
+    assert create.main(["--input", str(source), "--format", "openai_batch", "--tokenizer", str(MODEL),
+                        "--max_seq_len", str(MAX_SEQ_LEN), "--output_dir", str(root / "data")]) == 0
+    params = write_run_params(root / "params.yaml", root / "data")
+    assert run_job(params, root / "run") == 0
+    out = root / "responses.jsonl"
+    assert decode.main(["--model_dir", str(root / "run"), "--tokenizer", str(MODEL), "--format", "openai_batch",
+                        "--output", str(out)]) == 0
+    return {"root": root, "lines": [json.loads(line) for line in out.read_text().splitlines()]}
+
+
+def test_the_data_holds_the_runnable_requests_and_every_request(batch_run):
+    with h5py.File(batch_run["root"] / "data" / "data.h5") as h5:
+        assert [s.decode() for s in h5["sample_id"][:]] == ["capital", "colors", "count", "free"]
+        assert h5["max_tokens"][:].tolist() == [30, 12, 6, 0]
+        assert [json.loads(s) for s in h5["stop_sequences"][:]][1:] == [[[28]], [], []]  # "," is token 28
+        table = [json.loads(s) for s in h5["requests"][:]]
+    assert [(r["custom_id"], r["row"], r["kind"]) for r in table] == [
+        ("capital", 0, "chat"), ("colors", 1, "completion"), ("hot", -1, "chat"), ("count", 2, "chat"),
+        ("tools", -1, "chat"), ("odd-stop", -1, "completion"), ("free", 3, "completion")]
+
+
+def test_predictions_carry_the_ids(batch_run):
+    files = load_predictions(batch_run["root"] / "run")
+    assert files[1]["sample_id"].tolist() == ["capital", "colors"]
+    assert files[2]["sample_id"].tolist() == ["count", "free"]
+
+
+def expected_continuation(prompt_ids: list[int], limit: int, stops: list[list[int]]) -> tuple[list[int], str]:
+    """transformers' greedy tokens for a prompt, cut after the first stop sequence (kept) or at `limit`; the
+    OpenAI finish_reason (a stop sequence on the last allowed token is a stop, as the runner ranks it)."""
+    tokens = hf_greedy(MODEL, [prompt_ids], limit, stops)[0]
+    return tokens, "stop" if any(tokens[-len(s):] == s for s in stops) else "length"
+
+
+def test_each_response_is_the_reference_continuation(batch_run):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    by_id = {line["custom_id"]: line for line in batch_run["lines"]}
+    def chat(messages: list[dict]) -> list[int]:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    cases = {  # custom_id: (prompt ids, the row's limit: min(request, model.max_tokens), its stops besides EOS)
+        "capital": (chat(REQUESTS[0]["body"]["messages"]), 16, []),
+        "colors": (tokenizer("The three primary colors are")["input_ids"], 12, [[28]]),
+        "count": (chat([{"role": "user", "content": "Count to five."}]), 6, []),
+        "free": (tokenizer("def fibonacci(n):")["input_ids"], 16, []),
+    }
+    for custom_id, (prompt_ids, limit, stops) in cases.items():
+        tokens, finish = expected_continuation(prompt_ids, limit, [[EOS], *stops])
+        line = by_id[custom_id]
+        assert line["error"] is None and line["response"]["status_code"] == 200, line
+        body = line["response"]["body"]
+        choice = body["choices"][0]
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        if finish == "stop" and stops and text.endswith(","):
+            text = text[:-1]  # the stop string is left out, as OpenAI does
+        assert choice["finish_reason"] == finish, custom_id
+        assert (choice["message"]["content"] if "message" in choice else choice["text"]) == text, custom_id
+        assert body["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": len(tokens),
+                                 "total_tokens": len(prompt_ids) + len(tokens)}, custom_id
+        assert body["object"] == ("chat.completion" if "message" in choice else "text_completion")
+        assert body["model"] == "smollm2"
+
+
+def test_responses_follow_the_input_order_with_error_records(batch_run):
+    lines = batch_run["lines"]
+    assert [line["custom_id"] for line in lines] == [r["custom_id"] for r in REQUESTS]
+    assert [line["id"] for line in lines] == [f"batch_req_{i}" for i in range(1, 8)]
+    errors = {line["custom_id"]: line["error"] for line in lines if line["error"]}
+    assert errors == {
+        "hot": {"code": "invalid_request", "message": "temperature 0.9 is not supported per request: this run uses "
+                                                      "0.0 for every request (model.temperature in the params)"},
+        "tools": {"code": "invalid_request", "message": "tools is not supported by zoo-infer"},
+        "odd-stop": {"code": "invalid_request",
+                     "message": "stop string '\\ud800' does not map to token ids of this tokenizer"},
+    }
+    assert all(line["response"] is None for line in lines if line["error"])
+
+
+def test_params_values_are_accepted_per_request(tmp_path):
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"model": {"start_token": START, "temperature": 0.9, "seed": 3},
+                                      "inference_input": {"data_dir": "d", "batch_size": 1}}))
+    source = write_jsonl(tmp_path / "r.jsonl", [REQUESTS[2], request("cold", CHAT, messages=[
+        {"role": "user", "content": "Hi"}], temperature=0.5)])
+    assert create.main(["--input", str(source), "--format", "openai_batch", "--tokenizer", str(MODEL),
+                        "--max_seq_len", "40", "--output_dir", str(tmp_path / "data"), "--params", str(params)]) == 0
+    with h5py.File(tmp_path / "data" / "data.h5") as h5:
+        assert [s.decode() for s in h5["sample_id"][:]] == ["hot"]
+        assert json.loads(h5["requests"][1])["error"].startswith("temperature 0.5 is not supported per request")
+
+
+@pytest.mark.parametrize("lines, message", [
+    ([REQUESTS[0], REQUESTS[0]], "custom_id 'capital' is used on lines 1 and 2; each request needs its own"),
+    (["not json"], "line 1 is not valid JSON"),
+    ([{"method": "POST"}], "line 1 is not a batch request: it needs a non-empty string custom_id"),
+    ([REQUESTS[2]], "no request can run here: hot: temperature 0.9 is not supported per request"),
+])
+def test_bad_batch_files_are_one_line_errors(tmp_path, capsys, lines, message):
+    source = tmp_path / "r.jsonl"
+    source.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    assert create.main(["--input", str(source), "--format", "openai_batch", "--tokenizer", str(MODEL),
+                        "--max_seq_len", "40", "--output_dir", str(tmp_path / "data")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+# --- ids from prompt files ---------------------------------------------------------------------------
+
+def test_csv_ids_reach_the_predictions_and_the_decoded_lines(tmp_path):
+    source = tmp_path / "prompts.csv"
+    source.write_text("id,prompt\nq-7,Name a color.\nq-3,Name a fruit.\nq-9,Name a tree.\n")
+    assert create.main(["--input", str(source), "--tokenizer", str(MODEL), "--chat_template",
+                        "--max_seq_len", "40", "--output_dir", str(tmp_path / "data")]) == 0
+    params = write_run_params(tmp_path / "params.yaml", tmp_path / "data")
+    assert run_job(params, tmp_path / "run", "--inference_steps", "1") == 0  # a partial run: 2 of 3
+    files = load_predictions(tmp_path / "run")
+    assert files[1]["sample_id"].tolist() == ["q-7", "q-3"]
+    assert run_job(params, tmp_path / "run") == 0  # resumed: the last batch, one dummy row
+    assert load_predictions(tmp_path / "run")[2]["sample_id"].tolist() == ["q-9", ""]
+    out = tmp_path / "out.jsonl"
+    assert decode.main(["--model_dir", str(tmp_path / "run"), "--tokenizer", str(MODEL), "--output", str(out)]) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["sample_index"], r["sample_id"]) for r in records] == [(0, "q-7"), (1, "q-3"), (2, "q-9")]
+
+
+def test_jsonl_id_field(tmp_path):
+    source = write_jsonl(tmp_path / "p.jsonl", [{"key": 11, "prompt": "a"}, {"key": "b7", "prompt": "b"}])
+    assert create.main(["--input", str(source), "--tokenizer", str(MODEL), "--id_field", "key",
+                        "--max_seq_len", "16", "--output_dir", str(tmp_path / "data")]) == 0
+    with h5py.File(tmp_path / "data" / "data.h5") as h5:
+        assert [s.decode() for s in h5["sample_id"][:]] == ["11", "b7"]
+
+
+def test_files_without_ids_write_no_sample_id(tmp_path):
+    source = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a"}])
+    assert create.main(["--input", str(source), "--tokenizer", str(MODEL), "--max_seq_len", "16",
+                        "--output_dir", str(tmp_path / "data")]) == 0
+    with h5py.File(tmp_path / "data" / "data.h5") as h5:
+        assert "sample_id" not in h5
+
+
+@pytest.mark.parametrize("name, text, extra, message", [
+    ("p.csv", "id,prompt\na,x\nb,y\na,z\nb,w\n", [], "ids must be unique; used more than once: 'a' (rows 1, 3), "
+                                                     "'b' (rows 2, 4)"),
+    ("p.jsonl", '{"id": "a", "prompt": "x"}\n{"prompt": "y"}\n', [], "line 2 has no id field 'id'"),
+    ("p.jsonl", '{"id": null, "prompt": "x"}\n', [], "id field 'id' must be a non-empty string or an integer"),
+    ("p.csv", "prompt\nx\n", ["--id_field", "uid"], "no id column 'uid' (columns: 'prompt'"),
+    ("p.txt", "x\n", ["--id_field", "uid"], "a .txt file has no fields, so no --id_field"),
+])
+def test_bad_ids_are_one_line_errors(tmp_path, capsys, name, text, extra, message):
+    source = tmp_path / name
+    source.write_text(text)
+    assert create.main(["--input", str(source), "--tokenizer", str(MODEL), "--max_seq_len", "16",
+                        "--output_dir", str(tmp_path / "data"), *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def test_decode_openai_needs_a_batch_made_data(tmp_path, capsys):
+    source = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a"}])
+    assert create.main(["--input", str(source), "--tokenizer", str(MODEL), "--max_seq_len", "16",
+                        "--output_dir", str(tmp_path / "data")]) == 0
+    params = write_run_params(tmp_path / "params.yaml", tmp_path / "data")
+    assert run_job(params, tmp_path / "run") == 0
+    assert decode.main(["--model_dir", str(tmp_path / "run"), "--tokenizer", str(MODEL),
+                        "--format", "openai_batch"]) == 2
+    assert "holds no OpenAI batch requests: make it with create_inference_h5.py --format openai_batch" in \
+        capsys.readouterr().err
+
+
+def test_sample_id_column_is_unicode_in_npz(batch_run):
+    with np.load(next((batch_run["root"] / "run" / "artifacts" / "predictions").glob("*.npz"))) as npz:
+        assert npz["sample_id"].dtype.kind == "U"  # readable with allow_pickle=False
