@@ -228,10 +228,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--id_field", default=None, help="field (.jsonl) or column (.csv) holding each prompt's unique "
                         "id (default: custom_id or id when present)")
     parser.add_argument("--format", choices=("prompts", "openai_batch"), default="prompts",
-                        help="prompts: a prompt file as above; openai_batch: an OpenAI batch file of /v1/chat/completions "
-                        "and /v1/completions requests (default: prompts)")
+                        help="prompts: a prompt file as above; openai_batch: an OpenAI batch file of "
+                        "/v1/chat/completions and /v1/completions requests (default: prompts)")
     parser.add_argument("--params", type=Path, default=None, help="openai_batch: the run's params.yaml; a request may "
-                        "set temperature, top_p or seed only to its values (default: greedy, top_p 1, seed 0)")
+                        "set temperature, top_p, seed or logprobs only to its values (default: greedy, top_p 1, "
+                        "seed 0, no logprobs)")
     parser.add_argument(
         "--start_token", type=int, default=None,
         help="id that fills every position after the prompt; generation starts at the first one "
@@ -279,7 +280,8 @@ def openai_rows(args: argparse.Namespace, tokenizer: Any) -> tuple[PromptFile, l
     run_wide = {}
     if args.params is not None:
         model = load_params(args.params).model
-        run_wide = {"temperature": model.temperature, "top_p": model.top_p, "seed": model.seed}
+        run_wide = {"temperature": model.temperature, "top_p": model.top_p, "seed": model.seed,
+                    "logprobs": model.logprobs}
     requests = read_batch_file(args.input, read_text(args.input), run_wide)
     runnable: list[BatchRequest] = []
     stops: list[list[list[int]]] = []
@@ -296,7 +298,8 @@ def openai_rows(args: argparse.Namespace, tokenizer: Any) -> tuple[PromptFile, l
                    for text, request in zip(texts, runnable)]
     rows = {request.custom_id: row for row, request in enumerate(runnable)}
     table = [json.dumps({"line": r.line, "custom_id": r.custom_id, "kind": r.kind, "model": r.model, "stop": r.stop,
-                         "error": r.error, "row": rows.get(r.custom_id, -1)}) for r in requests]
+                         "logprobs": r.logprobs, "error": r.error, "row": rows.get(r.custom_id, -1)})
+             for r in requests]
     per_row = {"max_tokens": np.array([r.max_tokens for r in runnable], dtype=np.int32),
                "stop_sequences": [json.dumps(s) for s in stops], "requests": table}
     return PromptFile(texts, [r.custom_id for r in runnable]), token_lists, per_row

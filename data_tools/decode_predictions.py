@@ -10,8 +10,9 @@ JSON line per real sample (dummy padding rows are skipped), in increasing sample
     {"sample_index": 0, "sample_id": "q1", "prompt": "...", "completion": "...", "num_generated": 12,
      "stop_reason": "stop_sequence"}
 
-(`sample_id` where the data has ids). The prompt and completion are decoded with the given tokenizer;
---skip_special_tokens drops tokens such as <|im_start|> from both.
+(`sample_id` where the data has ids; `logprobs`, one per generated token, with --logprobs). The prompt
+and completion are decoded with the given tokenizer; --skip_special_tokens drops tokens such as
+<|im_start|> from both.
 
 --format openai_batch answers an OpenAI batch file made into data with create_inference_h5.py --format
 openai_batch: one line per request of that file, in its order, in the OpenAI batch output format
@@ -58,6 +59,7 @@ class PredictionBatch:
     num_generated: np.ndarray
     stop_reason: np.ndarray
     sample_id: np.ndarray | None = None  # where the data has ids
+    logprobs: np.ndarray | None = None  # (batch_size, max_seq_len) float32, where the run has them
 
 
 def find_prediction_files(model_dir: Path | str) -> list[Path]:
@@ -92,13 +94,18 @@ def load_batch(path: Path) -> PredictionBatch:
     predictions = arrays["predictions"]
     if predictions.ndim != 2:
         raise UserError(f"{path}: predictions must be 2-D, got shape {predictions.shape}")
+    logprobs = arrays.get("logprobs")
     if loop_dim == 0:
         predictions = predictions.T  # stored as (max_seq_len, batch_size)
+        logprobs = None if logprobs is None else logprobs.T
+    if logprobs is not None and logprobs.shape != predictions.shape:
+        raise UserError(f"{path}: logprobs has shape {logprobs.shape}, expected {predictions.shape}")
     batch = PredictionBatch(
         path=path,
         global_step=int(arrays["global_step"]),
         predictions=predictions,
         **{key: arrays[key] for key in PER_ROW_KEYS + OPTIONAL_PER_ROW_KEYS if key in arrays},
+        logprobs=logprobs,
     )
     check_batch(batch)
     return batch
@@ -146,8 +153,12 @@ def as_text(value: Any) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
-def decode_batch(batch: PredictionBatch, tokenizer: Any, skip_special_tokens: bool) -> list[dict]:
-    """Returns one record per real row of a batch (dummy rows skipped)."""
+def decode_batch(batch: PredictionBatch, tokenizer: Any, skip_special_tokens: bool,
+                 logprobs: bool = False) -> list[dict]:
+    """Returns one record per real row of a batch (dummy rows skipped); with `logprobs`, each generated
+    token's log-probability too (the run must have written them)."""
+    if logprobs and batch.logprobs is None:
+        raise UserError(f"{batch.path}: no logprobs in this run's files (set model.logprobs: true in the params)")
     records = []
     for row in range(batch.predictions.shape[0]):
         index = int(batch.sample_index[row])
@@ -164,6 +175,7 @@ def decode_batch(batch: PredictionBatch, tokenizer: Any, skip_special_tokens: bo
                 "completion": tokenizer.decode(ids[start:end].tolist(), skip_special_tokens=skip_special_tokens),
                 "num_generated": end - start,
                 "stop_reason": as_text(batch.stop_reason[row]),
+                **({"logprobs": batch.logprobs[row, start:end].tolist()} if logprobs else {}),
             }
         )
     return records
@@ -185,11 +197,12 @@ def load_run(model_dir: Path | str) -> list[PredictionBatch]:
     return batches
 
 
-def decode_batches(batches: Sequence[PredictionBatch], tokenizer: Any, skip_special_tokens: bool = False) -> list[dict]:
+def decode_batches(batches: Sequence[PredictionBatch], tokenizer: Any, skip_special_tokens: bool = False,
+                   logprobs: bool = False) -> list[dict]:
     """Returns the decoded records of the batches (in step order), sorted by sample_index."""
     by_index: dict[int, dict] = {}
     for batch in batches:
-        for record in decode_batch(batch, tokenizer, skip_special_tokens):
+        for record in decode_batch(batch, tokenizer, skip_special_tokens, logprobs):
             if record["sample_index"] in by_index:
                 # The later step wins, as it does when a run is resumed over older files.
                 print(
@@ -253,6 +266,10 @@ def openai_records(batches: Sequence[PredictionBatch], requests: Sequence[dict],
                 text = text[:-len(ended)]
             completion = {"text": text, "finish_reason": "stop" if reason == "stop_sequence" else "length",
                           "prompt_tokens": start, "completion_tokens": count}
+            if batch.logprobs is not None:
+                ids = batch.predictions[row, start:start + count].tolist()
+                completion["token_logprobs"] = [(tokenizer.decode([i]), float(v))
+                                                for i, v in zip(ids, batch.logprobs[row, start:start + count])]
         lines.append(response_line(number, request, completion, created))
     return lines
 
@@ -276,6 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--skip_special_tokens", action="store_true",
         help="leave special tokens (e.g. <|im_start|>, <|im_end|>) out of the decoded text",
     )
+    parser.add_argument("--logprobs", action="store_true", help="jsonl: add each generated token's log-probability "
+                        "(`logprobs`, a list); the run needs model.logprobs: true. openai_batch answers carry them for "
+                        "the requests that asked (logprobs: true)")
     parser.add_argument("--format", choices=("jsonl", "openai_batch"), default="jsonl",
                         help="jsonl: one record per sample; openai_batch: the OpenAI batch output of the requests the "
                         "data was made from (default: jsonl)")
@@ -291,7 +311,7 @@ def run(args: argparse.Namespace) -> int:
     requests = read_requests(args.model_dir, args.data_dir) if args.format == "openai_batch" else None
     tokenizer = load_tokenizer(args.tokenizer)
     if requests is None:
-        records = decode_batches(batches, tokenizer, args.skip_special_tokens)
+        records = decode_batches(batches, tokenizer, args.skip_special_tokens, args.logprobs)
     else:
         records = openai_records(batches, requests, tokenizer)
     if args.output is None:

@@ -18,11 +18,11 @@ with a chat.completion or text_completion body (`finish_reason` `stop` or `lengt
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from data_tools.prompts import json_records
 from modelzoo.errors import UserError
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
@@ -34,7 +34,7 @@ IGNORED_KEYS = {"user", "metadata", "store", "service_tier"}
 # name -> (the params' model key it must equal, or None for a fixed value, that value's default).
 RUN_WIDE = {"temperature": ("temperature", 0.0), "top_p": ("top_p", 1.0), "seed": ("seed", 0),
             "n": (None, 1), "stream": (None, False), "presence_penalty": (None, 0.0),
-            "frequency_penalty": (None, 0.0), "logprobs": (None, False)}
+            "frequency_penalty": (None, 0.0), "logprobs": ("logprobs", False)}
 # What a request asks that no run here does (e.g. logit_bias, tools, response_format): its error record.
 
 
@@ -50,6 +50,7 @@ class BatchRequest:
     prompt: str = ""
     max_tokens: int = 0  # 0: the params' model.max_tokens alone
     stop: list[str] = field(default_factory=list)
+    logprobs: bool = False  # the answer carries each token's log-probability (the run's model.logprobs)
     error: str = ""  # non-empty: the request's error record, nothing is generated for it
 
     @property
@@ -83,6 +84,7 @@ def _read_body(request: BatchRequest, body: dict[str, Any], run_wide: dict[str, 
         request.error = f"{key} is not supported by zoo-infer"
         return
     request.model = str(body.get("model") or "")
+    request.logprobs = bool(body.get("logprobs"))
     if request.kind == "chat":
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -120,14 +122,8 @@ def read_batch_file(path: Path, text: str, run_wide: dict[str, Any]) -> list[Bat
     """Every request of an OpenAI batch file, in order; `run_wide`: the params' model section (or {})."""
     requests: list[BatchRequest] = []
     seen: dict[str, int] = {}
-    for line_no, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise UserError(f"{path}: line {line_no} is not valid JSON ({exc.msg})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("custom_id"), str) or not record["custom_id"]:
+    for line_no, record in json_records(path, text):
+        if not isinstance(record.get("custom_id"), str) or not record["custom_id"]:
             raise UserError(f"{path}: line {line_no} is not a batch request: it needs a non-empty string custom_id")
         custom_id = record["custom_id"]
         if custom_id in seen:
@@ -177,8 +173,9 @@ def prompt_text(tokenizer: Any, request: BatchRequest) -> str:
 
 
 def response_line(number: int, request: dict[str, Any], completion: dict[str, Any] | None, created: int) -> dict:
-    """One output line. request: the row's record (custom_id, kind, model, error); completion: the decoded
-    row (completion text without its stop sequence, finish_reason, prompt / completion token counts), or
+    """One output line. request: the row's record (custom_id, kind, model, logprobs, error); completion: the
+    decoded row (completion text without its stop sequence, finish_reason, prompt / completion token counts,
+    token_logprobs: (token text, log-probability) of each generated token where the run has them), or
     None when the run has no prediction for it (an incomplete run)."""
     base = {"id": f"batch_req_{number}", "custom_id": request["custom_id"]}
     if request.get("error") or completion is None:
@@ -186,12 +183,19 @@ def response_line(number: int, request: dict[str, Any], completion: dict[str, An
         code = "invalid_request" if request.get("error") else "not_generated"
         return {**base, "response": None, "error": {"code": code, "message": message}}
     choice: dict[str, Any] = {"index": 0, "finish_reason": completion["finish_reason"], "logprobs": None}
+    pieces = completion.get("token_logprobs") if request.get("logprobs") else None  # [(token text, logprob)]
     if request["kind"] == "chat":
         choice["message"] = {"role": "assistant", "content": completion["text"]}
         kind = "chat.completion"
+        if pieces is not None:
+            choice["logprobs"] = {"content": [{"token": text, "logprob": value, "bytes": list(text.encode()),
+                                               "top_logprobs": []} for text, value in pieces]}
     else:
         choice["text"] = completion["text"]
         kind = "text_completion"
+        if pieces is not None:
+            choice["logprobs"] = {"tokens": [text for text, _ in pieces],
+                                  "token_logprobs": [value for _, value in pieces], "top_logprobs": None}
     usage = {"prompt_tokens": completion["prompt_tokens"], "completion_tokens": completion["completion_tokens"],
              "total_tokens": completion["prompt_tokens"] + completion["completion_tokens"]}
     body = {"id": f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{request['custom_id']}", "object": kind,

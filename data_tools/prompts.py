@@ -6,7 +6,7 @@ import csv
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from modelzoo.errors import UserError
 
@@ -36,11 +36,9 @@ def _id_text(path: Path, where: str, value: Any, id_field: str) -> str:
     return str(value)
 
 
-def read_jsonl_prompts(path: Path, field: str, id_field: str | None = None) -> PromptFile:
-    """The string in `field` of every JSON object line of a .jsonl file, and its `id_field` (None: the
-    first of ID_DEFAULTS the first record has, if any)."""
-    prompts, ids = [], []
-    for line_no, line in enumerate(read_text(path).splitlines(), start=1):
+def json_records(path: Path, text: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(1-based line number, object) of every JSON object line of a .jsonl text; one-line errors otherwise."""
+    for line_no, line in enumerate(text.splitlines(), start=1):
         # A blank line is not a record (editors often leave one at the end); skipping it keeps the
         # rows aligned with the records, which is what users count.
         if not line.strip():
@@ -51,6 +49,14 @@ def read_jsonl_prompts(path: Path, field: str, id_field: str | None = None) -> P
             raise UserError(f"{path}: line {line_no} is not valid JSON ({exc.msg})") from None
         if not isinstance(record, dict):
             raise UserError(f"{path}: line {line_no} is not a JSON object")
+        yield line_no, record
+
+
+def read_jsonl_prompts(path: Path, field: str, id_field: str | None = None) -> PromptFile:
+    """The string in `field` of every JSON object line of a .jsonl file, and its `id_field` (None: the
+    first of ID_DEFAULTS the first record has, if any)."""
+    prompts, ids = [], []
+    for line_no, record in json_records(path, read_text(path)):
         if field not in record:
             raise UserError(f"{path}: line {line_no} has no field {field!r} (use --field to pick another)")
         value = record[field]

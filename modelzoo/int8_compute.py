@@ -84,8 +84,8 @@ class TiedInt8Embedding(nn.Module):
 
     def __init__(self, embedding: Int8Embedding, head: VnniInt8Linear) -> None:
         super().__init__()
-        self.num_embeddings, self.embedding_dim, self.dtype = embedding.num_embeddings, embedding.embedding_dim, embedding.dtype
-        self.group_size = embedding.group_size
+        self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
+        self.dtype, self.group_size = embedding.dtype, embedding.group_size
         self.head = [head]  # a plain list: the head stays registered where it lives, not twice
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

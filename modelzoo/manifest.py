@@ -50,8 +50,11 @@ def build_manifest(params: InferenceParams, data_files: list[Path]) -> dict[str,
     """The manifest of a run: params that shape the outputs, input fingerprints, tool version."""
     model = params.to_dict()["model"]
     model.pop("checkpoint_path")  # the fingerprint stands for it: a moved checkpoint still resumes
+    # Keys newer than some runs on disk, left out where they change nothing, so those runs still resume.
     if model["weight_dtype"] is None:
-        model.pop("int8_group_size")  # shapes nothing without int8: runs from before it existed still resume
+        model.pop("int8_group_size")  # shapes nothing without int8
+    if not model["logprobs"]:
+        model.pop("logprobs")
     inputs = params.to_dict()["inference_input"]
     inputs.pop("data_dir")
     return {

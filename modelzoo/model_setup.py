@@ -102,7 +102,7 @@ class ModelSetup:
                                   [list(s) for s in self.params.model.stop_sequences], self.params.model.max_tokens,
                                   self.device, self.dtype, choice=TokenChoice.from_params(self.params.model),
                                   drafter=self._drafter(), small_step_rows=small_step_rows,
-                                  row_stop_sequences=row_stop_sequences)
+                                  row_stop_sequences=row_stop_sequences, logprobs=self.params.model.logprobs)
         return model, engine
 
     def memory_estimate(self, model: torch.nn.Module) -> tuple[int, int]:

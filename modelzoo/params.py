@@ -169,6 +169,7 @@ class ModelParams(TokenChoiceParams):
     stop_sequences: tuple[tuple[int, ...], ...] = ()
     max_tokens: int | None = None
     loop_dim: int = 1
+    logprobs: bool = False  # each generated token's log-probability in the predictions files
     speculative: SpeculativeParams | None = None
 
     def check_combinations(self) -> None:
@@ -179,6 +180,8 @@ class ModelParams(TokenChoiceParams):
         if self.speculative is not None and not self.greedy:
             raise UserError("model.speculative needs greedy decoding (model.temperature 0): it reproduces greedy "
                             "outputs exactly, which sampling has no counterpart for here")
+        if self.speculative is not None and self.logprobs:
+            raise UserError("model.logprobs cannot be combined with model.speculative yet")
         if self.speculative is not None and (self.repetition_penalty != 1.0 or self.no_repeat_ngram_size):
             raise UserError("model.speculative cannot be combined with model.repetition_penalty or "
                             "model.no_repeat_ngram_size")
@@ -239,6 +242,7 @@ SCHEMA: dict[str, tuple[type, dict[str, Callable[[str, Any], Any]]]] = {
         "stop_sequences": _stop_sequences,
         "max_tokens": _int(1, nullable=True),
         "loop_dim": _choice((0, 1), _is_int),
+        "logprobs": _bool,
         "temperature": _float(0.0),
         "top_k": _int(0),
         "top_p": _float(0.0, 1.0, above_minimum=True),

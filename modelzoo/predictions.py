@@ -19,7 +19,9 @@ import numpy as np
 from modelzoo.files import write_atomic
 
 # The file's keys: global_step (0-d), predictions (2-D), one value per row of each PER_ROW_KEYS, loop_dim
-# (0-d), inputs_sha256 (0-d); readers need REQUIRED_KEYS (files of older versions lack the last two).
+# (0-d), inputs_sha256 (0-d); readers need REQUIRED_KEYS (files of older versions lack the last two). Where
+# the run has them: sample_id (per row) and logprobs (float32, shaped like predictions, 0 but where a token
+# was generated).
 PER_ROW_KEYS = ("sample_index", "prompt_length", "num_generated", "stop_reason")
 OPTIONAL_PER_ROW_KEYS = ("sample_id",)  # where the data has ids: unicode, "" for dummy rows
 REQUIRED_KEYS = ("global_step", "predictions", *PER_ROW_KEYS)
@@ -46,11 +48,14 @@ class StepAssembly:
     stop_reason: np.ndarray  # (batch_size,) unicode
     remaining: int  # rows still generating
     sample_id: np.ndarray | None = None  # (batch_size,) unicode, where the data has ids
+    logprobs: np.ndarray | None = None  # (batch_size, max_seq_len) float32, with model.logprobs
 
     def arrays(self, loop_dim: int) -> dict[str, np.ndarray]:
         """The npz payload; `predictions` transposed to (max_seq_len, batch_size) when loop_dim is 0."""
         predictions = self.predictions if loop_dim == 1 else np.ascontiguousarray(self.predictions.T)
         optional = {key: getattr(self, key) for key in OPTIONAL_PER_ROW_KEYS if getattr(self, key) is not None}
+        if self.logprobs is not None:
+            optional["logprobs"] = self.logprobs if loop_dim == 1 else np.ascontiguousarray(self.logprobs.T)
         return {"predictions": predictions, **{key: getattr(self, key) for key in PER_ROW_KEYS}, **optional,
                 "loop_dim": np.array(loop_dim, dtype=np.int64)}
 

@@ -133,7 +133,8 @@ class Int8Embedding(nn.Module):
         rows = F.embedding(tokens, self.weight)  # (..., dim) int8
         if not self.group_size:
             return (rows.to(torch.float32) * self.weight_scale[tokens][..., None]).to(self.dtype)
-        flat = dequantize_rows(rows.flatten(0, -2), self.weight_scale[tokens].flatten(0, -2), self.dtype, self.group_size)
+        scales = self.weight_scale[tokens].flatten(0, -2)  # (n, groups)
+        flat = dequantize_rows(rows.flatten(0, -2), scales, self.dtype, self.group_size)
         return flat.view(rows.shape)
 
     def extra_repr(self) -> str:
@@ -155,9 +156,11 @@ def quantize_modules(model: nn.Module, dtype: torch.dtype, group_size: int = 0) 
                 swapped, transposed = Int8Linear(child.in_features, child.out_features, child.bias is not None,
                                                  dtype, child.weight.device, group_size), False
             elif getattr(child, "weight_is_in_out", False):  # models.gpt2.Conv1D (GPT-2, BTLM): (in, out)
-                swapped, transposed = Int8Linear(*child.weight.shape, True, dtype, child.weight.device, group_size), True
+                swapped = Int8Linear(*child.weight.shape, True, dtype, child.weight.device, group_size)
+                transposed = True
             elif isinstance(child, nn.Embedding) and child.num_embeddings == vocab_size and not embedding_done:
-                swapped = Int8Embedding(child.num_embeddings, child.embedding_dim, dtype, child.weight.device, group_size)
+                swapped = Int8Embedding(child.num_embeddings, child.embedding_dim, dtype, child.weight.device,
+                                        group_size)
                 transposed, embedding_done = False, True
             else:
                 continue

@@ -203,7 +203,8 @@ class InferenceJob:
             own_stops = batch.stop_sequences[row] if batch.stop_sequences is not None else ()
             requests.append(Request(int(batch.sample_index[row]), prompt, own_limit, own_stops))
         assembly = StepAssembly(predictions, batch.sample_index, prompt_length, np.zeros(size, dtype=np.int32),
-                                reason, remaining=len(requests), sample_id=batch.sample_id)
+                                reason, remaining=len(requests), sample_id=batch.sample_id,
+                                logprobs=np.zeros(rows.shape, np.float32) if self.params.model.logprobs else None)
         return assembly, requests
 
     def _generate(self, engine: GenerationEngine, steps: list[int], stop: Callable[[], bool]) -> None:
@@ -229,6 +230,8 @@ class InferenceJob:
             begin = assembly.prompt_length[row]
             assembly.predictions[row, begin: begin + len(completion.tokens)] = completion.tokens
             assembly.num_generated[row] = len(completion.tokens)
+            if completion.logprobs is not None:
+                assembly.logprobs[row, begin: begin + len(completion.tokens)] = completion.logprobs
             assembly.stop_reason[row] = completion.reason
             assembly.remaining -= 1
             if assembly.remaining == 0:

@@ -101,10 +101,11 @@ def test_int8_embedding_gathers_dequantized_rows():
 # --- families --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("family", list(INT8_FAMILIES))
-def test_int8_model_is_float32_on_dequantized_weights_and_close_to_float32(family, checkpoints):
+@pytest.mark.parametrize("group_size", [0, 32])
+def test_int8_model_is_float32_on_dequantized_weights_and_close_to_float32(family, group_size, checkpoints):
     checkpoint = checkpoints[family]
     prompts = family_prompts(VOCAB)
-    model, _ = load_model(checkpoint, torch.float32, CPU, weight_dtype="int8")
+    model, _ = load_model(checkpoint, torch.float32, CPU, weight_dtype="int8", int8_group_size=group_size)
     assert not any(isinstance(m, (nn.Linear, Conv1D)) for m in model.modules())  # every linear layer swapped
     embeddings = [m for m in model.modules() if isinstance(m, Int8Embedding)]
     assert len(embeddings) == 1 and embeddings[0].num_embeddings == VOCAB  # the token embedding only
@@ -121,7 +122,8 @@ def test_int8_model_is_float32_on_dequantized_weights_and_close_to_float32(famil
                     continue
                 done.add(original.weight.data_ptr())
                 transposed = isinstance(original, Conv1D)
-                rounded = dequantize_rows(*quantize_rows(original.weight.T if transposed else original.weight))
+                weight = original.weight.T if transposed else original.weight
+                rounded = dequantize_rows(*quantize_rows(weight, group_size), group_size=group_size)
                 original.weight.copy_(rounded.T if transposed else rounded)
     got = last_logits(model, prompts)
     torch.testing.assert_close(got, last_logits(reference, prompts), rtol=1e-4, atol=1e-4)

@@ -236,3 +236,35 @@ def test_decode_openai_needs_a_batch_made_data(tmp_path, capsys):
 def test_sample_id_column_is_unicode_in_npz(batch_run):
     with np.load(next((batch_run["root"] / "run" / "artifacts" / "predictions").glob("*.npz"))) as npz:
         assert npz["sample_id"].dtype.kind == "U"  # readable with allow_pickle=False
+
+
+def test_logprobs_reach_the_answers_that_ask(tmp_path):
+    params = write_run_params(tmp_path / "params.yaml", tmp_path / "data")
+    raw = yaml.safe_load(params.read_text())
+    raw["model"]["logprobs"] = True
+    params.write_text(yaml.safe_dump(raw))
+    source = write_jsonl(tmp_path / "r.jsonl", [
+        request("chat", CHAT, messages=[{"role": "user", "content": "Hi"}], max_tokens=5, logprobs=True),
+        request("text", COMPLETIONS, prompt="Once upon a time", max_tokens=5, logprobs=True),
+        request("none", COMPLETIONS, prompt="Hello", max_tokens=3)])
+    assert create.main(["--input", str(source), "--format", "openai_batch", "--tokenizer", str(MODEL),
+                        "--max_seq_len", "40", "--output_dir", str(tmp_path / "data"), "--params", str(params)]) == 0
+    assert run_job(params, tmp_path / "run") == 0
+    out = tmp_path / "responses.jsonl"
+    assert decode.main(["--model_dir", str(tmp_path / "run"), "--tokenizer", str(MODEL), "--format", "openai_batch",
+                        "--output", str(out)]) == 0
+    lines = {line["custom_id"]: line for line in map(json.loads, out.read_text().splitlines())}
+    files = load_predictions(tmp_path / "run")
+    rows = {sid: (arrays, row) for arrays in files.values() for row, sid in enumerate(arrays["sample_id"].tolist())}
+
+    def stored(custom_id: str) -> list[float]:
+        arrays, row = rows[custom_id]
+        begin = int(arrays["prompt_length"][row])
+        return arrays["logprobs"][row, begin: begin + int(arrays["num_generated"][row])].tolist()
+
+    chat = lines["chat"]["response"]["body"]["choices"][0]["logprobs"]["content"]
+    assert [entry["logprob"] for entry in chat] == stored("chat") and all(entry["logprob"] <= 0 for entry in chat)
+    assert all(entry["bytes"] == list(entry["token"].encode()) for entry in chat)
+    text = lines["text"]["response"]["body"]["choices"][0]["logprobs"]
+    assert text["token_logprobs"] == stored("text") and len(text["tokens"]) == 5
+    assert lines["none"]["response"]["body"]["choices"][0]["logprobs"] is None  # it did not ask

@@ -55,6 +55,7 @@ class Completion:
     index: int
     tokens: np.ndarray
     reason: str
+    logprobs: np.ndarray | None = None  # (n,) float32 with `logprobs`: each token's under what it was picked from
 
 
 class GenerationEngine:
@@ -64,7 +65,7 @@ class GenerationEngine:
                  max_tokens: int | None, device: torch.device, dtype: torch.dtype,
                  prefill_token_budget: int = 1024, choice: TokenChoice | None = None,
                  drafter: Drafter | None = None, small_step_rows: int | None = None,
-                 row_stop_sequences: Sequence[Sequence[int]] = ()) -> None:
+                 row_stop_sequences: Sequence[Sequence[int]] = (), logprobs: bool = False) -> None:
         config = model.config
         self.model = model
         self.num_slots = num_slots
@@ -73,8 +74,8 @@ class GenerationEngine:
         self.prefill_token_budget = prefill_token_budget
         self.small_step_rows = small_step_rows
         self.choice = None if choice is None or choice.is_plain_greedy else choice
-        if drafter is not None and self.choice is not None:
-            raise ValueError("speculative decoding needs plain greedy decoding")
+        if drafter is not None and (self.choice is not None or logprobs):
+            raise ValueError("speculative decoding needs plain greedy decoding, without logprobs")
         self.drafter = drafter
         # Prompts prefilled side by side in one row, without padding, where the model takes that (a drafter's
         # own model would need the same inputs).
@@ -89,6 +90,8 @@ class GenerationEngine:
         self.prompt_len = torch.zeros(num_slots, dtype=torch.long, device=device)
         self.last_token = torch.zeros(num_slots, dtype=torch.long, device=device)
         self.sample_index = torch.zeros(num_slots, dtype=torch.long, device=device)
+        # With logprobs: the log-probability of each generated token where the token sits, (S, max_seq_len) float32.
+        self.logprobs = torch.zeros((num_slots, max_seq_len), device=device) if logprobs else None
         self.active = torch.zeros(num_slots, dtype=torch.bool, device=device)
         self.owner: list[int | None] = [None] * num_slots  # request index held by each slot
         # The prompt prefix shared by the first admitted requests, once known (not with a drafter: a
@@ -134,12 +137,19 @@ class GenerationEngine:
                 continue
             yield from self._release(step(), free)
 
-    def _choose(self, logits: torch.Tensor, slots: torch.Tensor | None) -> torch.Tensor:
-        """Next token (B,) from logits (B, vocab) of `slots` (None = every slot, in order)."""
-        if self.choice is None:
-            return logits.argmax(-1)
+    def _choose(self, logits: torch.Tensor, slots: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Next token (B,) from logits (B, vocab) of `slots` (None = every slot, in order), and with logprobs
+        its log-probability (B,) under the distribution it was picked from (after repetition control and
+        temperature, top-k, top-p: the scores transformers' processors leave)."""
         rows = slice(None) if slots is None else slots
-        return self.choice.choose(logits, self.sequences[rows], self.seq_len[rows], self.sample_index[rows])
+        if self.choice is None:
+            tokens, scores = logits.argmax(-1), logits
+        else:
+            scores = self.choice.process(logits, self.sequences[rows], self.seq_len[rows])  # (B, V) float32
+            tokens = self.choice.choose_from_scores(scores, self.seq_len[rows], self.sample_index[rows])
+        if self.logprobs is None:
+            return tokens, None
+        return tokens, torch.log_softmax(scores.float(), dim=-1).gather(1, tokens[:, None])[:, 0]
 
     def _prefill(self, admitted: list[tuple[int, Request]]) -> list[tuple[int, int]]:
         """Runs the prompts of newly admitted requests; returns (slot, reason) of those already done."""
@@ -175,8 +185,10 @@ class GenerationEngine:
                 logits = logits[0]  # (1, B, vocab) -> (B, vocab)
             if self.drafter is not None:  # never with packed prompts
                 self.drafter.prefill(tokens, positions, slots, last)
-            first = self._choose(logits, slots)  # (B,)
+            first, logprob = self._choose(logits, slots)  # (B,), (B,) or None
             self.sequences[slots, prompt_len] = first
+            if logprob is not None:
+                self.logprobs[slots, prompt_len] = logprob
             self.seq_len[slots] = prompt_len + 1
             self.last_token[slots] = first
             self.stops.reset(slots, [r.max_tokens for _, r, _ in group], [r.stop_sequences for _, r, _ in group])
@@ -239,7 +251,12 @@ class GenerationEngine:
         positions = torch.where(active[rows], self.seq_len[rows] - 1, 0)[:, None]  # (R, 1): where the fed token sits
         logits = self.model(tokens, positions, self.cache, slots)
         next_token = self.last_token.clone()  # (S,)
-        next_token[rows] = torch.where(active[rows], self._choose(logits, slots), self.last_token[rows])
+        chosen, logprob = self._choose(logits, slots)
+        next_token[rows] = torch.where(active[rows], chosen, self.last_token[rows])
+        if logprob is not None:
+            index = torch.arange(self.num_slots, device=self.device)[rows]  # (R,) the slots of this step's rows
+            column = self.seq_len[index].clamp(max=self.max_seq_len - 1)  # where _append puts their tokens
+            self.logprobs[index, column] = torch.where(active[index], logprob, self.logprobs[index, column])
         return self._append(next_token, active)
 
     def _small_step_slots(self) -> torch.Tensor | None:
@@ -305,8 +322,9 @@ class GenerationEngine:
         for slot, reason in finished:
             begin, end = int(self.prompt_len[slot]), int(self.seq_len[slot])
             tokens = self.sequences[slot, begin:end].cpu().numpy().astype(np.int32)
+            logprobs = None if self.logprobs is None else self.logprobs[slot, begin:end].cpu().numpy()
             index = self.owner[slot]
             self.owner[slot] = None
             self.active[slot] = False
             free.append(slot)
-            yield Completion(index=index, tokens=tokens, reason=REASON_NAMES[reason])
+            yield Completion(index=index, tokens=tokens, reason=REASON_NAMES[reason], logprobs=logprobs)

@@ -222,7 +222,10 @@ class TokenChoice(TokenChoiceParams):
         """
         if self.is_plain_greedy:
             return logits.argmax(-1)
-        scores = self.process(logits, sequences, lengths)  # (B, V) float32
+        return self.choose_from_scores(self.process(logits, sequences, lengths), lengths, sample_index)
+
+    def choose_from_scores(self, scores: Tensor, lengths: Tensor, sample_index: Tensor) -> Tensor:
+        """`choose` after `process`: the token of each row (B,) from its processed scores (B, V) float32."""
         if self.greedy:
             return scores.argmax(-1)
         probs = scores.softmax(-1)  # (B, V): what transformers hands to torch.multinomial

@@ -45,7 +45,8 @@ constexpr int64_t kBlocksTile = 2;  // packed blocks per register tile: 4 x 2 in
 void quantize_row(const float* x, int64_t k_padded, int64_t group, int8_t* out, float* scales, int32_t* corrections) {
   for (int64_t start = 0; start < k_padded; start += group) {
     __m512 peak = _mm512_setzero_ps();
-    for (int64_t i = start; i < start + group; i += kBlock) peak = _mm512_max_ps(peak, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+    for (int64_t i = start; i < start + group; i += kBlock)
+      peak = _mm512_max_ps(peak, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
     const float absmax = _mm512_reduce_max_ps(peak);
     const float inverse = absmax > 0.f ? 127.f / absmax : 0.f;
     scales[start / group] = absmax / 127.f;
@@ -151,13 +152,15 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, c
     const float* sp = scales.data_ptr<float>();
     const scalar_t* bp = bias ? bias->data_ptr<scalar_t>() : nullptr;
     scalar_t* yp = out.data_ptr<scalar_t>();
-    const int64_t column_tiles = (blocks + kBlocksTile - 1) / kBlocksTile, row_tiles = (rows + kRowsTile - 1) / kRowsTile;
+    const int64_t column_tiles = (blocks + kBlocksTile - 1) / kBlocksTile;
+    const int64_t row_tiles = (rows + kRowsTile - 1) / kRowsTile;
     // Output columns outer, rows inner: each thread streams its share of the weights once.
     at::parallel_for(0, column_tiles * row_tiles, 1, [&](int64_t begin, int64_t end) {
       float result[kRowsTile * kBlocksTile * kBlock];
       for (int64_t task = begin; task < end; ++task) {
         const int64_t block = task / row_tiles * kBlocksTile, row = task % row_tiles * kRowsTile;
-        const int64_t tile_rows_count = std::min(kRowsTile, rows - row), tile_blocks = std::min(kBlocksTile, blocks - block);
+        const int64_t tile_rows_count = std::min(kRowsTile, rows - row);
+        const int64_t tile_blocks = std::min(kBlocksTile, blocks - block);
         const int8_t* xrow = xq.data() + row * k_padded;
         const float* srow = xs.data() + row * groups;
         const int32_t* crow = xc.data() + row * groups;
