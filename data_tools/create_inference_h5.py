@@ -13,6 +13,9 @@ Input formats, chosen by the file suffix:
   .jsonl  one JSON object per line; the prompt is in --field (blank lines are skipped)
   .txt    one prompt per line; every line is a row, blank ones included
   .csv    a header row; the prompt is in --column
+  .parquet  a table; the prompt is the string column --column; read row group by row group with
+          pyarrow, and the .h5 written chunk by chunk, so a table of millions of rows never has to fit
+          in memory (the other formats are tokenized and written in chunks too)
 or, with --format openai_batch, an OpenAI batch file (data_tools/openai_batch.py): chat requests through
 the chat template, completion requests as raw prompts, per-request max_tokens and stop strings.
 
@@ -28,24 +31,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import h5py
 import numpy as np
 import yaml
 
 from data_tools.openai_batch import BatchRequest, prompt_text, read_batch_file, stop_token_ids
-from data_tools.prompts import PromptFile, load_tokenizer, read_prompt_file, read_text, tokenize_prompts
+from data_tools.h5_writer import RowsWriter
+from data_tools.prompts import (PromptFile, iter_parquet_prompts, load_tokenizer, read_prompt_file, read_text,
+                                tokenize_prompts)
 from modelzoo import __version__
 from modelzoo.errors import UserError
-from modelzoo.files import describe
 from modelzoo.params import load_params
 
 TOOL_NAME = "zoo-infer create_inference_h5"
-OUTPUT_NAME = "data.h5"
+CHUNK_PROMPTS = 4096  # prompts tokenized and written at a time
 INT32_MAX = int(np.iinfo(np.int32).max)
 # Offending rows listed in an error message before "and N more".
 MAX_LISTED_ROWS = 10
@@ -70,19 +73,21 @@ def build_rows(
     start_token: int,
     min_new_tokens: int = 1,
     truncate: str = "none",
+    first_row: int = 1,
 ) -> tuple[np.ndarray, np.ndarray, int]:
     """Packs prompts into rows: (data int32 (N, max_seq_len), prompt_lengths int32 (N,), num truncated).
 
     Row i holds prompt i, then `start_token` from position len(prompt) to the end. A prompt may
     use at most max_seq_len - min_new_tokens positions; longer ones are cut from the left when
     truncate == "left" (the end of a prompt is what the completion continues) or are an error.
+    first_row: the 1-based number of the first prompt in the input, for the messages.
     """
     if truncate not in ("none", "left"):
         raise UserError(f"truncate must be 'none' or 'left', not {truncate!r}")
     if not token_lists:
         raise UserError("no prompts to write")
     room = max_seq_len - min_new_tokens
-    too_long = [(row, len(ids)) for row, ids in enumerate(token_lists, start=1) if len(ids) > room]
+    too_long = [(row, len(ids)) for row, ids in enumerate(token_lists, start=first_row) if len(ids) > room]
     if too_long and truncate != "left":
         raise UserError(
             f"{len(too_long)} prompt(s) longer than max_seq_len - min_new_tokens = {room} tokens: "
@@ -95,17 +100,17 @@ def build_rows(
         kept = list(ids)[-room:] if len(ids) > room else list(ids)
         data[index, : len(kept)] = kept
         lengths[index] = len(kept)
-    check_start_token_absent(data, lengths, start_token)
+    check_start_token_absent(data, lengths, start_token, first_row)
     return data, lengths, len(too_long)
 
 
-def check_start_token_absent(data: np.ndarray, lengths: np.ndarray, start_token: int) -> None:
+def check_start_token_absent(data: np.ndarray, lengths: np.ndarray, start_token: int, first_row: int = 1) -> None:
     """Raises a UserError if any prompt contains the start token (the runner would start there)."""
     offending = []
     for index, length in enumerate(lengths.tolist()):
         positions = np.flatnonzero(data[index, :length] == start_token)
         if positions.size:
-            offending.append((index + 1, int(positions[0])))
+            offending.append((first_row + index, int(positions[0])))
     if offending:
         raise UserError(
             f"the start token {start_token} occurs inside {len(offending)} prompt(s): "
@@ -120,38 +125,15 @@ def check_start_token_absent(data: np.ndarray, lengths: np.ndarray, start_token:
 
 
 def write_h5(output_dir: Path, data: np.ndarray, prompt_lengths: np.ndarray, loop_dim: int, attrs: dict,
-             per_row: dict[str, np.ndarray | list] | None = None) -> Path:
-    """Writes data.h5 into output_dir atomically and returns its path.
+             per_row: dict[str, np.ndarray | list] | None = None, tables: dict[str, list[str]] | None = None) -> Path:
+    """Writes data.h5 into output_dir atomically, in one piece, and returns its path.
 
     With loop_dim 0 `data` is stored transposed, (max_seq_len, num_samples). per_row: more datasets
-    (lists of str become UTF-8 string datasets).
+    (lists of str become UTF-8 string datasets); tables: whole-file string datasets.
     """
-    try:
-        output_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise UserError(f"cannot create output folder {output_dir}: {describe(error)}") from None
-    target = output_dir / OUTPUT_NAME
-    # A temporary name that does not end in .h5, so a reader globbing the folder never sees a
-    # half-written file; os.replace then swaps it in whole. The pid keeps two concurrent runs
-    # apart, and letting h5py create the file keeps the user's umask (mkstemp would force 0600).
-    tmp_name = output_dir / f".{OUTPUT_NAME}.{os.getpid()}.tmp"
-    try:
-        with h5py.File(tmp_name, "w") as h5:
-            h5.create_dataset("data", data=np.ascontiguousarray(data.T if loop_dim == 0 else data))
-            h5.create_dataset("prompt_lengths", data=prompt_lengths.astype(np.int32))
-            for name, values in (per_row or {}).items():
-                strings = isinstance(values, list)
-                h5.create_dataset(name, data=values, dtype=h5py.string_dtype() if strings else values.dtype)
-            for key, value in attrs.items():
-                h5.attrs[key] = value
-        os.replace(tmp_name, target)
-    except OSError as error:  # a full disk, a quota, a read-only folder
-        tmp_name.unlink(missing_ok=True)
-        raise UserError(f"cannot write {target}: {describe(error)}") from None
-    except BaseException:
-        tmp_name.unlink(missing_ok=True)
-        raise
-    return target
+    with RowsWriter(output_dir, data.shape[1], loop_dim) as writer:
+        writer.append(data, prompt_lengths, per_row or {})
+        return writer.finish(attrs, tables)
 
 
 def yaml_scalar(text: str) -> str:
@@ -216,7 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--input", type=Path, required=True, help="prompts file: .jsonl, .txt or .csv (by suffix)")
+    parser.add_argument("--input", type=Path, required=True, help="prompts file: .jsonl, .txt, .csv or .parquet "
+                        "(by suffix)")
     parser.add_argument("--tokenizer", required=True, help="Hugging Face checkpoint or tokenizer folder")
     parser.add_argument(
         "--max_seq_len", type=int, required=True,
@@ -224,9 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--output_dir", type=Path, required=True, help="folder to write data.h5 into (created if missing)")
     parser.add_argument("--field", default="prompt", help="JSON field that holds the prompt in a .jsonl file (default: prompt)")
-    parser.add_argument("--column", default="prompt", help="column that holds the prompt in a .csv file (default: prompt)")
-    parser.add_argument("--id_field", default=None, help="field (.jsonl) or column (.csv) holding each prompt's unique "
-                        "id (default: custom_id or id when present)")
+    parser.add_argument("--column", default="prompt", help="column that holds the prompt in a .csv or .parquet file "
+                        "(default: prompt)")
+    parser.add_argument("--id_field", default=None, help="field (.jsonl) or column (.csv, .parquet) holding each "
+                        "prompt's unique id (default: custom_id or id when present)")
     parser.add_argument("--format", choices=("prompts", "openai_batch"), default="prompts",
                         help="prompts: a prompt file as above; openai_batch: an OpenAI batch file of "
                         "/v1/chat/completions and /v1/completions requests (default: prompts)")
@@ -305,52 +289,73 @@ def openai_rows(args: argparse.Namespace, tokenizer: Any) -> tuple[PromptFile, l
     return PromptFile(texts, [r.custom_id for r in runnable]), token_lists, per_row
 
 
+def prompt_chunks(args: argparse.Namespace) -> Iterator[PromptFile]:
+    """The input's prompts (and ids) in chunks of at most CHUNK_PROMPTS: a parquet table row group by row
+    group, never whole; the text formats read whole (their text is small next to the rows made of it)."""
+    if args.input.suffix.lower() == ".parquet":
+        yield from iter_parquet_prompts(args.input, args.column, args.id_field, CHUNK_PROMPTS)
+        return
+    read = read_prompt_file(args.input, args.field, args.column, args.id_field)
+    for begin in range(0, len(read.prompts), CHUNK_PROMPTS):
+        ids = read.ids[begin: begin + CHUNK_PROMPTS] if read.ids is not None else None
+        yield PromptFile(read.prompts[begin: begin + CHUNK_PROMPTS], ids)
+
+
 def run(args: argparse.Namespace) -> str:
-    """Reads, tokenizes, packs and writes the prompts; returns the summary to print."""
+    """Reads, tokenizes, packs and writes the prompts, chunk by chunk; returns the summary to print."""
     check_args(args)
-    if args.format == "openai_batch" and not args.input.is_file():
+    if not args.input.is_file():
         raise UserError(f"input file not found: {args.input}")
-    prompts = read_prompt_file(args.input, args.field, args.column, args.id_field) if args.format == "prompts" else None
     tokenizer = load_tokenizer(args.tokenizer)
     vocab_size = len(tokenizer)
     start_token = vocab_size if args.start_token is None else args.start_token
     eos_token_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else -1
-    per_row: dict[str, Any] = {}
-    if prompts is None:
+    tables: dict[str, list[str]] = {}
+    rejected: list[dict] = []
+    if args.format == "openai_batch":
         prompts, token_lists, per_row = openai_rows(args, tokenizer)
-        rejected = [json.loads(r) for r in per_row["requests"] if json.loads(r)["error"]]
+        tables["requests"] = per_row.pop("requests")
+        rejected = [json.loads(r) for r in tables["requests"] if json.loads(r)["error"]]
         if not prompts.prompts:
             raise UserError(f"{args.input}: no request can run here: " + "; ".join(
                 f"{r['custom_id']}: {r['error']}" for r in rejected[:MAX_LISTED_ROWS]))
+        chunks: Iterable[tuple[PromptFile, list[list[int]], dict]] = [(prompts, token_lists, per_row)]
     else:
-        token_lists = tokenize_prompts(tokenizer, prompts.prompts, args.chat_template)
-        rejected = []
-    if prompts.ids is not None:
-        per_row["sample_id"] = prompts.ids
-    data, prompt_lengths, num_truncated = build_rows(
-        token_lists, args.max_seq_len, start_token, args.min_new_tokens, args.truncate
-    )
-    attrs = {
-        "tokenizer": str(args.tokenizer),
-        "vocab_size": vocab_size,
-        "start_token": start_token,
-        "max_seq_len": args.max_seq_len,
-        "loop_dim": args.loop_dim,
-        "eos_token_id": int(eos_token_id),
-        "chat_template": bool(args.chat_template or args.format == "openai_batch"),
-        "format": args.format,
-        "source": args.input.name,
-        "tool": TOOL_NAME,
-        "tool_version": __version__,
-        "num_samples": len(prompts.prompts),
-    }
-    target = write_h5(args.output_dir, data, prompt_lengths, args.loop_dim, attrs, per_row)
-    # "Empty" is judged on the text: with a chat template an empty prompt still has tokens.
-    empty_rows = [row for row, prompt in enumerate(prompts.prompts, start=1) if not prompt.strip()]
-    summary = summary_text(
-        target, prompt_lengths, num_truncated, empty_rows, start_token, int(eos_token_id), vocab_size,
-        str(args.output_dir),
-    )
+        chunks = ((chunk, tokenize_prompts(tokenizer, chunk.prompts, args.chat_template), {})
+                  for chunk in prompt_chunks(args))
+    lengths: list[np.ndarray] = []
+    empty_rows: list[int] = []
+    num_truncated, row = 0, 1
+    with RowsWriter(args.output_dir, args.max_seq_len, args.loop_dim) as writer:
+        for prompts, token_lists, per_row in chunks:
+            data, prompt_lengths, cut = build_rows(token_lists, args.max_seq_len, start_token, args.min_new_tokens,
+                                                   args.truncate, first_row=row)
+            if prompts.ids is not None:
+                per_row = {**per_row, "sample_id": prompts.ids}
+            writer.append(data, prompt_lengths, per_row)
+            # "Empty" is judged on the text: with a chat template an empty prompt still has tokens.
+            empty_rows += [row + i for i, prompt in enumerate(prompts.prompts) if not prompt.strip()]
+            lengths.append(prompt_lengths)
+            num_truncated, row = num_truncated + cut, row + len(prompts.prompts)
+        if row == 1:
+            raise UserError(f"{args.input}: no prompts found")
+        attrs = {
+            "tokenizer": str(args.tokenizer),
+            "vocab_size": vocab_size,
+            "start_token": start_token,
+            "max_seq_len": args.max_seq_len,
+            "loop_dim": args.loop_dim,
+            "eos_token_id": int(eos_token_id),
+            "chat_template": bool(args.chat_template or args.format == "openai_batch"),
+            "format": args.format,
+            "source": args.input.name,
+            "tool": TOOL_NAME,
+            "tool_version": __version__,
+            "num_samples": row - 1,
+        }
+        target = writer.finish(attrs, tables)
+    summary = summary_text(target, np.concatenate(lengths), num_truncated, empty_rows, start_token, int(eos_token_id),
+                           vocab_size, str(args.output_dir))
     if rejected:
         shown = "; ".join(f"line {r['line']} ({r['custom_id']}): {r['error']}" for r in rejected[:MAX_LISTED_ROWS])
         more = f" and {len(rejected) - MAX_LISTED_ROWS} more" if len(rejected) > MAX_LISTED_ROWS else ""

@@ -1,5 +1,5 @@
-"""Prompts in, token ids out: reading prompt files (.jsonl, .txt, .csv) and the tokenizer that turns
-them into ids, with a one-line error for every file or folder it cannot use."""
+"""Prompts in, token ids out: reading prompt files (.jsonl, .txt, .csv, .parquet) and the tokenizer that
+turns them into ids, with a one-line error for every file or folder it cannot use."""
 from __future__ import annotations
 
 import csv
@@ -10,7 +10,7 @@ from typing import Any, Iterator, Sequence
 
 from modelzoo.errors import UserError
 
-SUFFIXES = (".jsonl", ".txt", ".csv")
+SUFFIXES = (".jsonl", ".txt", ".csv", ".parquet")
 
 
 # --------------------------------------------------------------------------------------------
@@ -115,16 +115,61 @@ def read_text(path: Path) -> str:
         raise UserError(f"{path}: not UTF-8 text ({exc.reason})") from None
 
 
-def check_unique_ids(path: Path, ids: Sequence[str]) -> None:
-    """Raises naming the ids used more than once, with their 1-based rows (the first few)."""
-    rows: dict[str, list[int]] = {}
-    for row, sample_id in enumerate(ids, start=1):
-        rows.setdefault(sample_id, []).append(row)
-    repeated = [(sample_id, where) for sample_id, where in rows.items() if len(where) > 1]
-    if repeated:
-        shown = ", ".join(f"{sample_id!r} (rows {', '.join(map(str, where))})" for sample_id, where in repeated[:10])
-        more = f" and {len(repeated) - 10} more" if len(repeated) > 10 else ""
-        raise UserError(f"{path}: ids must be unique; used more than once: {shown}{more}")
+class UniqueIds:
+    """Ids seen so far, fed a chunk at a time; `add` raises naming the ids used more than once, with their
+    1-based rows (the first few), among the rows seen up to the end of that chunk."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.first_row, self.rows = path, 1, {}
+
+    def add(self, ids: Sequence[str]) -> None:
+        repeated: dict[str, list[int]] = {}
+        for row, sample_id in enumerate(ids, start=self.first_row):
+            if sample_id in self.rows:
+                repeated.setdefault(sample_id, [self.rows[sample_id]]).append(row)
+            else:
+                self.rows[sample_id] = row
+        self.first_row += len(ids)
+        if repeated:
+            shown = ", ".join(f"{sample_id!r} (rows {', '.join(map(str, where))})"
+                              for sample_id, where in list(repeated.items())[:10])
+            more = f" and {len(repeated) - 10} more" if len(repeated) > 10 else ""
+            raise UserError(f"{self.path}: ids must be unique; used more than once: {shown}{more}")
+
+
+def iter_parquet_prompts(path: Path, column: str, id_column: str | None, rows: int) -> Iterator[PromptFile]:
+    """The prompts (and ids) of a parquet table in chunks of at most `rows`, read row group by row group
+    with pyarrow, so that the table never has to fit in memory; ids checked unique as they come."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as error:
+        raise UserError(f"{path}: not a readable parquet file ({str(error).splitlines()[0]})") from None
+    fields = {field.name: field.type for field in table.schema_arrow}
+    existing = ", ".join(repr(name) for name in fields) or "none"
+    if column not in fields:
+        raise UserError(f"{path}: no column {column!r} (columns: {existing}; use --column to pick one)")
+    if not (pa.types.is_string(fields[column]) or pa.types.is_large_string(fields[column])):
+        raise UserError(f"{path}: column {column!r} holds {fields[column]}, not strings")
+    if id_column is None:
+        id_column = next((name for name in ID_DEFAULTS if name in fields), "")
+    elif id_column not in fields:
+        raise UserError(f"{path}: no id column {id_column!r} (columns: {existing}; use --id_field to pick one)")
+    unique, first_row = UniqueIds(path), 1
+    try:
+        for batch in table.iter_batches(batch_size=rows, columns=[column] + ([id_column] if id_column else [])):
+            prompts = [text or "" for text in batch.column(column).to_pylist()]  # a null prompt: empty, still a row
+            ids = None
+            if id_column:
+                ids = [_id_text(path, f"row {first_row + i}", value if value is not None else "", id_column)
+                       for i, value in enumerate(batch.column(id_column).to_pylist())]
+                unique.add(ids)
+            first_row += len(prompts)
+            yield PromptFile(prompts, ids)
+    except (pa.ArrowException, OSError) as error:  # a damaged row group
+        raise UserError(f"{path}: cannot read row {first_row} on ({str(error).splitlines()[0]})") from None
 
 
 def read_prompt_file(path: Path | str, field: str = "prompt", column: str = "prompt",
@@ -139,7 +184,11 @@ def read_prompt_file(path: Path | str, field: str = "prompt", column: str = "pro
         raise UserError(f"input file not found: {path}")
     if suffix == ".txt" and id_field:
         raise UserError(f"{path}: a .txt file has no fields, so no --id_field")
-    if suffix == ".jsonl":
+    if suffix == ".parquet":
+        chunks = list(iter_parquet_prompts(path, column, id_field, 65536))
+        ids = None if not chunks or chunks[0].ids is None else [i for chunk in chunks for i in chunk.ids]
+        read = PromptFile([prompt for chunk in chunks for prompt in chunk.prompts], ids)
+    elif suffix == ".jsonl":
         read = read_jsonl_prompts(path, field, id_field)
     elif suffix == ".txt":
         read = read_txt_prompts(path)
@@ -147,8 +196,8 @@ def read_prompt_file(path: Path | str, field: str = "prompt", column: str = "pro
         read = read_csv_prompts(path, column, id_field)
     if not read.prompts:
         raise UserError(f"{path}: no prompts found")
-    if read.ids is not None:
-        check_unique_ids(path, read.ids)
+    if read.ids is not None and suffix != ".parquet":
+        UniqueIds(path).add(read.ids)
     return read
 
 

@@ -356,7 +356,7 @@ def _error_case(tmp_path: Path, name: str) -> tuple[list[str], str]:
         return create_args(tmp_path / "nope.jsonl", out), f"input file not found: {tmp_path / 'nope.jsonl'}"
     if name == "bad_suffix":
         (tmp_path / "p.json").write_text("{}", encoding="utf-8")
-        return create_args(tmp_path / "p.json", out), "unsupported input suffix '.json' (use one of .jsonl, .txt, .csv)"
+        return create_args(tmp_path / "p.json", out), "unsupported input suffix '.json' (use one of .jsonl, .txt, .csv, .parquet)"
     if name == "invalid_json":
         (tmp_path / "p.jsonl").write_text('{"prompt": "a"}\n{"prompt": \n', encoding="utf-8")
         return create_args(tmp_path / "p.jsonl", out), "line 2 is not valid JSON"

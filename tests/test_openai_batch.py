@@ -268,3 +268,24 @@ def test_logprobs_reach_the_answers_that_ask(tmp_path):
     text = lines["text"]["response"]["body"]["choices"][0]["logprobs"]
     assert text["token_logprobs"] == stored("text") and len(text["tokens"]) == 5
     assert lines["none"]["response"]["body"]["choices"][0]["logprobs"] is None  # it did not ask
+
+
+def test_shards_give_the_unsharded_answers(batch_run):
+    """Two job-array shards over the same data: each file keeps its rows' ids, and the decoded answers
+    equal the single process's, line for line."""
+    root = batch_run["root"]
+    for index in ("0", "1"):
+        assert run_job(root / "params.yaml", root / "sharded", "--num_shards", "2", "--shard_index", index) == 0
+    files = load_predictions(root / "sharded")
+    assert files[1]["sample_id"].tolist() == ["capital", "colors"] and files[2]["sample_id"].tolist() == ["count", "free"]
+    out = root / "sharded.jsonl"
+    assert decode.main(["--model_dir", str(root / "sharded"), "--tokenizer", str(MODEL), "--format", "openai_batch",
+                        "--output", str(out)]) == 0
+    def without_time(line: dict) -> dict:  # `created` is when the run's files were written
+        if line["response"]:
+            line = json.loads(json.dumps(line))
+            line["response"]["body"].pop("created")
+        return line
+
+    assert [without_time(json.loads(line)) for line in out.read_text().splitlines()] == \
+        [without_time(line) for line in batch_run["lines"]]
