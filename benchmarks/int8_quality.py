@@ -75,7 +75,8 @@ def teacher_forced_agreement(net: torch.nn.Module, dtype: str, prompts: list[lis
         if not generated:
             continue
         ids = prompt + generated
-        cache = KVCache(config.num_layers, 1, config.num_kv_heads, len(ids), config.head_dim, getattr(torch, dtype), CPU)
+        cache = KVCache(config.num_layers, 1, config.num_kv_heads, len(ids), config.head_dim, getattr(torch, dtype),
+                        CPU)
         last = torch.arange(len(prompt) - 1, len(ids) - 1)[None]  # (1, N): the positions predicting `generated`
         logits = net(torch.tensor([ids]), torch.arange(len(ids))[None], cache, None, last)  # (1, N, vocab)
         agree += int((logits[0].argmax(-1) == torch.tensor(generated)).sum())
