@@ -153,13 +153,15 @@ class GptHDF5MapDataProcessor:
         return list(found)
 
     def _stops(self, text: str) -> tuple[tuple[int, ...], ...]:
+        """One `stop_sequences` entry: a JSON list of non-empty token-id lists."""
         try:
             sequences = json.loads(text)
-            assert isinstance(sequences, list) and all(isinstance(s, list) and s and all(
-                isinstance(t, int) and not isinstance(t, bool) for t in s) for s in sequences)
-        except (ValueError, AssertionError):
+        except ValueError:
+            sequences = None
+        if not (isinstance(sequences, list) and all(isinstance(s, list) and s and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in s) for s in sequences)):
             raise UserError(f"the data in {self.data_dir}: a stop_sequences entry is not a JSON list of token-id "
-                            f"lists: {text[:80]!r}") from None
+                            f"lists: {text[:80]!r}")
         return tuple(tuple(s) for s in sequences)
 
     def batch(self, step: int) -> Batch:

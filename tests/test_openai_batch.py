@@ -16,7 +16,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from data_tools import create_inference_h5 as create  # noqa: E402
 from data_tools import decode_predictions as decode  # noqa: E402
-from harness import hf_greedy, load_predictions, run_job  # noqa: E402
+from harness import (hf_greedy, load_predictions, prompt_rows, run_job, save_tiny_model, write_h5,  # noqa: E402
+                     write_params)
+from tiny_configs import VOCAB, tiny_llama_config  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL = REPO_ROOT / "models" / "smollm2-135m-instruct"
@@ -289,3 +291,24 @@ def test_shards_give_the_unsharded_answers(batch_run):
 
     assert [without_time(json.loads(line)) for line in out.read_text().splitlines()] == \
         [without_time(line) for line in batch_run["lines"]]
+
+
+@pytest.mark.parametrize("layout, message", [
+    ({"a.h5": {"sample_id": ["x", "y"]}, "b.h5": {}}, "has the per-row dataset 'sample_id' but"),
+    ({"a.h5": {"sample_id": ["x"]}}, "dataset 'sample_id' has shape (1,), expected (2,)"),
+    ({"a.h5": {"stop_sequences": ["[[1]]", "[1, 2]"]}}, "a stop_sequences entry is not a JSON list of token-id lists: "
+                                                        "'[1, 2]'"),
+])
+def test_bad_per_row_datasets_are_one_line_errors(tmp_path, capsys, layout, message):
+    for name, per_row in layout.items():
+        path = write_h5(tmp_path / "data", prompt_rows([[5, 6], [7]], 16, VOCAB), name=name)
+        with h5py.File(path, "a") as h5:
+            for key, values in per_row.items():
+                h5.create_dataset(key, data=values, dtype=h5py.string_dtype())
+    checkpoint = save_tiny_model(tiny_llama_config(), tmp_path / "model")
+    capsys.readouterr()  # the checkpoint writer's progress bar
+    params = write_params(tmp_path / "params.yaml", checkpoint, tmp_path / "data", batch_size=2, start_token=VOCAB,
+                          max_tokens=2)
+    assert run_job(params, tmp_path / "run") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
