@@ -7,6 +7,7 @@ import argparse
 import functools
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -45,6 +46,22 @@ class Prepared:
 # --------------------------------------------------------------------------------------------
 # The engines
 # --------------------------------------------------------------------------------------------
+
+
+def add_run_options(parser: argparse.ArgumentParser, out: str) -> None:
+    """--out (default `out`), --seed, --threads and --timeout, as every side-by-side script takes them."""
+    parser.add_argument("--out", type=Path, default=Path(out))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=None)
+
+
+def start_run(args: argparse.Namespace) -> tuple[Path, int]:
+    """The output folder (created) and the thread count (--threads, else every core available); no hub."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    return out, args.threads or len(os.sched_getaffinity(0))
 
 
 def result_row(engine: str, dtype: str, **values: Any) -> dict[str, Any]:

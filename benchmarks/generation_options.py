@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from benchmarks.engines import add_run_options, start_run  # noqa: E402
 from benchmarks.throughput import prepare, run_zoo  # noqa: E402
 
 
@@ -63,15 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--make_draft_layers", type=int, help="make a draft from the model's first N layers")
     parser.add_argument("--variants", default="plain,prompt_lookup,draft_model,int8,sampling,repetition",
                         help="which to run besides plain greedy (default: all)")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/options"))
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=None)
+    add_run_options(parser, "benchmarks/results/options")
     args = parser.parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    out = args.out.resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    threads = args.threads or len(os.sched_getaffinity(0))
+    out, threads = start_run(args)
     variants = set(args.variants.split(","))
     prep = prepare(args, out)
     draft = args.draft_model

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from benchmarks.engines import add_run_options, start_run  # noqa: E402
 from benchmarks.machine import cpu_description  # noqa: E402
 from benchmarks.throughput import prepare, run_zoo  # noqa: E402
 from modelzoo.checkpoint import load_model  # noqa: E402
@@ -98,15 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group_sizes", default="0,32", help="int8 inputs per scale, 0 = per output channel "
                         "(default: 0,32)")
     parser.add_argument("--int8_backends", default="vnni,float", help="(default: vnni,float)")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/int8"))
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=None)
+    add_run_options(parser, "benchmarks/results/int8")
     args = parser.parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    out = args.out.resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    threads = args.threads or len(os.sched_getaffinity(0))
+    out, threads = start_run(args)
     torch.set_num_threads(threads)
     prep = prepare(args, out)
     runs = variants([int(g) for g in args.group_sizes.split(",")], args.int8_backends.split(","))
