@@ -33,7 +33,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Sequence
 
 import h5py
 import numpy as np
@@ -41,8 +41,7 @@ import yaml
 
 from data_tools.openai_batch import BatchRequest, prompt_text, read_batch_file, stop_token_ids
 from data_tools.h5_writer import RowsWriter
-from data_tools.prompts import (PromptFile, iter_parquet_prompts, load_tokenizer, read_prompt_file, read_text,
-                                tokenize_prompts)
+from data_tools.prompts import PromptFile, iter_prompt_file, load_tokenizer, read_text, tokenize_prompts
 from modelzoo import __version__
 from modelzoo.errors import UserError
 from modelzoo.params import load_params
@@ -257,10 +256,11 @@ def check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--start_token must be between 0 and {INT32_MAX}, got {args.start_token}")
 
 
-def openai_rows(args: argparse.Namespace, tokenizer: Any) -> tuple[PromptFile, list[list[int]], dict[str, Any]]:
-    """An OpenAI batch file's runnable requests as prompts with ids, their token ids, and the per-row
-    datasets: max_tokens (0 = none), stop_sequences (JSON token-id lists) and requests (every request,
-    runnable or not, in input order: what decode_predictions.py --format openai_batch answers)."""
+def openai_rows(args: argparse.Namespace, tokenizer: Any) -> tuple[PromptFile, list[list[int]], dict[str, Any],
+                                                                 list[str], list[BatchRequest]]:
+    """An OpenAI batch file's runnable requests as prompts with ids, their token ids, their per-row datasets
+    (max_tokens, 0 = none; stop_sequences, JSON token-id lists), the `requests` table (every request, runnable
+    or not, in input order: what decode_predictions.py --format openai_batch answers) and the rejected ones."""
     run_wide = {}
     if args.params is not None:
         model = load_params(args.params).model
@@ -285,20 +285,9 @@ def openai_rows(args: argparse.Namespace, tokenizer: Any) -> tuple[PromptFile, l
                          "logprobs": r.logprobs, "error": r.error, "row": rows.get(r.custom_id, -1)})
              for r in requests]
     per_row = {"max_tokens": np.array([r.max_tokens for r in runnable], dtype=np.int32),
-               "stop_sequences": [json.dumps(s) for s in stops], "requests": table}
-    return PromptFile(texts, [r.custom_id for r in runnable]), token_lists, per_row
-
-
-def prompt_chunks(args: argparse.Namespace) -> Iterator[PromptFile]:
-    """The input's prompts (and ids) in chunks of at most CHUNK_PROMPTS: a parquet table row group by row
-    group, never whole; the text formats read whole (their text is small next to the rows made of it)."""
-    if args.input.suffix.lower() == ".parquet":
-        yield from iter_parquet_prompts(args.input, args.column, args.id_field, CHUNK_PROMPTS)
-        return
-    read = read_prompt_file(args.input, args.field, args.column, args.id_field)
-    for begin in range(0, len(read.prompts), CHUNK_PROMPTS):
-        ids = read.ids[begin: begin + CHUNK_PROMPTS] if read.ids is not None else None
-        yield PromptFile(read.prompts[begin: begin + CHUNK_PROMPTS], ids)
+               "stop_sequences": [json.dumps(s) for s in stops]}
+    rejected = [request for request in requests if not request.runs]
+    return PromptFile(texts, [r.custom_id for r in runnable]), token_lists, per_row, table, rejected
 
 
 def run(args: argparse.Namespace) -> str:
@@ -311,18 +300,16 @@ def run(args: argparse.Namespace) -> str:
     start_token = vocab_size if args.start_token is None else args.start_token
     eos_token_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else -1
     tables: dict[str, list[str]] = {}
-    rejected: list[dict] = []
+    rejected: list[BatchRequest] = []
     if args.format == "openai_batch":
-        prompts, token_lists, per_row = openai_rows(args, tokenizer)
-        tables["requests"] = per_row.pop("requests")
-        rejected = [json.loads(r) for r in tables["requests"] if json.loads(r)["error"]]
+        prompts, token_lists, per_row, tables["requests"], rejected = openai_rows(args, tokenizer)
         if not prompts.prompts:
             raise UserError(f"{args.input}: no request can run here: " + "; ".join(
-                f"{r['custom_id']}: {r['error']}" for r in rejected[:MAX_LISTED_ROWS]))
+                f"{r.custom_id}: {r.error}" for r in rejected[:MAX_LISTED_ROWS]))
         chunks: Iterable[tuple[PromptFile, list[list[int]], dict]] = [(prompts, token_lists, per_row)]
     else:
-        chunks = ((chunk, tokenize_prompts(tokenizer, chunk.prompts, args.chat_template), {})
-                  for chunk in prompt_chunks(args))
+        read = iter_prompt_file(args.input, args.field, args.column, args.id_field, CHUNK_PROMPTS)
+        chunks = ((chunk, tokenize_prompts(tokenizer, chunk.prompts, args.chat_template), {}) for chunk in read)
     lengths: list[np.ndarray] = []
     empty_rows: list[int] = []
     num_truncated, row = 0, 1
@@ -357,7 +344,7 @@ def run(args: argparse.Namespace) -> str:
     summary = summary_text(target, np.concatenate(lengths), num_truncated, empty_rows, start_token, int(eos_token_id),
                            vocab_size, str(args.output_dir))
     if rejected:
-        shown = "; ".join(f"line {r['line']} ({r['custom_id']}): {r['error']}" for r in rejected[:MAX_LISTED_ROWS])
+        shown = "; ".join(f"line {r.line} ({r.custom_id}): {r.error}" for r in rejected[:MAX_LISTED_ROWS])
         more = f" and {len(rejected) - MAX_LISTED_ROWS} more" if len(rejected) > MAX_LISTED_ROWS else ""
         summary = (f"warning: {len(rejected)} request(s) cannot run here and will be error records in the output: "
                    f"{shown}{more}\n" + summary)

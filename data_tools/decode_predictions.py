@@ -38,7 +38,7 @@ import yaml
 from data_tools.openai_batch import response_line
 from data_tools.prompts import load_tokenizer
 from modelzoo.errors import UserError
-from modelzoo.predictions import OPTIONAL_PER_ROW_KEYS, PER_ROW_KEYS, REQUIRED_KEYS
+from modelzoo.predictions import OPTIONAL_PER_ROW_KEYS, PER_ROW_KEYS, REQUIRED_KEYS, SEQUENCE_KEYS
 
 PREDICTIONS_SUBDIR = Path("artifacts") / "predictions"
 FILE_PATTERN = re.compile(r"^predictions_(\d+)\.npz$")
@@ -91,21 +91,16 @@ def load_batch(path: Path) -> PredictionBatch:
     loop_dim = int(arrays["loop_dim"]) if "loop_dim" in arrays else 1
     if loop_dim not in (0, 1):
         raise UserError(f"{path}: loop_dim must be 0 or 1, got {loop_dim}")
-    predictions = arrays["predictions"]
-    if predictions.ndim != 2:
-        raise UserError(f"{path}: predictions must be 2-D, got shape {predictions.shape}")
-    logprobs = arrays.get("logprobs")
-    if loop_dim == 0:
-        predictions = predictions.T  # stored as (max_seq_len, batch_size)
-        logprobs = None if logprobs is None else logprobs.T
-    if logprobs is not None and logprobs.shape != predictions.shape:
-        raise UserError(f"{path}: logprobs has shape {logprobs.shape}, expected {predictions.shape}")
+    if arrays["predictions"].ndim != 2:
+        raise UserError(f"{path}: predictions must be 2-D, got shape {arrays['predictions'].shape}")
+    sequences = {key: arrays[key].T if loop_dim == 0 else arrays[key] for key in SEQUENCE_KEYS if key in arrays}
+    if "logprobs" in sequences and sequences["logprobs"].shape != sequences["predictions"].shape:
+        raise UserError(f"{path}: logprobs has shape {arrays['logprobs'].shape}, expected {arrays['predictions'].shape}")
     batch = PredictionBatch(
         path=path,
         global_step=int(arrays["global_step"]),
-        predictions=predictions,
+        **sequences,
         **{key: arrays[key] for key in PER_ROW_KEYS + OPTIONAL_PER_ROW_KEYS if key in arrays},
-        logprobs=logprobs,
     )
     check_batch(batch)
     return batch

@@ -172,10 +172,11 @@ def iter_parquet_prompts(path: Path, column: str, id_column: str | None, rows: i
         raise UserError(f"{path}: cannot read row {first_row} on ({str(error).splitlines()[0]})") from None
 
 
-def read_prompt_file(path: Path | str, field: str = "prompt", column: str = "prompt",
-                     id_field: str | None = None) -> PromptFile:
-    """The prompts (and ids, see read_jsonl_prompts / read_csv_prompts) of a .jsonl, .txt or .csv file
-    (format chosen by suffix), in file order."""
+def iter_prompt_file(path: Path | str, field: str = "prompt", column: str = "prompt", id_field: str | None = None,
+                     rows: int = 4096) -> Iterator[PromptFile]:
+    """The prompts (and ids, see read_jsonl_prompts / read_csv_prompts) of a .jsonl, .txt, .csv or .parquet
+    file (format chosen by suffix), in file order, in chunks of at most `rows`: a parquet table row group by
+    row group, never whole; the text formats are read whole (their text is small next to the rows made of it)."""
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix not in SUFFIXES:
@@ -185,10 +186,9 @@ def read_prompt_file(path: Path | str, field: str = "prompt", column: str = "pro
     if suffix == ".txt" and id_field:
         raise UserError(f"{path}: a .txt file has no fields, so no --id_field")
     if suffix == ".parquet":
-        chunks = list(iter_parquet_prompts(path, column, id_field, 65536))
-        ids = None if not chunks or chunks[0].ids is None else [i for chunk in chunks for i in chunk.ids]
-        read = PromptFile([prompt for chunk in chunks for prompt in chunk.prompts], ids)
-    elif suffix == ".jsonl":
+        yield from iter_parquet_prompts(path, column, id_field, rows)
+        return
+    if suffix == ".jsonl":
         read = read_jsonl_prompts(path, field, id_field)
     elif suffix == ".txt":
         read = read_txt_prompts(path)
@@ -196,14 +196,15 @@ def read_prompt_file(path: Path | str, field: str = "prompt", column: str = "pro
         read = read_csv_prompts(path, column, id_field)
     if not read.prompts:
         raise UserError(f"{path}: no prompts found")
-    if read.ids is not None and suffix != ".parquet":
+    if read.ids is not None:
         UniqueIds(path).add(read.ids)
-    return read
+    for begin in range(0, len(read.prompts), rows):
+        yield PromptFile(read.prompts[begin: begin + rows], None if read.ids is None else read.ids[begin: begin + rows])
 
 
 def read_prompts(path: Path | str, field: str = "prompt", column: str = "prompt") -> list[str]:
-    """Reads the prompts of a .jsonl, .txt or .csv file (format chosen by suffix), in file order."""
-    return read_prompt_file(path, field, column).prompts
+    """Reads the prompts of a prompt file (format chosen by suffix), in file order."""
+    return [prompt for chunk in iter_prompt_file(path, field, column) for prompt in chunk.prompts]
 
 
 # --------------------------------------------------------------------------------------------

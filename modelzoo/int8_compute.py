@@ -67,12 +67,12 @@ class VnniInt8Linear(nn.Module):
         return cpu_kernels().int8_linear(x, self.packed, self.scales, self.bias, self.out_features)
 
     def rows(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The int8 weight rows `indices` (...) and their scales, read back from the packed layout:
-        q (..., in) int8, scales (..., groups) float32 (what Int8Linear held)."""
+        """The int8 weight rows `indices` (...) and their scales, read back from the packed layout: q (..., in)
+        int8, scales (..., groups), or (...,) per channel, float32 (what Int8Linear held)."""
         block, lane = indices // BLOCK, indices % BLOCK
         shifted = self.packed[block, :, lane, :].flatten(-2)[..., :self.in_features]  # (..., in) uint8
-        groups = group_count(self.in_features, self.group_size) if self.group_size else 1
-        return (shifted ^ 0x80).view(torch.int8), self.scales[block, :groups, lane]
+        scales = self.scales[block, :, lane]  # (..., G)
+        return (shifted ^ 0x80).view(torch.int8), scales if self.group_size else scales[..., 0]
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
@@ -90,18 +90,14 @@ class TiedInt8Embedding(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (...) -> (..., dim) in the compute dtype, as Int8Embedding computes it."""
-        q, scales = self.head[0].rows(tokens)
-        if not self.group_size:
-            return (q.to(torch.float32) * scales[..., 0, None]).to(self.dtype)
-        flat = dequantize_rows(q.flatten(0, -2), scales.flatten(0, -2), self.dtype, self.group_size)
-        return flat.view(q.shape)
+        return dequantize_rows(*self.head[0].rows(tokens), self.dtype, self.group_size)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, int8, the tied head's packed table"
 
 
-def available_int8_backends(device: torch.device, dtype: torch.dtype) -> list[str]:
-    """`vnni` where the C++ kernels were built with AVX512-VNNI (CPU, float dtypes), and `float` always."""
+def available_int8_backends(device: torch.device) -> list[str]:
+    """`vnni` where the C++ kernels were built with AVX512-VNNI (CPU), and `float` always."""
     kernels = cpu_kernels() if device.type == "cpu" else None
     vnni = kernels is not None and hasattr(kernels, "int8_vnni_available") and kernels.int8_vnni_available()
     return ["vnni", "float"] if vnni else ["float"]
@@ -131,7 +127,7 @@ def apply_int8_backend(model: nn.Module, dtype: torch.dtype, device: torch.devic
         raise ValueError(f"unknown int8 backend {requested!r}; one of auto, {', '.join(INT8_BACKENDS)}")
     plan = GemmPlan(requested)
     layers = int8_layers(model)
-    backends = available_int8_backends(device, dtype)
+    backends = available_int8_backends(device)
     if requested != "auto" and requested not in backends:
         raise UserError(f"runconfig.int8_backend {requested} needs the C++ kernels built with AVX512-VNNI on a CPU "
                         f"that has it; available here: {', '.join(backends)}")

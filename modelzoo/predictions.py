@@ -24,6 +24,7 @@ from modelzoo.files import write_atomic
 # was generated).
 PER_ROW_KEYS = ("sample_index", "prompt_length", "num_generated", "stop_reason")
 OPTIONAL_PER_ROW_KEYS = ("sample_id",)  # where the data has ids: unicode, "" for dummy rows
+SEQUENCE_KEYS = ("predictions", "logprobs")  # (batch_size, max_seq_len), stored transposed when loop_dim is 0
 REQUIRED_KEYS = ("global_step", "predictions", *PER_ROW_KEYS)
 _ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)  # the earliest zip timestamp: no wall-clock time in the file
 
@@ -51,13 +52,13 @@ class StepAssembly:
     logprobs: np.ndarray | None = None  # (batch_size, max_seq_len) float32, with model.logprobs
 
     def arrays(self, loop_dim: int) -> dict[str, np.ndarray]:
-        """The npz payload; `predictions` transposed to (max_seq_len, batch_size) when loop_dim is 0."""
-        predictions = self.predictions if loop_dim == 1 else np.ascontiguousarray(self.predictions.T)
-        optional = {key: getattr(self, key) for key in OPTIONAL_PER_ROW_KEYS if getattr(self, key) is not None}
-        if self.logprobs is not None:
-            optional["logprobs"] = self.logprobs if loop_dim == 1 else np.ascontiguousarray(self.logprobs.T)
-        return {"predictions": predictions, **{key: getattr(self, key) for key in PER_ROW_KEYS}, **optional,
-                "loop_dim": np.array(loop_dim, dtype=np.int64)}
+        """The npz payload; SEQUENCE_KEYS transposed to (max_seq_len, batch_size) when loop_dim is 0."""
+        keys = SEQUENCE_KEYS + PER_ROW_KEYS + OPTIONAL_PER_ROW_KEYS
+        arrays = {key: getattr(self, key) for key in keys if getattr(self, key) is not None}
+        for key in SEQUENCE_KEYS:
+            if loop_dim == 0 and key in arrays:
+                arrays[key] = np.ascontiguousarray(arrays[key].T)
+        return {**arrays, "loop_dim": np.array(loop_dim, dtype=np.int64)}
 
 
 def predictions_path(folder: Path, step: int) -> Path:

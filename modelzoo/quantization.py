@@ -70,12 +70,13 @@ def quantize_rows(weight: torch.Tensor, group_size: int = 0) -> tuple[torch.Tens
 
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32,
                     group_size: int = 0) -> torch.Tensor:
-    """q (rows, cols) int8 with scale (rows,) (group_size 0) or (rows, groups) -> q * scale in `dtype`
+    """q (..., cols) int8 with scale (...,) (group_size 0) or (..., groups) -> q * scale in `dtype`
     (computed in float32)."""
     if not group_size:
-        return (q.to(torch.float32) * scale.to(torch.float32)[:, None]).to(dtype)
-    groups = _grouped(q, group_size)  # (rows, G, group_size)
-    return (groups * scale.to(torch.float32)[:, :, None]).flatten(1)[:, :q.shape[1]].to(dtype)
+        return (q.to(torch.float32) * scale.to(torch.float32)[..., None]).to(dtype)
+    groups = _grouped(q.reshape(-1, q.shape[-1]), group_size)  # (rows, G, group_size)
+    scaled = groups * scale.reshape(-1, scale.shape[-1]).to(torch.float32)[:, :, None]
+    return scaled.flatten(1)[:, :q.shape[-1]].reshape(q.shape).to(dtype)
 
 
 class Int8Linear(nn.Module):
@@ -131,11 +132,7 @@ class Int8Embedding(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (...) -> (..., dim) in the compute dtype."""
         rows = F.embedding(tokens, self.weight)  # (..., dim) int8
-        if not self.group_size:
-            return (rows.to(torch.float32) * self.weight_scale[tokens][..., None]).to(self.dtype)
-        scales = self.weight_scale[tokens].flatten(0, -2)  # (n, groups)
-        flat = dequantize_rows(rows.flatten(0, -2), scales, self.dtype, self.group_size)
-        return flat.view(rows.shape)
+        return dequantize_rows(rows, self.weight_scale[tokens], self.dtype, self.group_size)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, int8"

@@ -26,7 +26,7 @@ from modelzoo.quantization import Int8Embedding, Int8Linear, dequantize_rows, qu
 from tiny_configs import INT8_FAMILIES, INT8_LOGITS_REL_TOL, VOCAB
 
 CPU = torch.device("cpu")
-HAS_VNNI = "vnni" in available_int8_backends(CPU, torch.float32)
+HAS_VNNI = "vnni" in available_int8_backends(CPU)
 needs_vnni = pytest.mark.skipif(not HAS_VNNI, reason="no AVX512-VNNI int8 kernel on this CPU / build")
 
 
@@ -157,7 +157,7 @@ def test_packed_rows_read_back_the_int8_weight():
         layer, _ = int8_layer(50, 80, group_size)
         q, scales = VnniInt8Linear(layer).rows(torch.tensor([[0, 49], [17, 17]]))
         assert torch.equal(q, layer.weight[torch.tensor([[0, 49], [17, 17]])])
-        assert torch.equal(scales, layer.weight_scale.reshape(50, -1)[torch.tensor([[0, 49], [17, 17]])])
+        assert torch.equal(scales, layer.weight_scale[torch.tensor([[0, 49], [17, 17]])])
 
 
 # --- every family, both backends ------------------------------------------------------------------
@@ -197,7 +197,7 @@ def test_tied_embedding_reads_the_packed_head(family, head, embedding, checkpoin
 
 
 def test_vnni_refused_where_unavailable(checkpoints, monkeypatch):
-    monkeypatch.setattr(int8_compute, "available_int8_backends", lambda device, dtype: ["float"])
+    monkeypatch.setattr(int8_compute, "available_int8_backends", lambda device: ["float"])
     model, _ = load_model(checkpoints["llama_tied"], torch.float32, CPU, weight_dtype="int8")
     with pytest.raises(UserError, match="runconfig.int8_backend vnni needs the C\\+\\+ kernels built with "
                                         "AVX512-VNNI on a CPU that has it; available here: float"):
@@ -212,7 +212,7 @@ def test_auto_keeps_the_fastest_measured(checkpoints, monkeypatch):
     assert plan.layers and set(plan.layers) == set(plan.measured)
     for key, backend in plan.layers.items():
         rates = plan.measured[key]["gflops"]
-        assert set(rates) == set(available_int8_backends(CPU, torch.float32))
+        assert set(rates) == set(available_int8_backends(CPU))
         invariant = [b for b in rates if plan.measured[key]["invariant"][b]] or list(rates)
         cost = {b: sum(1 / r for r in rates[b].values()) for b in invariant}
         assert backend == min(cost, key=cost.__getitem__)
