@@ -118,29 +118,32 @@ class GptHDF5MapDataProcessor:
     def _count(self, data: h5py.Dataset) -> int:
         return data.shape[0] if self.loop_dim == 1 else data.shape[1]
 
-    def read(self, start: int, stop: int) -> np.ndarray:
-        """Samples [start, stop) across files: (stop - start, max_seq_len) int32."""
-        parts, offset = [], 0
-        for path, data, size in zip(self.files, self._datasets, self.sizes):
+    def _spans(self, start: int, stop: int) -> Iterator[tuple[int, int, int, int]]:
+        """(file index, lo, hi, offset) of the pieces of samples [start, stop) in each file, in order."""
+        offset = 0
+        for index, size in enumerate(self.sizes):
             lo, hi = max(start - offset, 0), min(stop - offset, size)
             if lo < hi:
-                try:
-                    parts.append(data[lo:hi] if self.loop_dim == 1 else data[:, lo:hi].T)
-                except OSError as error:  # a chunk past the end of a truncated file
-                    raise UserError(f"cannot read samples {offset + lo}..{offset + hi - 1} of {path} "
-                                    f"({str(error).splitlines()[0]}): is it truncated?") from None
+                yield index, lo, hi, offset
             offset += size
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Samples [start, stop) across files: (stop - start, max_seq_len) int32."""
+        parts = []
+        for index, lo, hi, offset in self._spans(start, stop):
+            data = self._datasets[index]
+            try:
+                parts.append(data[lo:hi] if self.loop_dim == 1 else data[:, lo:hi].T)
+            except OSError as error:  # a chunk past the end of a truncated file
+                raise UserError(f"cannot read samples {offset + lo}..{offset + hi - 1} of {self.files[index]} "
+                                f"({str(error).splitlines()[0]}): is it truncated?") from None
         return np.concatenate(parts).astype(np.int32, copy=False)
 
     def read_per_row(self, name: str, start: int, stop: int) -> list:
         """Per-row dataset `name` for samples [start, stop) across files, strings decoded."""
-        values, offset = [], 0
-        for handle, size in zip(self._handles, self.sizes):
-            lo, hi = max(start - offset, 0), min(stop - offset, size)
-            if lo < hi:
-                values += [v.decode() if isinstance(v, bytes) else v for v in handle[name][lo:hi].tolist()]
-            offset += size
-        return values
+        values = [value for index, lo, hi, _ in self._spans(start, stop)
+                  for value in self._handles[index][name][lo:hi].tolist()]
+        return [value.decode() if isinstance(value, bytes) else value for value in values]
 
     def row_stop_sequences(self) -> list[tuple[int, ...]]:
         """Every stop sequence some row asks for (the `stop_sequences` dataset, read in slices), once each."""
