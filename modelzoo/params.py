@@ -14,7 +14,7 @@ DATA_PROCESSOR = "GptHDF5MapDataProcessor"
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 GEMM_BACKENDS = ("auto", "mkl", "onednn", "torch")  # modelzoo/gemm.py
-INT8_BACKENDS = ("auto", "vnni", "float")  # modelzoo/int8_compute.py
+INT8_BACKENDS = ("auto", "vnni16", "vnni8", "float")  # modelzoo/int8_compute.py
 WEIGHT_DTYPES = ("int8",)
 SPECULATIVE_METHODS = ("prompt_lookup", "draft_model")
 
@@ -207,7 +207,7 @@ class RunConfig:
     log_steps: int = 10
     tensor_parallel: int = 1
     gemm_backend: str = "auto"  # auto (measured at start-up), mkl, onednn or torch: see modelzoo/gemm.py
-    int8_backend: str = "auto"  # auto (measured at start-up), vnni or float: see modelzoo/int8_compute.py
+    int8_backend: str = "auto"  # auto (measured at start-up), vnni16, vnni8 or float: modelzoo/int8_compute.py
 
 
 @dataclass(frozen=True)

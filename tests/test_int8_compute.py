@@ -1,6 +1,7 @@
-"""Group-wise int8 and the int8 x int8 path (modelzoo/quantization.py, modelzoo/int8_compute.py,
+"""Group-wise int8 and the VNNI paths (modelzoo/quantization.py, modelzoo/int8_compute.py,
 modelzoo/kernels/int8_gemm.cpp): the group-wise quantizer's bound, the kernel against the arithmetic it
-documents, batch invariance, every family through both backends, the choice, the params and the runner.
+documents at 8- and 16-bit activations, batch invariance, every family through every backend, the choice,
+the params and the runner.
 
 The kernel tests need a CPU with AVX512-VNNI (and the C++ kernels); elsewhere they are skipped and the
 float path, the only one there, is what the other tests check.
@@ -26,7 +27,7 @@ from modelzoo.quantization import Int8Embedding, Int8Linear, dequantize_rows, qu
 from tiny_configs import INT8_FAMILIES, INT8_LOGITS_REL_TOL, VOCAB
 
 CPU = torch.device("cpu")
-HAS_VNNI = "vnni" in available_int8_backends(CPU)
+HAS_VNNI = "vnni16" in available_int8_backends(CPU)
 needs_vnni = pytest.mark.skipif(not HAS_VNNI, reason="no AVX512-VNNI int8 kernel on this CPU / build")
 
 
@@ -42,20 +43,23 @@ def int8_layer(out_features: int, in_features: int, group_size: int, bias: bool 
     return layer, layer.bias
 
 
-def kernel_reference(x: torch.Tensor, layer: Int8Linear) -> torch.Tensor:
-    """int8_gemm.cpp's documented arithmetic in float64: x quantized per row and group (absmax / 127, round
-    half to even; the per-channel group is the whole row), integer dot products, both scales, the bias."""
-    group = layer.group_size or layer.in_features
+def kernel_reference(x: torch.Tensor, layer: Int8Linear, bits: int) -> torch.Tensor:
+    """int8_gemm.cpp's documented arithmetic in float64: x quantized per row and chunk to `bits` (absmax / qmax,
+    round half to even; the per-channel group is the whole row rounded up to 16; the 16-bit chunk the largest
+    multiple of 16 up to 256 dividing the group), integer dot products, both scales, the bias."""
+    group = layer.group_size or -(-layer.in_features // 16) * 16
+    chunk = group if bits == 8 else max(c for c in range(16, min(group, 256) + 1, 16) if group % c == 0)
+    qmax = 2 ** (bits - 1) - 1
     rows = x.reshape(-1, layer.in_features).float()
     padded = F.pad(rows, (0, -(-layer.in_features // group) * group - layer.in_features))
-    groups = padded.view(rows.shape[0], -1, group)  # (M, G, group)
-    absmax = groups.abs().amax(dim=2)
-    inverse = torch.where(absmax > 0, 127.0 / absmax, torch.zeros_like(absmax))  # float32, as the kernel
-    xq = torch.round(groups * inverse[..., None]).clamp(-127, 127)
-    q = F.pad(layer.weight.float(), (0, padded.shape[1] - layer.in_features)).view(layer.out_features, -1, group)
-    dots = torch.einsum("mgk,ngk->mng", xq.double(), q.double())  # exact integers
-    scales = layer.weight_scale.double().reshape(layer.out_features, -1)[None] * (absmax / 127).double()[:, None]
-    y = (dots * scales).sum(dim=2)
+    chunks = padded.view(rows.shape[0], -1, chunk)  # (M, C, chunk)
+    absmax = chunks.abs().amax(dim=2)
+    inverse = torch.where(absmax > 0, qmax / absmax, torch.zeros_like(absmax))  # float32, as the kernel
+    xq = torch.round(chunks * inverse[..., None]).clamp(-qmax, qmax)
+    q = F.pad(layer.weight.float(), (0, padded.shape[1] - layer.in_features)).view(layer.out_features, -1, chunk)
+    dots = torch.einsum("mck,nck->mnc", xq.double(), q.double())  # exact integers
+    weight_scales = layer.weight_scale.double().reshape(layer.out_features, -1).repeat_interleave(group // chunk, 1)
+    y = (dots * weight_scales[None] * (absmax / qmax).double()[:, None]).sum(dim=2)
     if layer.bias is not None:
         y = y + layer.bias.double()
     return y.reshape(*x.shape[:-1], layer.out_features)
@@ -117,15 +121,18 @@ def test_group_wise_embedding_gathers_dequantized_rows():
     (96, 48, 32),   # K not a multiple of the group: a zero-padded last group
     (64, 128, 64),
     (20, 100, 0),   # per-channel: one group per row, K rounded up to 112
+    (24, 600, 0),   # per-channel over 256 inputs: 16-bit chunks of 32 (608 = 19 x 32)
+    (16, 1024, 0),  # 16-bit chunks of 256
     (33, 576, 32),  # two 16-row blocks and a partial third
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_computes_its_documented_arithmetic(out_features, in_features, group_size, dtype):
+@pytest.mark.parametrize("bits", [8, 16])
+def test_kernel_computes_its_documented_arithmetic(out_features, in_features, group_size, dtype, bits):
     layer, _ = int8_layer(out_features, in_features, group_size, dtype=dtype)
     x = torch.randn(2, 5, in_features).to(dtype)
     x[0, 1, :16] = 0  # an all-zero group of activations
-    got = VnniInt8Linear(layer)(x)
-    want = kernel_reference(x, layer)
+    got = VnniInt8Linear(layer, bits)(x)
+    want = kernel_reference(x, layer, bits)
     assert got.dtype == dtype and got.shape == (2, 5, out_features)
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # integer sums exact; a float32 multiply-add per group
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * float(want.abs().max()))
@@ -133,9 +140,10 @@ def test_kernel_computes_its_documented_arithmetic(out_features, in_features, gr
 
 @needs_vnni
 @pytest.mark.parametrize("group_size", [0, 32])
-def test_kernel_rows_do_not_depend_on_the_batch(group_size):
+@pytest.mark.parametrize("bits", [8, 16])
+def test_kernel_rows_do_not_depend_on_the_batch(group_size, bits):
     layer, _ = int8_layer(200, 576, group_size)
-    vnni = VnniInt8Linear(layer)
+    vnni = VnniInt8Linear(layer, bits)
     x = torch.randn(64, 576)
     full = vnni(x)
     for rows in (1, 2, 3, 5, 7, 32):
@@ -144,18 +152,19 @@ def test_kernel_rows_do_not_depend_on_the_batch(group_size):
 
 
 @needs_vnni
-def test_kernel_is_close_to_the_float_layer():
-    """Activation quantization costs a little precision: within 1% of the float path."""
+@pytest.mark.parametrize("bits, tolerance", [(8, 1e-2), (16, 2e-4)])
+def test_kernel_is_close_to_the_float_layer(bits, tolerance):
+    """Activation quantization costs a little precision: 8 bits within 1% of the float path, 16 bits 0.02%."""
     layer, _ = int8_layer(256, 576, 32)
-    x = torch.randn(16, 576)
-    assert relative_error(VnniInt8Linear(layer)(x), layer(x)).max() < 0.01
+    x = torch.randn(16, 576) * torch.logspace(-1, 1, 576)  # inputs of different ranges
+    assert relative_error(VnniInt8Linear(layer, bits)(x), layer(x)).max() < tolerance
 
 
 @needs_vnni
 def test_packed_rows_read_back_the_int8_weight():
     for group_size in (0, 32):
         layer, _ = int8_layer(50, 80, group_size)
-        q, scales = VnniInt8Linear(layer).rows(torch.tensor([[0, 49], [17, 17]]))
+        q, scales = VnniInt8Linear(layer, 16).rows(torch.tensor([[0, 49], [17, 17]]))
         assert torch.equal(q, layer.weight[torch.tensor([[0, 49], [17, 17]])])
         assert torch.equal(scales, layer.weight_scale[torch.tensor([[0, 49], [17, 17]])])
 
@@ -171,14 +180,20 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 @needs_vnni
 @pytest.mark.parametrize("family", list(INT8_FAMILIES))
 @pytest.mark.parametrize("group_size", [0, 32])
-def test_vnni_backend_is_close_to_float32(family, group_size, checkpoints):
+@pytest.mark.parametrize("backend", ["vnni8", "vnni16"])
+def test_vnni_backend_is_close_to_float32(family, group_size, backend, checkpoints):
     prompts = family_prompts(VOCAB)
     model, _ = load_model(checkpoints[family], torch.float32, CPU, weight_dtype="int8", int8_group_size=group_size)
-    plan = apply_int8_backend(model, torch.float32, CPU, "vnni")
-    assert set(plan.layers.values()) == {"vnni"} and plan.batch_invariant
+    weight_only, _ = load_model(checkpoints[family], torch.float32, CPU, weight_dtype="int8",
+                                int8_group_size=group_size)  # the `float` backend: activations exact
+    plan = apply_int8_backend(model, torch.float32, CPU, backend)
+    assert set(plan.layers.values()) == {backend} and plan.batch_invariant
     assert not any(isinstance(m, Int8Linear) for m in model.modules())  # every int8 layer repacked
     reference, _ = load_model(checkpoints[family], torch.float32, CPU)
-    assert relative_error(last_logits(model, prompts), last_logits(reference, prompts)).max() < INT8_LOGITS_REL_TOL
+    logits = last_logits(model, prompts)
+    assert relative_error(logits, last_logits(reference, prompts)).max() < INT8_LOGITS_REL_TOL
+    if backend == "vnni16":  # 16-bit activations: the weight-only int8 model's logits
+        assert relative_error(logits, last_logits(weight_only, prompts)).max() < 1e-3
 
 
 @needs_vnni
@@ -189,7 +204,7 @@ def test_tied_embedding_reads_the_packed_head(family, head, embedding, checkpoin
     plain = model.get_submodule(embedding)
     tokens = torch.tensor([[1, 5, VOCAB - 1]])
     want = plain(tokens)
-    apply_int8_backend(model, torch.float32, CPU, "vnni")
+    apply_int8_backend(model, torch.float32, CPU, "vnni16")
     tied = model.get_submodule(embedding)
     assert isinstance(tied, TiedInt8Embedding) and tied.head[0] is model.get_submodule(head)
     assert torch.equal(tied(tokens), want)
@@ -199,9 +214,9 @@ def test_tied_embedding_reads_the_packed_head(family, head, embedding, checkpoin
 def test_vnni_refused_where_unavailable(checkpoints, monkeypatch):
     monkeypatch.setattr(int8_compute, "available_int8_backends", lambda device: ["float"])
     model, _ = load_model(checkpoints["llama_tied"], torch.float32, CPU, weight_dtype="int8")
-    with pytest.raises(UserError, match="runconfig.int8_backend vnni needs the C\\+\\+ kernels built with "
+    with pytest.raises(UserError, match="runconfig.int8_backend vnni16 needs the C\\+\\+ kernels built with "
                                         "AVX512-VNNI on a CPU that has it; available here: float"):
-        apply_int8_backend(model, torch.float32, CPU, "vnni")
+        apply_int8_backend(model, torch.float32, CPU, "vnni16")
     plan = apply_int8_backend(model, torch.float32, CPU, "auto")  # auto: the float path, measured alone
     assert set(plan.layers.values()) == {"float"} and isinstance(model.lm_head, Int8Linear)
 
@@ -213,7 +228,8 @@ def test_auto_keeps_the_fastest_measured(checkpoints, monkeypatch):
     for key, backend in plan.layers.items():
         rates = plan.measured[key]["gflops"]
         assert set(rates) == set(available_int8_backends(CPU))
-        invariant = [b for b in rates if plan.measured[key]["invariant"][b]] or list(rates)
+        choices = [b for b in rates if b != "vnni8"]  # 8-bit activations only when asked for
+        invariant = [b for b in choices if plan.measured[key]["invariant"][b]] or choices
         cost = {b: sum(1 / r for r in rates[b].values()) for b in invariant}
         assert backend == min(cost, key=cost.__getitem__)
 
@@ -241,7 +257,7 @@ def test_bad_int8_backend_is_a_one_line_error(tmp_path, capsys, checkpoints):
     params = write_params(tmp_path / "params.yaml", checkpoints["llama_tied"], tmp_path / "data", batch_size=1,
                           start_token=VOCAB, weight_dtype="int8", int8_backend="amx")
     assert run_job(params, tmp_path / "run") == 2
-    assert capsys.readouterr().err == "error: runconfig.int8_backend must be one of auto, vnni, float, got 'amx'\n"
+    assert capsys.readouterr().err == "error: runconfig.int8_backend must be one of auto, vnni16, vnni8, float, got 'amx'\n"
 
 
 MAX_SEQ_LEN, MAX_TOKENS = 64, 12
@@ -259,7 +275,8 @@ def run_int8(tmp_path: Path, checkpoint: Path, name: str, batch_size: int, backe
     return tmp_path / name
 
 
-@pytest.mark.parametrize("backend", [pytest.param("vnni", marks=needs_vnni), "float"])
+@pytest.mark.parametrize("backend", [pytest.param("vnni16", marks=needs_vnni), pytest.param("vnni8", marks=needs_vnni),
+                                     "float"])
 def test_runner_records_the_int8_choice(backend, checkpoints, tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="zoo-infer"):
         run = run_int8(tmp_path, checkpoints["llama_tied"], "run", 3, backend)
@@ -272,9 +289,10 @@ def test_runner_records_the_int8_choice(backend, checkpoints, tmp_path, caplog):
 
 
 @needs_vnni
-def test_vnni_files_do_not_depend_on_the_batch_size(checkpoints, tmp_path):
+@pytest.mark.parametrize("backend", ["vnni16", "vnni8"])
+def test_vnni_files_do_not_depend_on_the_batch_size(backend, checkpoints, tmp_path):
     """Each row's tokens are the same whichever rows share its batch: identical predictions at batch 1, 2, 7."""
-    runs = [run_int8(tmp_path, checkpoints["llama_tied"], f"b{b}", b, "vnni") for b in (1, 2, 7)]
+    runs = [run_int8(tmp_path, checkpoints["llama_tied"], f"b{b}", b, backend) for b in (1, 2, 7)]
     n = len(family_prompts(VOCAB))
     first = stacked_predictions(runs[0])[:n]
     for run in runs[1:]:

@@ -13,8 +13,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_vnni_available", &zoo::int8_vnni_available, "Whether int8_linear was built (AVX512-VNNI)");
   m.def("int8_linear", &zoo::int8_linear,
         "x (..., K) @ W^T (+ bias) for a group-wise int8 W packed by modelzoo/int8_compute.py, x quantized per row "
-        "and group on the fly; (..., out_features) in x's dtype",
+        "and chunk to activation_bits (8 or 16) on the fly; (..., out_features) in x's dtype",
         py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("bias") = py::none(),
-        py::arg("out_features"));
+        py::arg("out_features"), py::arg("activation_bits"));
   m.def("silu_mul", &zoo::silu_mul, "silu(gate) * up for gate_up = gate | up along the last dimension");
 }

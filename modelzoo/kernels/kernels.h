@@ -16,10 +16,11 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& new_
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& delta, const torch::Tensor& weight, double eps);
 torch::Tensor silu_mul(const torch::Tensor& gate_up);
-// int8_gemm.cpp: group-wise int8 weights times activations quantized per row and group, on AVX512-VNNI.
+// int8_gemm.cpp: group-wise int8 weights times activations quantized per row and chunk to 8 or 16 bits,
+// on AVX512-VNNI.
 bool int8_vnni_available();
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
-                          const c10::optional<torch::Tensor>& bias, int64_t out_features);
+                          const c10::optional<torch::Tensor>& bias, int64_t out_features, int64_t activation_bits);
 // out[0, d) = x * cos + rotate_half(x) * sin in float32 for one head of d values of T (the two halves' layout).
 template <typename T>
 void rotate_half(const T* x, const T* cos, const T* sin, float* out, int64_t d);
