@@ -89,14 +89,16 @@ def run_zoo(args: argparse.Namespace, prep: Prepared, out: Path, dtype: str, thr
             model_keys: dict[str, Any] | None = None, batch_size: int | None = None,
             runconfig_keys: dict[str, Any] | None = None) -> tuple[dict, list | None]:
     """zoo-infer's run_inference.py in `dtype` (plus `model_keys` and `runconfig_keys`, named `variant`);
-    tokens/s from its summary.json."""
+    tokens/s from its summary.json. Its rows in flight are the batch size, as the peers' sequences
+    decoded together are."""
     params = {
         "model": {"checkpoint_path": str(Path(args.model).resolve()), "dtype": dtype,
                   "start_token": prep.start_token, "stop_sequences": [[prep.eos_id]],
                   "max_tokens": args.max_tokens, "loop_dim": 1, **(model_keys or {})},
         "inference_input": {"data_processor": "GptHDF5MapDataProcessor", "data_dir": str(prep.data_dir.resolve()),
                             "batch_size": batch_size or args.batch_size},
-        "runconfig": {"device": "cpu", "num_threads": threads, "log_steps": 10, **(runconfig_keys or {})},
+        "runconfig": {"device": "cpu", "num_threads": threads, "log_steps": 10,
+                      "rows_in_flight": batch_size or args.batch_size, **(runconfig_keys or {})},
     }
     name = f"{dtype}{'_' + variant if variant else ''}"
     params_path = out / f"params_{name}.yaml"

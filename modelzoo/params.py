@@ -102,6 +102,12 @@ class SpeculativeParams:
     max_ngram: int = 3
 
 
+def _rows_in_flight(key: str, value: Any) -> int | str:
+    if value != "auto" and (not _is_int(value) or value < 1):
+        raise UserError(f"{key} must be auto or an integer >= 1 (rows generated together), got {value!r}")
+    return value
+
+
 def _group_size(key: str, value: Any) -> int:
     if not _is_int(value) or value < 0 or value % 16:
         raise UserError(f"{key} must be 0 (one scale per output channel) or a positive multiple of 16 "
@@ -208,6 +214,7 @@ class RunConfig:
     tensor_parallel: int = 1
     gemm_backend: str = "auto"  # auto (measured at start-up), mkl, onednn or torch: see modelzoo/gemm.py
     int8_backend: str = "auto"  # auto (measured at start-up), vnni16, vnni8 or float: modelzoo/int8_compute.py
+    rows_in_flight: int | str = "auto"  # rows generated together (KV cache slots): auto or >= 1, see model_setup.py
 
 
 @dataclass(frozen=True)
@@ -265,6 +272,7 @@ SCHEMA: dict[str, tuple[type, dict[str, Callable[[str, Any], Any]]]] = {
         "tensor_parallel": _int(1),
         "gemm_backend": _choice(GEMM_BACKENDS, lambda v: isinstance(v, str)),
         "int8_backend": _choice(INT8_BACKENDS, lambda v: isinstance(v, str)),
+        "rows_in_flight": _rows_in_flight,
     }),
 }
 

@@ -53,9 +53,10 @@ def _versions() -> dict[str, str]:
 
 
 def summary_of(stats: list[RunStats], device: str, dtype: str, shards: int,
-               gemm: dict[str, Any] | None = None) -> dict[str, Any]:
+               gemm: dict[str, Any] | None = None, rows_in_flight: int | None = None) -> dict[str, Any]:
     """One summary over the stats of every shard (shards run side by side: seconds is the longest);
-    `gemm`: the GEMM backends chosen for this process's weights, with the rates measured."""
+    `gemm`: the GEMM backends chosen for this process's weights, with the rates measured;
+    `rows_in_flight`: the rows this process generated together."""
     total: dict[str, Any] = {}
     for key in ("samples_done", "samples_skipped", "samples_remaining", "batches_done", "batches_skipped",
                 "batches_remaining", "generated_tokens", "rows_without_start_token", "rows_with_empty_prompt",
@@ -85,7 +86,7 @@ def summary_of(stats: list[RunStats], device: str, dtype: str, shards: int,
         "speculative_acceptance_rate": (round(total["accepted_tokens"] / total["drafted_tokens"], 4)
                                         if total["drafted_tokens"] else None),
         "stop_reasons": reasons, "shards_reporting": f"{len(stats)}/{shards}",
-        "device": device, "dtype": dtype, "gemm": gemm, "versions": _versions(),
+        "device": device, "dtype": dtype, "rows_in_flight": rows_in_flight, "gemm": gemm, "versions": _versions(),
     }
 
 

@@ -96,7 +96,8 @@ class InferenceJob:
                     todo = self._take_output()
                     if todo is None:
                         return self.stats
-                    model, engine = self.setup.build(self.tp, self.data.row_stop_sequences())
+                    model, engine = self.setup.build(self.tp, self.data.row_stop_sequences(),
+                                                     sum(self._real_samples(step) for step in todo))
                     if self.params.runconfig.compile_only:
                         self._check_forward(model, engine)
                         return self.stats
@@ -259,7 +260,8 @@ class InferenceJob:
         gemm = self.setup.gemm.to_dict() if self.setup.gemm else None
         if self.shard.count == 1:
             write_json(self.artifacts / "summary.json",
-                       summary_of([self.stats], str(self.device), self.setup.dtype_name(), 1, gemm))
+                       summary_of([self.stats], str(self.device), self.setup.dtype_name(), 1, gemm,
+                                  self.setup.rows_in_flight))
         else:
             write_json(shard_stats_path(self.artifacts, self.shard.index), asdict(self.stats))
 
@@ -277,7 +279,8 @@ class InferenceJob:
             stats = read_shard_stats(self.artifacts, self.shard.count)
             gemm = self.setup.gemm.to_dict() if self.setup.gemm else None
             write_json(self.artifacts / "summary.json",
-                       summary_of(stats, str(self.device), self.setup.dtype_name(), self.shard.count, gemm))
+                       summary_of(stats, str(self.device), self.setup.dtype_name(), self.shard.count, gemm,
+                                  self.setup.rows_in_flight))
 
     def _finish_quietly(self) -> None:
         """`_finish` for a run that is failing: a summary that cannot be written only adds a warning."""

@@ -291,7 +291,7 @@ def test_soak_sigkill_at_random_moments(job, tmp_path):
     a random moment after a random number of new files (decode, the next batch's prefill,
     mid-write); then the files equal an uninterrupted run's and no temp file is left."""
     params = write_params(tmp_path / "params.yaml", job["checkpoint"], job["data"], batch_size=2, start_token=START,
-                          max_tokens=40)  # 45 steps: 20 kills leave some work for the last run
+                          max_tokens=40, rows_in_flight=2)  # 45 steps: 20 kills leave some work for the last run
     reference = tmp_path / "reference"
     begin, timed = time.monotonic(), start_job(params, reference)
     while not finished(reference) and timed.poll() is None:

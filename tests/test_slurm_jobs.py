@@ -21,7 +21,8 @@ STEPS = 10
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory) -> dict[str, Path]:
-    """Tiny model, 38 prompts in 10 steps of 4, params, and the files of one uninterrupted process."""
+    """Tiny model, 38 prompts in 10 steps of 4 (4 rows in flight: files appear one after another, as in a
+    long job), params, and the files of one uninterrupted process."""
     ensure_slurm()
     root = tmp_path_factory.mktemp("slurm_jobs")
     config = tiny_llama_config(vocab_size=VOCAB, num_hidden_layers=2)
@@ -30,7 +31,7 @@ def job(tmp_path_factory) -> dict[str, Path]:
     prompts = [rng.integers(0, VOCAB, size=rng.integers(1, 16)).tolist() for _ in range(38)]
     write_h5(root / "data", prompt_rows(prompts, 96, VOCAB))
     params = write_params(root / "params.yaml", checkpoint, root / "data", batch_size=4, start_token=VOCAB,
-                          max_tokens=60, log_steps=1)
+                          max_tokens=60, log_steps=1, rows_in_flight=4)
     assert run_job(params, root / "reference") == 0
     return {"root": root, "params": params, "reference": root / "reference"}
 
