@@ -105,8 +105,8 @@ class ModelSetup:
                      c.intermediate_size * n, n, weights / 2**20, cache / 2**20)
         if cache > free:
             raise UserError(f"the KV cache needs {cache / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB is available on "
-                            f"{self.device}; lower runconfig.rows_in_flight (or inference_input.batch_size) or the data's "
-                            f"max_seq_len")
+                            f"{self.device}; lower runconfig.rows_in_flight (or inference_input.batch_size) or the "
+                            f"data's max_seq_len")
         small_step_rows = self._choose_gemm(model, weight_dtype, spare_bytes=(free - cache) // 2)
         engine = GenerationEngine(model, self.rows_in_flight, self.max_seq_len,
                                   [list(s) for s in self.params.model.stop_sequences], self.params.model.max_tokens,

@@ -257,7 +257,8 @@ def test_bad_int8_backend_is_a_one_line_error(tmp_path, capsys, checkpoints):
     params = write_params(tmp_path / "params.yaml", checkpoints["llama_tied"], tmp_path / "data", batch_size=1,
                           start_token=VOCAB, weight_dtype="int8", int8_backend="amx")
     assert run_job(params, tmp_path / "run") == 2
-    assert capsys.readouterr().err == "error: runconfig.int8_backend must be one of auto, vnni16, vnni8, float, got 'amx'\n"
+    assert capsys.readouterr().err == ("error: runconfig.int8_backend must be one of auto, vnni16, vnni8, float, "
+                                       "got 'amx'\n")
 
 
 MAX_SEQ_LEN, MAX_TOKENS = 64, 12
