@@ -236,9 +236,12 @@ class GemmPlan:
 
 
 def measured_shapes(shapes: dict[str, tuple[int, int]], dtype: torch.dtype, backends: list[str],
-                    build: Callable[[nn.Linear, str], nn.Module] = wrap) -> dict[str, dict]:
+                    build: Callable[[nn.Linear, str], nn.Module] = wrap,
+                    opt_in: tuple[str, ...] = ()) -> dict[str, dict]:
     """{key: ShapeChoice as a dict} for each {key: (in_features, out_features)}: this machine's cached
-    choice where it covers `backends`, else measured now with `build` (logged, and cached)."""
+    choice where it covers `backends`, else measured now with `build` (logged, and cached). Each one's
+    `backend` is auto's choice: the fastest batch-invariant backend, never one of `opt_in` (measured and
+    shown, used only when asked for)."""
     cache, measured = read_choices()["shapes"], {}
     for key, (in_features, out_features) in shapes.items():
         if key not in cache or set(cache[key]["gflops"]) | set(cache[key]["rejected"]) != set(backends):
@@ -248,7 +251,7 @@ def measured_shapes(shapes: dict[str, tuple[int, int]], dtype: torch.dtype, back
             measured[key] = cache[key]
     if measured:
         write_choices(cache)
-    return {key: cache[key] for key in shapes}
+    return {key: {**cache[key], "backend": fastest(cache[key], exclude=opt_in)} for key in shapes}
 
 
 def linear_layers(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:

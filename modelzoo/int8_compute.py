@@ -27,7 +27,7 @@ from torch import nn
 
 from modelzoo.checkpoint import release_freed_memory
 from modelzoo.errors import UserError
-from modelzoo.gemm import GemmPlan, fastest, measured_shapes, rates_text
+from modelzoo.gemm import GemmPlan, measured_shapes, rates_text
 from modelzoo.kernels import cpu_kernels
 from modelzoo.quantization import Int8Embedding, Int8Linear, dequantize_rows, group_count, quantize_rows
 
@@ -148,8 +148,9 @@ def apply_int8_backend(model: nn.Module, dtype: torch.dtype, device: torch.devic
     group_size = layers[0][2].group_size  # one model.int8_group_size for the whole model
     plan.measured = measured_shapes({_shape_key(layer, dtype): (layer.in_features, layer.out_features)
                                      for _, _, layer in layers}, dtype, backends,
-                                    build=lambda linear, backend: _candidate(linear, backend, group_size))
-    plan.layers = {key: fastest(measured, exclude=OPT_IN) if requested == "auto" else requested
+                                    build=lambda linear, backend: _candidate(linear, backend, group_size),
+                                    opt_in=OPT_IN)
+    plan.layers = {key: measured["backend"] if requested == "auto" else requested
                    for key, measured in plan.measured.items()}
     plan.check_invariance()
     embeddings = {module.weight.data_ptr(): (parent, name, module) for parent in model.modules()
