@@ -44,6 +44,7 @@ log = logging.getLogger("zoo-infer")
 BACKENDS = ("mkl", "onednn", "torch")
 PREFILL_ROWS, DECODE_ROWS = 256, 32  # the row counts timed (fixed, so the choice does not depend on the job)
 INVARIANCE_ROWS = (1, 7, DECODE_ROWS)  # row counts whose rows must equal the same rows in a larger call
+MEASURED_WEIGHT_BYTES = 64 * 2**20  # a wider weight (a vocabulary head) is timed on as many outputs as fit
 CACHE_VERSION = 1
 
 
@@ -136,8 +137,12 @@ def measure_shape(in_features: int, out_features: int, dtype: torch.dtype, backe
                   timed_rows: tuple[int, ...] = (PREFILL_ROWS, DECODE_ROWS),
                   build: Callable[[nn.Linear, str], nn.Module] = wrap) -> ShapeChoice:
     """Times (at each of `timed_rows`) and checks each backend on a random weight of this shape; keeps
-    the fastest invariant one. build(layer, backend): the module a backend multiplies that layer with."""
+    the fastest invariant one. build(layer, backend): the module a backend multiplies that layer with.
+    A weight over MEASURED_WEIGHT_BYTES is timed on its first outputs only (the rate of a GEMM that wide
+    no longer depends on its width), so that the start-up does not hold a second, random copy of a
+    vocabulary head (0.4 GiB for a 2048 x 49152 float32 one) and each candidate's layout of it."""
     generator = torch.Generator().manual_seed(0)
+    out_features = measured_out_features(in_features, out_features, dtype)
     linear = nn.Linear(in_features, out_features, bias=False, dtype=dtype)
     with torch.no_grad():
         linear.weight.normal_(0.0, in_features ** -0.5, generator=generator)  # in place: no second copy
@@ -161,6 +166,13 @@ def measure_shape(in_features: int, out_features: int, dtype: torch.dtype, backe
                 choice.rejected[backend] = str(error).strip().splitlines()[0][:200]
     choice.backend = fastest(asdict(choice))
     return choice
+
+
+def measured_out_features(in_features: int, out_features: int, dtype: torch.dtype) -> int:
+    """The outputs timed for a weight shape: all of them, or as many as fit in MEASURED_WEIGHT_BYTES
+    (a multiple of 64, at least 64)."""
+    fit = MEASURED_WEIGHT_BYTES // (in_features * dtype.itemsize) // 64 * 64
+    return min(out_features, max(64, fit))
 
 
 def fastest(measured: dict, exclude: tuple[str, ...] = ()) -> str:

@@ -72,6 +72,23 @@ def test_measure_prefers_batch_invariant_candidates_and_says_why():
                 assert torch.equal(layer(x[:rows].contiguous()), full[:rows])
 
 
+def test_a_vocabulary_sized_weight_is_timed_on_its_first_outputs(monkeypatch):
+    assert gemm.measured_out_features(2048, 49152, torch.float32) == 8192  # 64 MiB of float32
+    assert gemm.measured_out_features(2048, 49152, torch.bfloat16) == 16384
+    assert gemm.measured_out_features(576, 1536, torch.float32) == 1536  # fits: all of it
+    assert gemm.measured_out_features(2**25, 100, torch.float32) == 64  # never fewer than 64
+    monkeypatch.setattr(gemm, "MEASURED_WEIGHT_BYTES", 96 * 4 * 128)
+    built = []
+
+    def build(linear: nn.Linear, backend: str) -> nn.Module:
+        built.append(tuple(linear.weight.shape))
+        return linear
+
+    choice = measure_shape(96, 5000, torch.float32, ["torch"], build=build)
+    assert built == [(128, 96)]
+    assert choice.backend == "torch" and set(choice.gflops["torch"]) == {"M=256", "M=32"}
+
+
 def test_choice_is_cached_and_reused(tmp_path, monkeypatch):
     apply_gemm_backend(nn.Sequential(nn.Linear(32, 48)), torch.float32, CPU, "auto")
     cached = json.loads((modelzoo.kernels.machine_dir(tmp_path / "build") / "gemm_choices.json").read_text())
