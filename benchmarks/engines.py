@@ -26,7 +26,7 @@ PEERS = ("vllm", "ctranslate2", "llamacpp")
 GGUF_OUTTYPE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 COLUMNS = ("engine", "dtype", "status", "generated_tokens", "generation_seconds", "tokens_per_s",
            "process_seconds", "peak_rss_mib", "ratio_vs_hf_fp32", "ratio_vs_hf_same_dtype", "ratio_vs_vllm",
-           "of_ceiling", "equal_to_hf_fp32", "note")
+           "of_ceiling", "of_peak_bound", "equal_to_hf_fp32", "note")
 
 run_measured = functools.partial(measure.run_measured, cwd=REPO_ROOT)  # every engine runs from the repo root
 

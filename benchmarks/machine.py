@@ -1,12 +1,16 @@
-"""What the benchmark machine can do: its CPU, its GEMM rates for the model's weight shapes, and the
-workload's ceiling (its matrix-multiply FLOPs over the best of those rates).
+"""What the benchmark machine can do: its CPU, its GEMM rates for the model's weight shapes, its
+arithmetic peak, and two limits on the workload's speed derived from them.
 
-The ceiling counts only the linear layers (2 FLOPs per weight per row): every prompt token (a prefix
+Both limits count only the linear layers (2 FLOPs per weight per row): every prompt token (a prefix
 all prompts share once) through every layer but the LM head, one row per prompt through the head,
-and every generated token through all of them; prompt rows at the M = 1024 rate, generated rows at
-the M = 32 rate. The rates come from the job's own probe (modelzoo/gemm.py). Attention,
-norms and sampling are left out, so no engine can reach it; the fraction of it an engine reaches
-says how much of the machine it uses.
+and every generated token through all of them. Attention, norms and sampling are left out, so no
+engine reaches either:
+  - the GEMM ceiling: those FLOPs at the best rate the job's own probe (modelzoo/gemm.py) measured
+    for each weight shape, prompt rows at M = 1024 and generated rows at M = the rows decoded
+    together. The fraction of it an engine reaches says how much of the machine it uses.
+  - the peak bound: those FLOPs at the CPU's arithmetic peak for the dtype (benchmarks/peak_rate.py:
+    its multiply-add instruction on registers only). No engine that computes them can pass it,
+    however good its GEMM.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ from torch import nn
 from modelzoo.cpu import cpu_flags, cpu_model
 from modelzoo.gemm import ShapeChoice, available_backends, measure_shape
 
-RATE_ROWS = (32, 1024)  # decode-sized and prefill-sized M
+RATE_ROWS = (32, 1024)  # decode-sized and prefill-sized M, always timed
 SHOWN_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_bf16", "amx_fp16", "amx_int8")
 
 
@@ -53,24 +57,54 @@ def model_shapes(checkpoint: str) -> LinearShapes:
     return LinearShapes(body, (head.in_features, head.out_features))
 
 
-def gemm_rates(shapes: LinearShapes, dtype: torch.dtype) -> dict[tuple[int, int], ShapeChoice]:
-    """Each weight shape's measurement by the job's own probe (modelzoo/gemm.py), at RATE_ROWS:
+def timed_rows(decode_rows: int) -> tuple[int, ...]:
+    """The M timed: RATE_ROWS and the rows decoded together."""
+    return tuple(sorted({*RATE_ROWS, decode_rows}))
+
+
+def gemm_rates(shapes: LinearShapes, dtype: torch.dtype, decode_rows: int) -> dict[tuple[int, int], ShapeChoice]:
+    """Each weight shape's measurement by the job's own probe (modelzoo/gemm.py), at timed_rows():
     every backend's GFLOP/s (gflops[backend]["M=32"], ...) and whether it is batch-invariant."""
     backends = available_backends(torch.device("cpu"), dtype)
-    return {shape: measure_shape(*shape, dtype, backends, timed_rows=RATE_ROWS) for shape in [*shapes.body, shapes.head]}
+    return {shape: measure_shape(*shape, dtype, backends, timed_rows=timed_rows(decode_rows))
+            for shape in [*shapes.body, shapes.head]}
 
 
-def ceiling_tokens_per_s(shapes: LinearShapes, rates: dict, prompt_tokens: int, prompts: int,
-                         generated_tokens: int) -> float:
+@dataclass
+class Workload:
+    """The rows each linear layer multiplies: prompt tokens (a shared prefix once) through the body,
+    one row per prompt through the head, generated tokens through both, decoded `decode_rows` at a time."""
+
+    prompt_tokens: int
+    prompts: int
+    generated_tokens: int
+    decode_rows: int
+
+    def rows(self, shapes: LinearShapes) -> list[tuple[tuple[int, int], int, int]]:
+        """(shape, prompt rows, generated rows) for every linear layer."""
+        body = [(shape, self.prompt_tokens, self.generated_tokens)
+                for shape, count in shapes.body.items() for _ in range(count)]
+        return body + [(shapes.head, self.prompts, self.generated_tokens)]
+
+    def flops(self, shapes: LinearShapes) -> float:
+        """The linear layers' FLOPs."""
+        return sum(2 * shape[0] * shape[1] * (prompt + generated) for shape, prompt, generated in self.rows(shapes))
+
+
+def ceiling_tokens_per_s(shapes: LinearShapes, rates: dict, work: Workload) -> float:
     """Generated tokens per second if the linear layers ran at the best measured rate and nothing else took time."""
     def seconds(shape: tuple[int, int], rows: int, rate_rows: int) -> float:
         best = max(by_rows[f"M={rate_rows}"] for by_rows in rates[shape].gflops.values())
         return 2 * shape[0] * shape[1] * rows / (best * 1e9)
 
-    total = sum(count * (seconds(shape, prompt_tokens, RATE_ROWS[1]) + seconds(shape, generated_tokens, RATE_ROWS[0]))
-                for shape, count in shapes.body.items())
-    total += seconds(shapes.head, prompts, RATE_ROWS[0]) + seconds(shapes.head, generated_tokens, RATE_ROWS[0])
-    return generated_tokens / total
+    total = sum(seconds(shape, prompt, work.decode_rows if shape == shapes.head else RATE_ROWS[1])  # head: a row a prompt
+                + seconds(shape, generated, work.decode_rows) for shape, prompt, generated in work.rows(shapes))
+    return work.generated_tokens / total
+
+
+def peak_bound_tokens_per_s(shapes: LinearShapes, peak_gflops: float, work: Workload) -> float:
+    """Generated tokens per second if the linear layers ran at the CPU's arithmetic peak."""
+    return work.generated_tokens / (work.flops(shapes) / (peak_gflops * 1e9))
 
 
 def format_rates(rates: dict[tuple[int, int], ShapeChoice], dtype: str) -> str:

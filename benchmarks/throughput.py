@@ -39,7 +39,11 @@ What is measured, and why:
   - vs vLLM: tokens/s over vLLM's tokens/s in the same dtype (when the vLLM peer ran).
   - of ceiling: tokens/s over the workload's GEMM ceiling in that dtype: its linear-layer FLOPs
     over the best GEMM rate measured here for each weight shape (benchmarks/machine.py). Printed
-    first, with the CPU model and flags and every GEMM candidate's rate at M = 32 and 1024.
+    first, with the CPU model and flags and every GEMM candidate's rate at M = 32, 1024 and
+    --batch_size.
+  - of peak: tokens/s over the workload's peak bound in that dtype: the same FLOPs at the CPU's
+    arithmetic peak (benchmarks/peak_rate.py, printed first too). No engine can reach 1.00 there;
+    after the table, the share of it that 1.5x vLLM's tokens/s would take is printed.
   - equal to HF fp32: fraction of prompts whose generated ids are exactly transformers float32's.
 
 Develop and check with small settings (--num_prompts 16 --max_tokens 8); the full run takes a
@@ -62,7 +66,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks import machine  # noqa: E402
+from benchmarks import machine, peak_rate  # noqa: E402
 from benchmarks.engines import (COLUMNS, PEERS, PEERS_DIR, Prepared, run_child, run_peer, run_zoo,  # noqa: E402
                                 select_peers)
 from benchmarks.prompts import PYPI_NAME, load_prompts  # noqa: E402
@@ -116,10 +120,13 @@ def prepare(args: argparse.Namespace, out: Path) -> Prepared:
 # --------------------------------------------------------------------------------------------
 
 
+Limits = Callable[[str, int], tuple[float | None, float | None]]  # (dtype, generated) -> (ceiling, peak bound)
+
+
 def fill_comparisons(rows: list[dict], tokens: dict[tuple[str, str], list | None],
-                     ceiling: Callable[[str, int], float | None] = lambda dtype, generated: None) -> None:
+                     limits: Limits = lambda dtype, generated: (None, None)) -> None:
     """Adds the ratio and equality columns, against transformers' and vLLM's rows, and the share of
-    the GEMM ceiling (`ceiling(dtype, generated tokens)`: tokens/s) each row reaches."""
+    the GEMM ceiling and of the peak bound (`limits(dtype, generated tokens)`: tokens/s) each row reaches."""
     by_key = {(row["engine"], row["dtype"]): row for row in rows}
     reference = by_key.get(REFERENCE)
     ref_rate = reference["tokens_per_s"] if reference else None
@@ -136,9 +143,11 @@ def fill_comparisons(rows: list[dict], tokens: dict[tuple[str, str], list | None
         vllm = by_key.get(("vllm", row["dtype"]))
         if vllm and vllm["tokens_per_s"]:
             row["ratio_vs_vllm"] = rate / vllm["tokens_per_s"]
-        limit = ceiling(row["dtype"], row["generated_tokens"])
-        if limit:
-            row["of_ceiling"] = rate / limit
+        ceiling, bound = limits(row["dtype"], row["generated_tokens"])
+        if ceiling:
+            row["of_ceiling"] = rate / ceiling
+        if bound:
+            row["of_peak_bound"] = rate / bound
         mine = tokens.get((row["engine"], row["dtype"]))
         if ref_tokens is not None and mine is not None:
             equal = sum(1 for a, b in zip(mine, ref_tokens) if a is not None and list(a) == list(b))
@@ -157,14 +166,14 @@ def fmt(value: Any, digits: int = 2) -> str:
 def format_table(rows: list[dict]) -> str:
     """The printed table (the CSV has the same rows with full precision)."""
     header = ("engine", "dtype", "gen tokens", "seconds", "tokens/s", "process s", "peak RSS MiB",
-              "vs HF fp32", "vs HF same dtype", "vs vLLM", "of ceiling", "equal to HF fp32", "status")
+              "vs HF fp32", "vs HF same dtype", "vs vLLM", "of ceiling", "of peak", "equal to HF fp32", "status")
     cells = [header]
     for row in rows:
         status = row["status"] if not row["note"] else f"{row['status']}: {row['note']}"
         cells.append((row["engine"], row["dtype"], fmt(row["generated_tokens"]), fmt(row["generation_seconds"]),
                       fmt(row["tokens_per_s"], 1), fmt(row["process_seconds"], 1), fmt(row["peak_rss_mib"], 0),
                       fmt(row["ratio_vs_hf_fp32"]), fmt(row["ratio_vs_hf_same_dtype"]), fmt(row["ratio_vs_vllm"]),
-                      fmt(row["of_ceiling"]), fmt(row["equal_to_hf_fp32"], 3), status))
+                      fmt(row["of_ceiling"]), fmt(row["of_peak_bound"]), fmt(row["equal_to_hf_fp32"], 3), status))
     widths = [max(len(line[i]) for line in cells) for i in range(len(header) - 1)]
     lines = []
     for index, line in enumerate(cells):
@@ -190,37 +199,55 @@ def write_outputs(rows: list[dict], out: Path, config: dict) -> tuple[Path, Path
 # --------------------------------------------------------------------------------------------
 
 
-def measure_machine(model: str, dtypes: list[str], threads: int, prep: Prepared,
-                    max_tokens: int) -> Callable[[str, int], float | None]:
-    """Prints the CPU and its GEMM rates for the model's weight shapes; returns the ceiling function
-    (dtype, generated tokens) -> tokens/s of benchmarks/machine.py."""
+def measure_machine(model: str, dtypes: list[str], threads: int, prep: Prepared, max_tokens: int,
+                    decode_rows: int) -> Limits:
+    """Prints the CPU, its arithmetic peak and its GEMM rates for the model's weight shapes; returns the
+    limits function (dtype, generated tokens) -> (GEMM ceiling, peak bound) in tokens/s (benchmarks/machine.py)."""
     import torch
 
     torch.set_num_threads(threads)
     print(f"cpu: {machine.cpu_description()}, {threads} threads")
+    peaks, said = peak_rate.measure_peaks(threads, dtypes)
+    print(f"arithmetic peak, GFLOP/s: {said}")
     shapes = machine.model_shapes(model)
     rates = {}
-    print(f"GEMM rates, GFLOP/s at M = {' / '.join(map(str, machine.RATE_ROWS))} (weights in x out; "
+    print(f"GEMM rates, GFLOP/s at M = {' / '.join(map(str, machine.timed_rows(decode_rows)))} (weights in x out; "
           "*: not batch-invariant here, never chosen):")
     for dtype in dtypes:
-        rates[dtype] = machine.gemm_rates(shapes, getattr(torch, dtype))
+        rates[dtype] = machine.gemm_rates(shapes, getattr(torch, dtype), decode_rows)
         print(machine.format_rates(rates[dtype], dtype))
     # A prefix every prompt shares (the chat template's system turn) is prefilled once by zoo-infer and
-    # by vLLM's prefix cache: the ceiling counts it once too.
+    # by vLLM's prefix cache: the limits count it once too.
     shared = len(os.path.commonprefix(prep.token_ids)) if len(prep.token_ids) > 1 else 0
     prompt_tokens = sum(map(len, prep.token_ids)) - shared * (len(prep.token_ids) - 1)
 
-    def ceiling(dtype: str, generated: int | None) -> float | None:
+    def limits(dtype: str, generated: int | None) -> tuple[float | None, float | None]:
         if dtype not in rates or not generated:
-            return None
-        return machine.ceiling_tokens_per_s(shapes, rates[dtype], prompt_tokens, len(prep.token_ids), generated)
+            return None, None
+        work = machine.Workload(prompt_tokens, len(prep.token_ids), generated, decode_rows)
+        bound = machine.peak_bound_tokens_per_s(shapes, peaks[dtype], work) if peaks.get(dtype) else None
+        return machine.ceiling_tokens_per_s(shapes, rates[dtype], work), bound
 
+    full = len(prep.token_ids) * max_tokens
+    flops = machine.Workload(prompt_tokens, len(prep.token_ids), full, decode_rows).flops(shapes)
+    print(f"if every prompt generated max_tokens: {flops / 1e12:.2f} TFLOP in the linear layers ({prompt_tokens} "
+          f"prompt tokens, the {shared}-token prefix all prompts share counted once, {full} generated)")
     for dtype in dtypes:
-        full = len(prep.token_ids) * max_tokens
-        print(f"ceiling {dtype}: {ceiling(dtype, full):.0f} tokens/s if every prompt generated max_tokens "
-              f"(linear layers at the best rate measured, nothing else; {prompt_tokens} prompt tokens, the "
-              f"{shared}-token prefix all prompts share counted once)")
-    return ceiling
+        ceiling, bound = limits(dtype, full)
+        print(f"  {dtype}: GEMM ceiling {ceiling:.0f} tokens/s (at the best rates above, nothing else), peak bound "
+              + (f"{bound:.0f} tokens/s (at the arithmetic peak: no engine passes it)" if bound else "not measured"))
+    return limits
+
+
+def print_target(rows: list[dict], factor: float = 1.5) -> None:
+    """For each dtype vLLM ran: `factor` x vLLM's tokens/s, as a share of the peak bound."""
+    by_key = {(row["engine"], row["dtype"]): row for row in rows}
+    for (engine, dtype), row in by_key.items():
+        if engine != "vllm" or not row["tokens_per_s"] or not row["of_peak_bound"]:
+            continue
+        target = factor * row["tokens_per_s"]
+        print(f"{factor:g}x vLLM {dtype}: {target:.1f} tokens/s = {factor * row['of_peak_bound']:.2f} of the peak "
+              f"bound ({row['tokens_per_s'] / row['of_peak_bound']:.1f}); above 1.00, no engine can reach it here")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -278,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     if is_random(args.model):
         args.model = str(ensure_random_model(args.model, DEFAULT_MODEL, out))
     prep = prepare(args, out)
-    ceiling = measure_machine(args.model, dtypes, threads, prep, args.max_tokens)
+    limits = measure_machine(args.model, dtypes, threads, prep, args.max_tokens, args.batch_size)
 
     rows: list[dict] = []
     tokens: dict[tuple[str, str], list | None] = {}
@@ -300,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         for dtype in dtypes:
             record(*run_peer(name, args, prep, out, dtype, threads))
 
-    fill_comparisons(rows, tokens, ceiling)
+    fill_comparisons(rows, tokens, limits)
     order = {"zoo-infer": 0, "transformers": 1, "vllm": 2, "ctranslate2": 3, "llama.cpp": 4}
     rows.sort(key=lambda row: (order.get(row["engine"], 9), DTYPES.index(row["dtype"])))
     config = {
@@ -320,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.num_prompts} prompts, max_tokens {args.max_tokens}, batch_size {args.batch_size}, "
           f"{threads} threads; seconds = generation only, process s = whole process")
     print(format_table(rows))
+    print_target(rows)
     print(f"\nwrote {csv_path} and {json_path}")
     return 0 if all(row["status"] in ("ok", "skipped") for row in rows) else 1
 

@@ -1,0 +1,103 @@
+"""This CPU's arithmetic peak per dtype, measured (benchmarks/peak_rate.c): the rate of its widest
+multiply-add instruction for that dtype, every thread issuing it on registers only. No GEMM in that
+dtype can beat it on these threads, so a workload's FLOPs over it bound every engine's tokens/s.
+
+    python benchmarks/peak_rate.py            # prints the peaks with every core available
+
+Which instruction bounds which dtype:
+  - float32: vfmadd231ps on zmm (AVX-512F), else on ymm (AVX2 + FMA).
+  - bfloat16: vdpbf16ps on zmm where the CPU has AVX512-BF16; without it bfloat16 is multiplied in
+    float32 (zoo-infer's and oneDNN's way there), so the float32 peak bounds it.
+  - float16: the float32 peak, where the CPU lacks AVX512-FP16.
+A CPU with AMX (Sapphire Rapids and later) or AVX512-FP16 multiplies half precision faster than any
+of these loops: no bound is given there for bfloat16 / float16 (None), rather than a wrong one.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Set as AbstractSet
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from modelzoo.cpu import cpu_flags  # noqa: E402
+
+SOURCE = Path(__file__).with_name("peak_rate.c")
+FP32_ZMM, FP32_YMM, BF16_ZMM = 0, 1, 2  # the `kind` argument of peak_gflops() in peak_rate.c
+INSTRUCTIONS = {FP32_ZMM: "vfmadd231ps zmm", FP32_YMM: "vfmadd231ps ymm", BF16_ZMM: "vdpbf16ps zmm"}
+ITERATIONS = 20_000_000  # 240M instructions a thread: about 0.1 s at 4 GHz and two ports
+REPEATS = 5  # the best of these runs is kept (the rate moves a few percent between runs)
+
+
+def _build(folder: Path) -> ctypes.CDLL:
+    """Compiles peak_rate.c into `folder` with the system's C compiler and loads it."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        raise RuntimeError("no C compiler (cc / gcc / $CC)")
+    library = folder / "peak_rate.so"
+    subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-pthread", str(SOURCE), "-o", str(library)],
+                   check=True, capture_output=True, text=True)
+    lib = ctypes.CDLL(str(library))
+    lib.peak_gflops.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    lib.peak_gflops.restype = ctypes.c_double
+    return lib
+
+
+def instructions_for(flags: AbstractSet[str]) -> dict[str, int | None]:
+    """dtype -> the instruction (peak_rate.c's kind) whose rate bounds its GEMMs on a CPU with these
+    flags; None where a faster unit (AMX, AVX512-FP16) is not measured or the CPU has no AVX2 + FMA."""
+    if "avx512f" in flags:
+        fp32 = FP32_ZMM
+    elif {"avx2", "fma"} <= flags:
+        fp32 = FP32_YMM
+    else:
+        fp32 = None
+    if flags & {"amx_bf16"}:
+        bf16 = None
+    elif "avx512_bf16" in flags:
+        bf16 = BF16_ZMM
+    else:
+        bf16 = fp32
+    fp16 = None if flags & {"amx_fp16", "avx512_fp16"} else fp32
+    return {"float32": fp32, "bfloat16": bf16, "float16": fp16}
+
+
+def measure_peaks(threads: int, dtypes: list[str]) -> tuple[dict[str, float | None], str]:
+    """({dtype: peak GFLOP/s or None}, a line saying what was measured) for `threads` threads."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return {dtype: None for dtype in dtypes}, f"not measured on {platform.machine()} (x86-64 only)"
+    kinds = instructions_for(cpu_flags())
+    wanted = sorted({kinds.get(dtype) for dtype in dtypes} - {None})
+    try:
+        with tempfile.TemporaryDirectory(prefix="zoo-peak-") as folder:
+            lib = _build(Path(folder))
+            rates = {kind: max(lib.peak_gflops(kind, threads, ITERATIONS) for _ in range(REPEATS)) for kind in wanted}
+    except (RuntimeError, OSError, subprocess.CalledProcessError) as error:
+        detail = getattr(error, "stderr", "") or str(error)
+        return {dtype: None for dtype in dtypes}, f"not measured ({detail.strip().splitlines()[-1][:200]})"
+    if any(rate <= 0 for rate in rates.values()):
+        return {dtype: None for dtype in dtypes}, f"not measured (could not start {threads} threads)"
+    peaks = {dtype: rates.get(kinds.get(dtype)) for dtype in dtypes}
+    said = ", ".join(f"{dtype} {peaks[dtype]:.0f} ({INSTRUCTIONS[kinds[dtype]]})" if peaks[dtype] else
+                     f"{dtype} not measured (AMX / AVX512-FP16 multiply it faster)" for dtype in dtypes)
+    return peaks, f"{said}; {threads} threads issuing one instruction on registers only"
+
+
+def main() -> int:
+    """Prints the peaks for every dtype with every core available."""
+    threads = len(os.sched_getaffinity(0))
+    _, said = measure_peaks(threads, ["float32", "bfloat16", "float16"])
+    print(f"arithmetic peak, GFLOP/s: {said}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
