@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from benchmarks import peak_rate
 from modelzoo.cpu import cpu_flags, cpu_model
 from modelzoo.gemm import ShapeChoice, available_backends, measure_shape
 
@@ -75,20 +76,17 @@ class Workload:
     """The rows each linear layer multiplies: prompt tokens (a shared prefix once) through the body,
     one row per prompt through the head, generated tokens through both, decoded `decode_rows` at a time."""
 
-    prompt_tokens: int
+    prompt_tokens: int  # the shared prefix counted once
     prompts: int
     generated_tokens: int
     decode_rows: int
-
-    def rows(self, shapes: LinearShapes) -> list[tuple[tuple[int, int], int, int]]:
-        """(shape, prompt rows, generated rows) for every linear layer."""
-        body = [(shape, self.prompt_tokens, self.generated_tokens)
-                for shape, count in shapes.body.items() for _ in range(count)]
-        return body + [(shapes.head, self.prompts, self.generated_tokens)]
+    shared_prefix: int = 0  # tokens every prompt starts with
 
     def flops(self, shapes: LinearShapes) -> float:
         """The linear layers' FLOPs."""
-        return sum(2 * shape[0] * shape[1] * (prompt + generated) for shape, prompt, generated in self.rows(shapes))
+        body = sum(count * in_features * out_features for (in_features, out_features), count in shapes.body.items())
+        head = shapes.head[0] * shapes.head[1]
+        return 2 * (body * (self.prompt_tokens + self.generated_tokens) + head * (self.prompts + self.generated_tokens))
 
 
 def ceiling_tokens_per_s(shapes: LinearShapes, rates: dict, work: Workload) -> float:
@@ -97,8 +95,10 @@ def ceiling_tokens_per_s(shapes: LinearShapes, rates: dict, work: Workload) -> f
         best = max(by_rows[f"M={rate_rows}"] for by_rows in rates[shape].gflops.values())
         return 2 * shape[0] * shape[1] * rows / (best * 1e9)
 
-    total = sum(seconds(shape, prompt, work.decode_rows if shape == shapes.head else RATE_ROWS[1])  # head: a row a prompt
-                + seconds(shape, generated, work.decode_rows) for shape, prompt, generated in work.rows(shapes))
+    decode, prefill = work.decode_rows, RATE_ROWS[1]  # the head's one row a prompt: at the decode rate too
+    total = sum(count * (seconds(shape, work.prompt_tokens, prefill) + seconds(shape, work.generated_tokens, decode))
+                for shape, count in shapes.body.items())
+    total += seconds(shapes.head, work.prompts, decode) + seconds(shapes.head, work.generated_tokens, decode)
     return work.generated_tokens / total
 
 
@@ -116,3 +116,45 @@ def format_rates(rates: dict[tuple[int, int], ShapeChoice], dtype: str) -> str:
                           for backend, by_rows in choice.gflops.items())
         lines.append(f"  {dtype:<8} {in_features}x{out_features:<6} {cells}")
     return "\n".join(lines)
+
+
+class MachineProbe:
+    """The CPU's peaks and the model's GEMM rates in each dtype, each the best of every measure() call."""
+
+    def __init__(self, model: str, dtypes: list[str], threads: int, decode_rows: int) -> None:
+        self.shapes = model_shapes(model)
+        self.dtypes, self.threads, self.decode_rows = dtypes, threads, decode_rows
+        self.peaks: dict[str, float | None] = {dtype: None for dtype in dtypes}
+        self.rates: dict[str, dict[tuple[int, int], ShapeChoice]] = {}
+        self.why_no_peak = ""
+
+    def measure(self) -> None:
+        """Measures the peaks and the rates once more, keeping the best of each."""
+        torch.set_num_threads(self.threads)
+        peaks, self.why_no_peak = peak_rate.measure_peaks(self.threads, self.dtypes)
+        for dtype, peak in peaks.items():
+            if peak:
+                self.peaks[dtype] = max(peak, self.peaks[dtype] or 0.0)
+        for dtype in self.dtypes:
+            fresh = gemm_rates(self.shapes, getattr(torch, dtype), self.decode_rows)
+            for shape, choice in fresh.items():
+                kept = self.rates.setdefault(dtype, {}).setdefault(shape, choice)
+                for backend, by_rows in choice.gflops.items():
+                    best = kept.gflops.setdefault(backend, by_rows)
+                    kept.gflops[backend] = {m: max(rate, best.get(m, 0.0)) for m, rate in by_rows.items()}
+
+    def describe(self) -> str:
+        """The peak line, then a GEMM rate line per dtype and weight shape."""
+        lines = [f"arithmetic peak, GFLOP/s: {peak_rate.describe(self.peaks, self.threads, self.why_no_peak)}",
+                 f"GEMM rates, GFLOP/s at M = {' / '.join(map(str, timed_rows(self.decode_rows)))} (weights in x "
+                 "out; *: not batch-invariant here, never chosen):"]
+        lines += [format_rates(self.rates[dtype], dtype) for dtype in self.dtypes]
+        return "\n".join(lines)
+
+    def limits(self, dtype: str, work: Workload) -> tuple[float | None, float | None]:
+        """(GEMM ceiling, peak bound) in generated tokens per second; None where not measured."""
+        if dtype not in self.rates or not work.generated_tokens:
+            return None, None
+        peak = self.peaks.get(dtype)
+        bound = peak_bound_tokens_per_s(self.shapes, peak, work) if peak else None
+        return ceiling_tokens_per_s(self.shapes, self.rates[dtype], work), bound

@@ -71,9 +71,10 @@ def instructions_for(flags: AbstractSet[str]) -> dict[str, int | None]:
 
 
 def measure_peaks(threads: int, dtypes: list[str]) -> tuple[dict[str, float | None], str]:
-    """({dtype: peak GFLOP/s or None}, a line saying what was measured) for `threads` threads."""
+    """({dtype: peak GFLOP/s, None where not measured}, why nothing was measured or "") for `threads` threads."""
+    nothing = {dtype: None for dtype in dtypes}
     if platform.machine() not in ("x86_64", "AMD64"):
-        return {dtype: None for dtype in dtypes}, f"not measured on {platform.machine()} (x86-64 only)"
+        return nothing, f"not measured on {platform.machine()} (x86-64 only)"
     kinds = instructions_for(cpu_flags())
     wanted = sorted({kinds.get(dtype) for dtype in dtypes} - {None})
     try:
@@ -82,20 +83,27 @@ def measure_peaks(threads: int, dtypes: list[str]) -> tuple[dict[str, float | No
             rates = {kind: max(lib.peak_gflops(kind, threads, ITERATIONS) for _ in range(REPEATS)) for kind in wanted}
     except (RuntimeError, OSError, subprocess.CalledProcessError) as error:
         detail = getattr(error, "stderr", "") or str(error)
-        return {dtype: None for dtype in dtypes}, f"not measured ({detail.strip().splitlines()[-1][:200]})"
+        return nothing, f"not measured ({detail.strip().splitlines()[-1][:200]})"
     if any(rate <= 0 for rate in rates.values()):
-        return {dtype: None for dtype in dtypes}, f"not measured (could not start {threads} threads)"
-    peaks = {dtype: rates.get(kinds.get(dtype)) for dtype in dtypes}
-    said = ", ".join(f"{dtype} {peaks[dtype]:.0f} ({INSTRUCTIONS[kinds[dtype]]})" if peaks[dtype] else
-                     f"{dtype} not measured (AMX / AVX512-FP16 multiply it faster)" for dtype in dtypes)
-    return peaks, f"{said}; {threads} threads issuing one instruction on registers only"
+        return nothing, f"not measured (could not start {threads} threads)"
+    return {dtype: rates.get(kinds.get(dtype)) for dtype in dtypes}, ""
+
+
+def describe(peaks: dict[str, float | None], threads: int, why_not: str = "") -> str:
+    """'float32 224 (vfmadd231ps zmm), bfloat16 449 (vdpbf16ps zmm); 2 threads issuing ...'."""
+    if why_not:
+        return why_not
+    kinds = instructions_for(cpu_flags())
+    said = ", ".join(f"{dtype} {peak:.0f} ({INSTRUCTIONS[kinds[dtype]]})" if peak else
+                     f"{dtype} not measured (AMX / AVX512-FP16 multiply it faster)" for dtype, peak in peaks.items())
+    return f"{said}; {threads} threads issuing one instruction on registers only"
 
 
 def main() -> int:
     """Prints the peaks for every dtype with every core available."""
     threads = len(os.sched_getaffinity(0))
-    _, said = measure_peaks(threads, ["float32", "bfloat16", "float16"])
-    print(f"arithmetic peak, GFLOP/s: {said}")
+    peaks, why_not = measure_peaks(threads, ["float32", "bfloat16", "float16"])
+    print(f"arithmetic peak, GFLOP/s: {describe(peaks, threads, why_not)}")
     return 0
 
 

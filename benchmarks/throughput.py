@@ -199,44 +199,25 @@ def write_outputs(rows: list[dict], out: Path, config: dict) -> tuple[Path, Path
 # --------------------------------------------------------------------------------------------
 
 
-def measure_machine(model: str, dtypes: list[str], threads: int, prep: Prepared, max_tokens: int,
-                    decode_rows: int) -> Limits:
-    """Prints the CPU, its arithmetic peak and its GEMM rates for the model's weight shapes; returns the
-    limits function (dtype, generated tokens) -> (GEMM ceiling, peak bound) in tokens/s (benchmarks/machine.py)."""
-    import torch
-
-    torch.set_num_threads(threads)
-    print(f"cpu: {machine.cpu_description()}, {threads} threads")
-    peaks, said = peak_rate.measure_peaks(threads, dtypes)
-    print(f"arithmetic peak, GFLOP/s: {said}")
-    shapes = machine.model_shapes(model)
-    rates = {}
-    print(f"GEMM rates, GFLOP/s at M = {' / '.join(map(str, machine.timed_rows(decode_rows)))} (weights in x out; "
-          "*: not batch-invariant here, never chosen):")
-    for dtype in dtypes:
-        rates[dtype] = machine.gemm_rates(shapes, getattr(torch, dtype), decode_rows)
-        print(machine.format_rates(rates[dtype], dtype))
-    # A prefix every prompt shares (the chat template's system turn) is prefilled once by zoo-infer and
-    # by vLLM's prefix cache: the limits count it once too.
+def workload_of(prep: Prepared, decode_rows: int) -> Callable[[int], machine.Workload]:
+    """generated tokens -> the workload of these prompts. A prefix every prompt shares (the chat
+    template's system turn) is prefilled once by zoo-infer and by vLLM's prefix cache: counted once."""
     shared = len(os.path.commonprefix(prep.token_ids)) if len(prep.token_ids) > 1 else 0
     prompt_tokens = sum(map(len, prep.token_ids)) - shared * (len(prep.token_ids) - 1)
+    return lambda generated: machine.Workload(prompt_tokens, len(prep.token_ids), generated, decode_rows, shared)
 
-    def limits(dtype: str, generated: int | None) -> tuple[float | None, float | None]:
-        if dtype not in rates or not generated:
-            return None, None
-        work = machine.Workload(prompt_tokens, len(prep.token_ids), generated, decode_rows)
-        bound = machine.peak_bound_tokens_per_s(shapes, peaks[dtype], work) if peaks.get(dtype) else None
-        return machine.ceiling_tokens_per_s(shapes, rates[dtype], work), bound
 
-    full = len(prep.token_ids) * max_tokens
-    flops = machine.Workload(prompt_tokens, len(prep.token_ids), full, decode_rows).flops(shapes)
-    print(f"if every prompt generated max_tokens: {flops / 1e12:.2f} TFLOP in the linear layers ({prompt_tokens} "
-          f"prompt tokens, the {shared}-token prefix all prompts share counted once, {full} generated)")
-    for dtype in dtypes:
-        ceiling, bound = limits(dtype, full)
+def print_machine(probe: machine.MachineProbe, workload: Callable[[int], machine.Workload], full: int) -> None:
+    """The probe's peaks and rates, and the limits if every prompt generated `full` tokens in all."""
+    print(probe.describe())
+    work = workload(full)
+    print(f"if every prompt generated max_tokens: {work.flops(probe.shapes) / 1e12:.2f} TFLOP in the linear layers "
+          f"({work.prompt_tokens} prompt tokens, the {work.shared_prefix}-token prefix all prompts share counted once, "
+          f"{full} generated)")
+    for dtype in probe.dtypes:
+        ceiling, bound = probe.limits(dtype, work)
         print(f"  {dtype}: GEMM ceiling {ceiling:.0f} tokens/s (at the best rates above, nothing else), peak bound "
               + (f"{bound:.0f} tokens/s (at the arithmetic peak: no engine passes it)" if bound else "not measured"))
-    return limits
 
 
 def print_target(rows: list[dict], factor: float = 1.5) -> None:
@@ -305,7 +286,11 @@ def main(argv: list[str] | None = None) -> int:
     if is_random(args.model):
         args.model = str(ensure_random_model(args.model, DEFAULT_MODEL, out))
     prep = prepare(args, out)
-    limits = measure_machine(args.model, dtypes, threads, prep, args.max_tokens, args.batch_size)
+    print(f"cpu: {machine.cpu_description()}, {threads} threads")
+    probe = machine.MachineProbe(args.model, dtypes, threads, args.batch_size)
+    workload = workload_of(prep, args.batch_size)
+    probe.measure()
+    print_machine(probe, workload, len(prep.token_ids) * args.max_tokens)
 
     rows: list[dict] = []
     tokens: dict[tuple[str, str], list | None] = {}
@@ -327,7 +312,10 @@ def main(argv: list[str] | None = None) -> int:
         for dtype in dtypes:
             record(*run_peer(name, args, prep, out, dtype, threads))
 
-    fill_comparisons(rows, tokens, limits)
+    probe.measure()  # again, keeping the best of both: a dip in the machine's speed does not lower the limits
+    print("\nthe machine again, best of before and after the engines:")
+    print_machine(probe, workload, len(prep.token_ids) * args.max_tokens)
+    fill_comparisons(rows, tokens, lambda dtype, generated: probe.limits(dtype, workload(generated)))
     order = {"zoo-infer": 0, "transformers": 1, "vllm": 2, "ctranslate2": 3, "llama.cpp": 4}
     rows.sort(key=lambda row: (order.get(row["engine"], 9), DTYPES.index(row["dtype"])))
     config = {

@@ -46,6 +46,7 @@ def test_throughput_table(tmp_path: Path, capsys: pytest.CaptureFixture) -> None
     # The machine first: the CPU, its peak, a GEMM rate line per weight shape of SmolLM2, the limits.
     assert "cpu: " in printed and "GEMM rates, GFLOP/s at M = 2 / 32 / 1024" in printed  # --batch_size 2 too
     assert "arithmetic peak, GFLOP/s: float32 " in printed
+    assert "the machine again, best of before and after the engines:" in printed
     for shape in ("576x960", "576x576", "576x3072", "1536x576", "576x49152"):
         assert any(line.split()[:2] == ["float32", shape] for line in printed.splitlines() if line.strip())
     assert "float32: GEMM ceiling " in printed and "the 0-token prefix" not in printed  # the chat template's is shared
