@@ -11,6 +11,9 @@ engine reaches either:
   - the peak bound: those FLOPs at the CPU's arithmetic peak for the dtype (benchmarks/peak_rate.py:
     its multiply-add instruction on registers only). No engine that computes them can pass it,
     however good its GEMM.
+A shared virtual CPU's speed can dip by half for seconds at a time (seen on a 2-vCPU AMD EPYC
+Zen 4), so MachineProbe measures as often as asked (the benchmark: before and after the engines)
+and keeps the best rate seen for each.
 """
 from __future__ import annotations
 

@@ -11,7 +11,6 @@
  * port issues every cycle.
  */
 #include <pthread.h>
-#include <stdint.h>
 #include <time.h>
 
 #define TWELVE(op, reg, src)                                                                        \
