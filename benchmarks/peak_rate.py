@@ -94,8 +94,9 @@ def describe(peaks: dict[str, float | None], threads: int, why_not: str = "") ->
     if why_not:
         return why_not
     kinds = instructions_for(cpu_flags())
-    said = ", ".join(f"{dtype} {peak:.0f} ({INSTRUCTIONS[kinds[dtype]]})" if peak else
-                     f"{dtype} not measured (AMX / AVX512-FP16 multiply it faster)" for dtype, peak in peaks.items())
+    unmeasured = "AMX / AVX512-FP16 multiply it faster" if kinds["float32"] is not None else "no AVX2 + FMA"
+    said = ", ".join(f"{dtype} {peak:.0f} ({INSTRUCTIONS[kinds[dtype]]})" if peak
+                     else f"{dtype} not measured ({unmeasured})" for dtype, peak in peaks.items())
     return f"{said}; {threads} threads issuing one instruction on registers only"
 
 

@@ -115,13 +115,14 @@ class ModelSetup:
                                   row_stop_sequences=row_stop_sequences, logprobs=self.params.model.logprobs)
         return model, engine
 
-    def memory_estimate(self, model: torch.nn.Module, rows: int | None = None) -> tuple[int, int]:
-        """(weight bytes, KV cache bytes) for `rows` (default: the rows in flight) x max_seq_len."""
-        weights = weight_bytes(model)  # a tied weight once, prepacked copies counted
+    def memory_estimate(self, model: torch.nn.Module) -> tuple[int, int]:
+        """(weight bytes: a tied weight once, prepacked copies counted; KV cache bytes of the rows in flight)."""
+        return weight_bytes(model), self.kv_cache_bytes(model, self.rows_in_flight)
+
+    def kv_cache_bytes(self, model: torch.nn.Module, rows: int) -> int:
+        """The KV cache of `rows` rows x max_seq_len."""
         c = model.config
-        cache = KVCache.nbytes(c.num_layers, rows or self.rows_in_flight, c.num_kv_heads, self.max_seq_len,
-                               c.head_dim, self.dtype)
-        return weights, cache
+        return KVCache.nbytes(c.num_layers, rows, c.num_kv_heads, self.max_seq_len, c.head_dim, self.dtype)
 
     def _rows_in_flight(self, model: torch.nn.Module, rows_to_do: int, free: int, tp: TensorParallelGroup) -> int:
         """runconfig.rows_in_flight, or for auto: every row to do up to AUTO_ROWS_IN_FLIGHT, as many as
@@ -136,7 +137,7 @@ class ModelSetup:
             log.info("rows in flight: %d (auto under %s: batch_size)", batch_size,
                      "tensor parallel" if tp.size > 1 else "speculative decoding")
             return batch_size
-        per_row = self.memory_estimate(model, rows=1)[1]
+        per_row = self.kv_cache_bytes(model, rows=1)
         fit = int(free * KV_CACHE_SHARE) // per_row
         rows = max(batch_size, min(rows_to_do, AUTO_ROWS_IN_FLIGHT, fit))
         log.info("rows in flight: %d (auto: %d rows to do, at most %d, KV cache within %.0f%% of the free memory: "

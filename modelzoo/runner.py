@@ -13,7 +13,7 @@ import signal
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -257,11 +257,8 @@ class InferenceJob:
 
     def _write_summary(self) -> None:
         """artifacts/summary.json (one shard) or summary_shard<i>.json (several) from this run's stats."""
-        gemm = self.setup.gemm.to_dict() if self.setup.gemm else None
         if self.shard.count == 1:
-            write_json(self.artifacts / "summary.json",
-                       summary_of([self.stats], str(self.device), self.setup.dtype_name(), 1, gemm,
-                                  self.setup.rows_in_flight))
+            write_json(self.artifacts / "summary.json", self._summary([self.stats]))
         else:
             write_json(shard_stats_path(self.artifacts, self.shard.index), asdict(self.stats))
 
@@ -277,10 +274,13 @@ class InferenceJob:
             self.shard.barrier()  # torchrun: rank 0 sums every rank's stats once all are written
         if self.shard.is_first and self.writes:
             stats = read_shard_stats(self.artifacts, self.shard.count)
-            gemm = self.setup.gemm.to_dict() if self.setup.gemm else None
-            write_json(self.artifacts / "summary.json",
-                       summary_of(stats, str(self.device), self.setup.dtype_name(), self.shard.count, gemm,
-                                  self.setup.rows_in_flight))
+            write_json(self.artifacts / "summary.json", self._summary(stats))
+
+    def _summary(self, stats: list[RunStats]) -> dict[str, Any]:
+        """summary.json's content over `stats` (one per shard), with this process's setup."""
+        gemm = self.setup.gemm.to_dict() if self.setup.gemm else None
+        return summary_of(stats, str(self.device), self.setup.dtype_name(), self.shard.count, gemm,
+                          self.setup.rows_in_flight)
 
     def _finish_quietly(self) -> None:
         """`_finish` for a run that is failing: a summary that cannot be written only adds a warning."""

@@ -52,7 +52,6 @@ constexpr int64_t kMaxChunk = 256;  // inputs per int32 sum at most: 256 * 255 *
 struct Int8Activations {
   using type = int8_t;
   static constexpr int32_t kMax = 127;
-  static int32_t correction(int32_t sum) { return -128 * sum; }
   static void store(const __m512i& q, type* out) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtsepi32_epi8(q));
   }
@@ -72,7 +71,6 @@ struct Int8Activations {
 struct Int16Activations {
   using type = int16_t;
   static constexpr int32_t kMax = 32767;
-  static int32_t correction(int32_t sum) { return -128 * sum; }
   static void store(const __m512i& q, type* out) {  // x0 x1 x2 x3 -> x0 x2 x1 x3 in each 4
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
                         _mm512_cvtsepi32_epi16(_mm512_shuffle_epi32(q, static_cast<_MM_PERM_ENUM>(0xD8))));
@@ -110,7 +108,7 @@ void quantize_row(const float* x, int64_t k_padded, int64_t chunk, typename Poli
       sum = _mm512_add_epi32(sum, q);
       Policy::store(q, out + i);
     }
-    corrections[start / chunk] = Policy::correction(_mm512_reduce_add_epi32(sum));
+    corrections[start / chunk] = -128 * _mm512_reduce_add_epi32(sum);  // takes the weights' +128 back out
   }
 }
 
