@@ -67,6 +67,8 @@ class ModelSetup:
         self.vocab_size = vocab_size
         self.gemm: GemmPlan | None = None
         self.rows_in_flight = params.inference_input.batch_size  # sized by build()
+        self.decode_step_mode = self._decode_step_mode()  # checked before anything is loaded or written
+        self.decode_step: dict[str, object] | None = None  # how the decode step ran: summary.json's, once built
 
     def dtype_name(self) -> str:
         """bfloat16, or 'bfloat16 weights, float32 arithmetic' where they differ."""
@@ -113,7 +115,47 @@ class ModelSetup:
                                   self.device, self.dtype, choice=TokenChoice.from_params(self.params.model),
                                   drafter=self._drafter(), small_step_rows=small_step_rows,
                                   row_stop_sequences=row_stop_sequences, logprobs=self.params.model.logprobs)
+        self._prepare_decode_step(engine)
         return model, engine
+
+    def _decode_step_mode(self) -> str:
+        """runconfig.decode_step, checked against the job; auto: a CUDA graph on CUDA, eager on the CPU (its C++
+        kernels and measured GEMMs run faster than the inductor-compiled step there: benchmarks/decode_step.py);
+        eager under speculative decoding, whose verification step is a forward of its own."""
+        requested = self.params.runconfig.decode_step
+        if self.params.model.speculative:
+            if requested in ("compiled", "cuda_graph"):
+                raise UserError(f"runconfig.decode_step {requested} does not apply to speculative decoding, whose "
+                                f"steps verify drafted tokens; use auto or eager")
+            return "eager"
+        if requested == "cuda_graph" and self.device.type != "cuda":
+            raise UserError(f"runconfig.decode_step cuda_graph needs a CUDA device; this job runs on {self.device}")
+        if requested == "compiled" and self.device.type == "cpu":
+            if self.params.model.weight_dtype == "int8":
+                raise UserError("runconfig.decode_step compiled does not take int8 weights on the CPU (their C++ "
+                                "kernels cannot be compiled); use auto or eager")
+            if self.params.runconfig.gemm_backend not in ("auto", "torch"):
+                raise UserError(f"runconfig.decode_step compiled multiplies with torch's own GEMMs; gemm_backend "
+                                f"{self.params.runconfig.gemm_backend} cannot be compiled (use auto or torch)")
+        if requested == "auto":
+            return "cuda_graph" if self.device.type == "cuda" else "eager"
+        return requested
+
+    def _prepare_decode_step(self, engine: GenerationEngine) -> None:
+        """Compiles or captures the decode step as `mode` says, and runs it once per shape it can take, all before
+        the generation clock starts (kernel builds and GEMM primitives included); logged and kept for summary.json."""
+        mode = self.decode_step_mode
+        if mode == "compiled":
+            engine.decode.compile()
+        elif mode == "cuda_graph":
+            engine.decode.capture()
+        shapes = engine.step_shapes()
+        seconds = engine.warm_up()
+        lengths = sorted({length for _, length in shapes})
+        rows = sorted({self.rows_in_flight if slots is None else len(slots) for slots, _ in shapes}, reverse=True)
+        log.info("decode step: %s, rows %s, cache length buckets %s; warmed up in %.1fs", mode,
+                 "/".join(map(str, rows)), lengths, seconds)
+        self.decode_step = {"mode": mode, "rows": rows, "length_buckets": lengths, "warm_up_seconds": round(seconds, 3)}
 
     def memory_estimate(self, model: torch.nn.Module) -> tuple[int, int]:
         """(weight bytes: a tied weight once, prepacked copies counted; KV cache bytes of the rows in flight)."""
@@ -175,7 +217,9 @@ class ModelSetup:
         """
         spec = self.params.model.speculative
         rows = self.rows_in_flight
-        self.gemm = apply_gemm_backend(model, self.dtype, self.device, self.params.runconfig.gemm_backend,
+        # Compiled, torch's own GEMMs: the re-laid-out weights of the other backends cannot be traced.
+        backend = "torch" if self.decode_step_mode == "compiled" else self.params.runconfig.gemm_backend
+        self.gemm = apply_gemm_backend(model, self.dtype, self.device, backend,
                                        decode_rows=rows * (1 + (spec.num_tokens if spec else 0)),
                                        spare_bytes=spare_bytes)
         if weight_dtype == "int8":

@@ -15,6 +15,7 @@ DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 GEMM_BACKENDS = ("auto", "mkl", "onednn", "torch")  # modelzoo/gemm.py
 INT8_BACKENDS = ("auto", "vnni16", "vnni8", "float")  # modelzoo/int8_compute.py
+DECODE_STEPS = ("auto", "eager", "compiled", "cuda_graph")  # modelzoo/generation/step.py
 WEIGHT_DTYPES = ("int8",)
 SPECULATIVE_METHODS = ("prompt_lookup", "draft_model")
 
@@ -215,6 +216,7 @@ class RunConfig:
     gemm_backend: str = "auto"  # auto (measured at start-up), mkl, onednn or torch: see modelzoo/gemm.py
     int8_backend: str = "auto"  # auto (measured at start-up), vnni16, vnni8 or float: modelzoo/int8_compute.py
     rows_in_flight: int | str = "auto"  # rows generated together (KV cache slots): auto or >= 1, see model_setup.py
+    decode_step: str = "auto"  # how the decode step runs: auto, eager, compiled or cuda_graph (generation/step.py)
 
 
 @dataclass(frozen=True)
@@ -273,6 +275,7 @@ SCHEMA: dict[str, tuple[type, dict[str, Callable[[str, Any], Any]]]] = {
         "gemm_backend": _choice(GEMM_BACKENDS, lambda v: isinstance(v, str)),
         "int8_backend": _choice(INT8_BACKENDS, lambda v: isinstance(v, str)),
         "rows_in_flight": _rows_in_flight,
+        "decode_step": _choice(DECODE_STEPS, lambda v: isinstance(v, str)),
     }),
 }
 

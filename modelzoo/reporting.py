@@ -30,6 +30,7 @@ class RunStats:
     batches_remaining: int = 0
     generated_tokens: int = 0
     generation_seconds: float = 0.0
+    setup_seconds: float = 0.0  # loading, GEMM choice, kernel builds, compilation and capture: before generation
     rows_without_start_token: int = 0
     rows_with_empty_prompt: int = 0
     stop_reasons: dict[str, int] = field(default_factory=dict)
@@ -53,10 +54,11 @@ def _versions() -> dict[str, str]:
 
 
 def summary_of(stats: list[RunStats], device: str, dtype: str, shards: int,
-               gemm: dict[str, Any] | None = None, rows_in_flight: int | None = None) -> dict[str, Any]:
+               gemm: dict[str, Any] | None = None, rows_in_flight: int | None = None,
+               decode_step: dict[str, Any] | None = None) -> dict[str, Any]:
     """One summary over the stats of every shard (shards run side by side: seconds is the longest);
     `gemm`: the GEMM backends chosen for this process's weights, with the rates measured;
-    `rows_in_flight`: the rows this process generated together."""
+    `rows_in_flight`: the rows this process generated together; `decode_step`: how its decode step ran."""
     total: dict[str, Any] = {}
     for key in ("samples_done", "samples_skipped", "samples_remaining", "batches_done", "batches_skipped",
                 "batches_remaining", "generated_tokens", "rows_without_start_token", "rows_with_empty_prompt",
@@ -82,11 +84,13 @@ def summary_of(stats: list[RunStats], device: str, dtype: str, shards: int,
         **({"errors": errors} if errors else {}),
         **total,
         "generation_seconds": round(seconds, 3),
+        "setup_seconds": round(max((s.setup_seconds for s in stats), default=0.0), 3),
         "tokens_per_second": round(total["generated_tokens"] / seconds, 2) if seconds else 0.0,
         "speculative_acceptance_rate": (round(total["accepted_tokens"] / total["drafted_tokens"], 4)
                                         if total["drafted_tokens"] else None),
         "stop_reasons": reasons, "shards_reporting": f"{len(stats)}/{shards}",
-        "device": device, "dtype": dtype, "rows_in_flight": rows_in_flight, "gemm": gemm, "versions": _versions(),
+        "device": device, "dtype": dtype, "rows_in_flight": rows_in_flight, "decode_step": decode_step, "gemm": gemm,
+        "versions": _versions(),
     }
 
 
@@ -120,10 +124,10 @@ def log_totals(stats: RunStats) -> None:
     """The closing log lines of one process."""
     rate = stats.generated_tokens / stats.generation_seconds if stats.generation_seconds else 0.0
     log.info("%s: %d samples in %d steps written (%d steps skipped as already done, %d remaining), "
-             "%d generated tokens in %.1fs (%.1f tokens/s); stop reasons %s",
+             "%d generated tokens in %.1fs (%.1f tokens/s; set-up before that %.1fs); stop reasons %s",
              "interrupted" if stats.interrupted_by else "done", stats.samples_done, stats.batches_done,
              stats.batches_skipped, stats.batches_remaining, stats.generated_tokens, stats.generation_seconds,
-             rate, stats.stop_reasons)
+             rate, stats.setup_seconds, stats.stop_reasons)
     if stats.drafted_tokens:
         log.info("speculative decoding: %d of %d drafted tokens accepted (%.1f%%)", stats.accepted_tokens,
                  stats.drafted_tokens, 100 * stats.accepted_tokens / stats.drafted_tokens)

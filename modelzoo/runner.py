@@ -96,8 +96,10 @@ class InferenceJob:
                     todo = self._take_output()
                     if todo is None:
                         return self.stats
+                    setup_start = time.perf_counter()
                     model, engine = self.setup.build(self.tp, self.data.row_stop_sequences(),
                                                      sum(self._real_samples(step) for step in todo))
+                    self.stats.setup_seconds = time.perf_counter() - setup_start
                     if self.params.runconfig.compile_only:
                         self._check_forward(model, engine)
                         return self.stats
@@ -280,7 +282,7 @@ class InferenceJob:
         """summary.json's content over `stats` (one per shard), with this process's setup."""
         gemm = self.setup.gemm.to_dict() if self.setup.gemm else None
         return summary_of(stats, str(self.device), self.setup.dtype_name(), self.shard.count, gemm,
-                          self.setup.rows_in_flight)
+                          self.setup.rows_in_flight, self.setup.decode_step)
 
     def _finish_quietly(self) -> None:
         """`_finish` for a run that is failing: a summary that cannot be written only adds a warning."""

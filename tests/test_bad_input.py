@@ -164,3 +164,19 @@ def test_cuda_requested_without_gpu(tmp_path, capsys, checkpoint):
     path = write_params(tmp_path / "params.yaml", checkpoint, tmp_path / "data", batch_size=2, start_token=START)
     assert run_job(path, tmp_path / "run", "--device", "cuda") == 2
     assert "runconfig.device is cuda but no CUDA device is available" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"decode_step": "cuda_graph"}, "runconfig.decode_step cuda_graph needs a CUDA device; this job runs on cpu"),
+    ({"decode_step": "compiled", "weight_dtype": "int8"}, "decode_step compiled does not take int8 weights on the CPU"),
+    ({"decode_step": "compiled", "gemm_backend": "onednn"}, "gemm_backend onednn cannot be compiled"),
+    ({"decode_step": "compiled", "model_keys": {"speculative": {"method": "prompt_lookup", "num_tokens": 2}}},
+     "runconfig.decode_step compiled does not apply to speculative decoding"),
+    ({"decode_step": "graphs"}, "decode_step"),
+], ids=["cuda_graph_on_cpu", "compiled_int8", "compiled_onednn", "compiled_speculative", "unknown"])
+def test_decode_step_the_job_cannot_take(tmp_path, capsys, checkpoint, params, message):
+    """A decode step mode the job cannot run is one error line, and no predictions file is written."""
+    write_h5(tmp_path / "data", good_rows())
+    assert message in fails(tmp_path, capsys, checkpoint, tmp_path / "data", **params)
+    predictions = tmp_path / "run" / "artifacts" / "predictions"
+    assert not list(predictions.glob("*.npz")) if predictions.exists() else True

@@ -34,10 +34,10 @@ def generate(checkpoint, prompts, packed: bool, budget: int = 1024, num_slots: i
     widths = []
     forward = model.forward
 
-    def recorded(tokens, positions, cache, slots, last=None):
+    def recorded(tokens, positions, cache, slots, last=None, length=None):
         if last is not None:  # prefill (decode passes no `last`)
             widths.append(tokens.numel())
-        return forward(tokens, positions, cache, slots, last)
+        return forward(tokens, positions, cache, slots, last, length)
 
     model.forward = recorded
     out = {c.index: c.tokens.tolist() for c in engine.generate(Request(i, np.array(p)) for i, p in enumerate(prompts))}

@@ -76,7 +76,20 @@ def test_predictions_match_transformers_and_file_format(tmp_path, tiny_llama, pr
     assert summary["status"] == "complete"
     assert summary["samples_done"] == 7 and summary["batches_done"] == 3 and summary["batches_remaining"] == 0
     assert summary["generated_tokens"] == sum(MAX_SEQ_LEN - n for n in PROMPT_LENGTHS)
+    assert summary["decode_step"]["mode"] == "eager" and summary["decode_step"]["length_buckets"] == [MAX_SEQ_LEN]
+    assert summary["setup_seconds"] > summary["decode_step"]["warm_up_seconds"] > 0
     assert (model_dir / "artifacts" / "params_inference.yaml").is_file()
+
+
+def test_compiled_decode_step_matches_transformers(tmp_path, tiny_llama, prompts, reference):
+    """runconfig.decode_step compiled (torch.compile, fullgraph): the files equal transformers greedy too, and
+    compilation is set-up, reported apart from generation."""
+    model_dir = run(tmp_path, tiny_llama, prompt_rows(prompts, MAX_SEQ_LEN, START), decode_step="compiled")
+    expected = with_dummies(expected_rows(prompts, reference, MAX_SEQ_LEN, START), BATCH, START)
+    np.testing.assert_array_equal(stacked_predictions(model_dir), expected)
+    summary = json.loads((model_dir / "artifacts" / "summary.json").read_text())
+    assert summary["decode_step"]["mode"] == "compiled"
+    assert summary["setup_seconds"] > summary["decode_step"]["warm_up_seconds"] > 0
 
 
 def test_stop_sequences_of_one_and_two_tokens_are_kept(tmp_path, tiny_llama, prompts, reference):
@@ -186,9 +199,9 @@ def test_engine_prefill_groups_do_not_change_tokens(tiny_llama, prompts):
     model, _ = load_model(tiny_llama, torch.float32, torch.device("cpu"))
     forward, prefills = model.forward, []
 
-    def recorded(tokens, positions, cache, slots, last=None):
+    def recorded(tokens, positions, cache, slots, last=None, length=None):
         prefills[-1] += tokens.shape[1] > 1  # a forward over several positions: a prefill group
-        return forward(tokens, positions, cache, slots, last)
+        return forward(tokens, positions, cache, slots, last, length)
 
     model.forward = recorded
 
@@ -210,10 +223,10 @@ def test_engine_last_steps_run_only_the_rows_left(tiny_llama, prompts):
     widths = []
     forward = model.forward
 
-    def recorded(tokens, positions, cache, slots, last=None):
+    def recorded(tokens, positions, cache, slots, last=None, length=None):
         if last is None:  # decode steps
             widths.append(tokens.shape[0])
-        return forward(tokens, positions, cache, slots, last)
+        return forward(tokens, positions, cache, slots, last, length)
 
     model.forward = recorded
 

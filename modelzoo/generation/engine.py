@@ -2,7 +2,9 @@
 
 `batch_size` slots decode together, one forward per step for all of them. When a sequence stops,
 its slot takes the next pending request at once (continuous batching), instead of idling until
-every row of its batch is done. Newly admitted prompts are prefilled together, grouped by length
+every row of its batch is done. The decode step itself is `DecodeStep` (step.py): fixed shapes,
+state in place, stops decided on the device; this module is the host side around it (admission,
+prefill, release), which reads which rows finished once per step. Newly admitted prompts are prefilled together, grouped by length
 so that padding stays small; a prefix they all share (a chat template) is prefilled only once
 (`SharedPrefix`). The decode step runs every slot (idle ones on a throwaway row at position 0): a
 fixed batch shape costs about the same as a smaller one at these sizes, and it is what lets the CPU
@@ -26,9 +28,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from modelzoo.errors import past_learned_positions
 from modelzoo.generation.kv_cache import KVCache
 from modelzoo.generation.shared_prefix import SharedPrefix
-from modelzoo.generation.stopping import CONTINUE, REASON_NAMES, StopChecker
+from modelzoo.generation.step import DecodeStep, SlotState, choose_tokens, length_bucket, length_buckets
+from modelzoo.generation.stopping import REASON_NAMES, StopChecker
 
 if TYPE_CHECKING:
     from modelzoo.generation.sampling import TokenChoice
@@ -83,17 +87,14 @@ class GenerationEngine:
         self.cache = KVCache(config.num_layers, num_slots, config.num_kv_heads, max_seq_len, config.head_dim,
                              dtype, device)
         self.stops = StopChecker(stop_sequences, max_tokens, max_seq_len, num_slots, device, row_stop_sequences)
-        # Per-slot state, on the device: the row's tokens (prompt, then generated), its length, the
-        # prompt length, the token to feed next, the sample index (the random stream's key).
-        self.sequences = torch.zeros((num_slots, max_seq_len), dtype=torch.long, device=device)
-        self.seq_len = torch.zeros(num_slots, dtype=torch.long, device=device)
-        self.prompt_len = torch.zeros(num_slots, dtype=torch.long, device=device)
-        self.last_token = torch.zeros(num_slots, dtype=torch.long, device=device)
-        self.sample_index = torch.zeros(num_slots, dtype=torch.long, device=device)
-        # With logprobs: the log-probability of each generated token where the token sits, (S, max_seq_len) float32.
-        self.logprobs = torch.zeros((num_slots, max_seq_len), device=device) if logprobs else None
-        self.active = torch.zeros(num_slots, dtype=torch.bool, device=device)
+        self.state = SlotState.allocate(num_slots, max_seq_len, device, logprobs)
+        self.decode = DecodeStep(model, self.cache, self.state, self.stops, self.choice)
         self.owner: list[int | None] = [None] * num_slots  # request index held by each slot
+        # An upper bound of each slot's length, known on the host without reading the device: it sizes the
+        # cache length bucket of each step.
+        self.length_bound = np.zeros(num_slots, dtype=np.int64)
+        # Lengths a row may reach: max_seq_len, or less where the model's learned position table ends.
+        self.position_limit = min(max_seq_len, getattr(model, "position_limit", None) or max_seq_len)
         # The prompt prefix shared by the first admitted requests, once known (not with a drafter: a
         # draft model would need the prefix's keys too).
         self.shared_prefix: SharedPrefix | None = None
@@ -118,7 +119,8 @@ class GenerationEngine:
         pending = iter(requests)
         free = deque(range(self.num_slots))
         self.owner = [None] * self.num_slots
-        self.active.zero_()
+        self.state.active.zero_()
+        self.state.reason.zero_()
         exhausted = False
         step = self._decode_step if self.drafter is None else self._speculative_step
         while not should_stop():
@@ -130,35 +132,41 @@ class GenerationEngine:
                 else:
                     admitted.append((free.popleft(), request))
             if admitted:
-                yield from self._release(self._prefill(admitted), free)
+                self._prefill(admitted)
+                yield from self._release(free)
             if all(owner is None for owner in self.owner):
                 if exhausted:
                     return
                 continue
-            yield from self._release(step(), free)
+            step()
+            yield from self._release(free)
 
-    def _choose(self, logits: torch.Tensor, slots: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Next token (B,) from logits (B, vocab) of `slots` (None = every slot, in order), and with logprobs
-        its log-probability (B,) under the distribution it was picked from (after repetition control and
-        temperature, top-k, top-p: the scores transformers' processors leave)."""
-        rows = slice(None) if slots is None else slots
-        if self.choice is None:
-            tokens, scores = logits.argmax(-1), logits
-        else:
-            scores = self.choice.process(logits, self.sequences[rows], self.seq_len[rows])  # (B, V) float32
-            tokens = self.choice.choose_from_scores(scores, self.seq_len[rows], self.sample_index[rows])
-        if self.logprobs is None:
-            return tokens, None
-        return tokens, torch.log_softmax(scores.float(), dim=-1).gather(1, tokens[:, None])[:, 0]
+    def step_shapes(self) -> list[tuple[torch.Tensor | None, int]]:
+        """Every (slots, length) a decode step of this engine can take: each length bucket, with every slot
+        and, where the last steps run fewer rows, with that many (what `DecodeStep.warm_up` prepares)."""
+        rows = [None]
+        if self.small_step_rows is not None and self.small_step_rows < self.num_slots:
+            rows.append(torch.arange(self.small_step_rows, device=self.device))
+        return [(slots, length) for slots in rows for length in length_buckets(self.position_limit)]
 
-    def _prefill(self, admitted: list[tuple[int, Request]]) -> list[tuple[int, int]]:
-        """Runs the prompts of newly admitted requests; returns (slot, reason) of those already done."""
+    def warm_up(self) -> float:
+        """Runs the decode step once per shape it can take, before any prompt (see `DecodeStep.warm_up`);
+        eager steps once per row count, since their cost does not depend on the length bucket. Returns seconds."""
+        shapes = self.step_shapes()
+        if self.decode.mode == "eager":
+            shapes = list({None if slots is None else len(slots): (slots, length) for slots, length in shapes}.values())
+        with torch.inference_mode():
+            return self.decode.warm_up(shapes)
+
+    def _prefill(self, admitted: list[tuple[int, Request]]) -> None:
+        """Runs the prompts of newly admitted requests and appends each one's first token."""
         for slot, request in admitted:
             if not 1 <= len(request.prompt) < self.max_seq_len:
                 raise ValueError(f"sample {request.index}: prompt length {len(request.prompt)} leaves no room "
                                  f"in max_seq_len {self.max_seq_len}")
             self.owner[slot] = request.index
-        self.active[[slot for slot, _ in admitted]] = True
+        state = self.state
+        state.active[[slot for slot, _ in admitted]] = True
         if not self.shared_prefix_decided and len(admitted) >= 2:
             self.shared_prefix_decided = True
             self.shared_prefix = SharedPrefix.compute(self.model, self.cache, [r.prompt for _, r in admitted],
@@ -166,16 +174,15 @@ class GenerationEngine:
             if self.shared_prefix is not None:
                 log.info("the first %d prompts share a %d-token prefix: prefilled once, its keys and values copied "
                          "into every slot whose prompt starts with it", len(admitted), len(self.shared_prefix))
-        finished = []
         for group in self._prefill_groups(admitted):
             slots = torch.tensor([slot for slot, _, _ in group], device=self.device)
             prompt_len = torch.tensor([len(r.prompt) for _, r, _ in group], device=self.device)
             prompts = np.zeros((len(group), max(len(r.prompt) for _, r, _ in group)), dtype=np.int64)
             for row, (_, request, _) in enumerate(group):
                 prompts[row, : len(request.prompt)] = request.prompt
-            self.sequences[slots, : prompts.shape[1]] = torch.from_numpy(prompts).to(self.device)  # zeros past each prompt
-            self.seq_len[slots] = self.prompt_len[slots] = prompt_len
-            self.sample_index[slots] = torch.tensor([r.index for _, r, _ in group], device=self.device)
+            state.sequences[slots, : prompts.shape[1]] = torch.from_numpy(prompts).to(self.device)  # zeros past each prompt
+            state.seq_len[slots] = state.prompt_len[slots] = prompt_len
+            state.sample_index[slots] = torch.tensor([r.index for _, r, _ in group], device=self.device)
             prefixed = [slot for slot, _, offset in group if offset]
             if prefixed:
                 self.shared_prefix.copy_into(self.cache, torch.tensor(prefixed, device=self.device))
@@ -185,17 +192,11 @@ class GenerationEngine:
                 logits = logits[0]  # (1, B, vocab) -> (B, vocab)
             if self.drafter is not None:  # never with packed prompts
                 self.drafter.prefill(tokens, positions, slots, last)
-            first, logprob = self._choose(logits, slots)  # (B,), (B,) or None
-            self.sequences[slots, prompt_len] = first
-            if logprob is not None:
-                self.logprobs[slots, prompt_len] = logprob
-            self.seq_len[slots] = prompt_len + 1
-            self.last_token[slots] = first
+            first, logprob = choose_tokens(logits, state, slots, self.choice, state.logprobs is not None)  # (B,)
             self.stops.reset(slots, [r.max_tokens for _, r, _ in group], [r.stop_sequences for _, r, _ in group])
-            reason = self.stops.check(slots, first, torch.ones_like(first), prompt_len + 1)
-            finished += self._done(slots, reason)
-        self.generated_tokens += len(admitted)
-        return finished
+            state.append(first, torch.ones_like(first, dtype=torch.bool), self.stops, slots, logprob)
+            for slot, request, _ in group:
+                self.length_bound[slot] = len(request.prompt) + 1
 
     def _prefill_groups(self, admitted: list[tuple[int, Request]]) -> list[list[tuple[int, Request, int]]]:
         """Splits admitted requests into groups of (slot, request, offset) run by one forward each:
@@ -242,89 +243,64 @@ class GenerationEngine:
         as_tensor = lambda array: torch.from_numpy(np.asarray(array, dtype=np.int64)).to(self.device)
         return as_tensor(tokens), as_tensor(positions), token_slots, as_tensor(last)
 
-    def _decode_step(self) -> list[tuple[int, int]]:
-        """One token for every active slot; returns (slot, reason) of those that stopped."""
-        active = self.active
+    def _decode_step(self) -> None:
+        """One token for every active slot, through the fixed-shape step over the length bucket of the longest row."""
         slots = self._small_step_slots()
-        rows = slice(None) if slots is None else slots
-        tokens = self.last_token[rows][:, None]  # (R, 1)
-        positions = torch.where(active[rows], self.seq_len[rows] - 1, 0)[:, None]  # (R, 1): where the fed token sits
-        logits = self.model(tokens, positions, self.cache, slots)
-        next_token = self.last_token.clone()  # (S,)
-        chosen, logprob = self._choose(logits, slots)
-        next_token[rows] = torch.where(active[rows], chosen, self.last_token[rows])
-        if logprob is not None:
-            index = torch.arange(self.num_slots, device=self.device)[rows]  # (R,) the slots of this step's rows
-            column = self.seq_len[index].clamp(max=self.max_seq_len - 1)  # where _append puts their tokens
-            self.logprobs[index, column] = torch.where(active[index], logprob, self.logprobs[index, column])
-        return self._append(next_token, active)
+        owned = [slot for slot, owner in enumerate(self.owner) if owner is not None]
+        longest, limit = int(self.length_bound[owned].max()), self.position_limit
+        if longest > limit:
+            raise past_learned_positions(longest - 1, limit)
+        self.decode(slots, length_bucket(longest, limit))
+        self.length_bound[owned] = np.minimum(self.length_bound[owned] + 1, self.max_seq_len)
 
     def _small_step_slots(self) -> torch.Tensor | None:
-        """None: the step runs every slot. Once at most `small_step_rows` slots are active (a job's last
-        steps), exactly that many: the active ones, then idle ones (throwaway rows, as in a full step)."""
-        if (self.small_step_rows is None or self.small_step_rows >= self.num_slots
-                or int(self.active.sum()) > self.small_step_rows):
+        """None: the step runs every slot. Once at most `small_step_rows` slots hold a row (a job's last
+        steps), exactly that many: those slots, then idle ones (throwaway rows, as in a full step)."""
+        owned = [slot for slot, owner in enumerate(self.owner) if owner is not None]
+        if self.small_step_rows is None or self.small_step_rows >= self.num_slots or len(owned) > self.small_step_rows:
             return None
-        order = torch.argsort(self.active.to(torch.int8), descending=True, stable=True)  # active slots first
-        return order[: self.small_step_rows]
+        idle = [slot for slot, owner in enumerate(self.owner) if owner is None]
+        return torch.tensor((owned + idle)[: self.small_step_rows], device=self.device)
 
-    def _append(self, token: torch.Tensor, rows: torch.Tensor) -> list[tuple[int, int]]:
-        """Appends `token` (S,) to the slots where `rows` (S,) is true; returns (slot, reason) of those that stopped."""
-        slots = torch.arange(self.num_slots, device=self.device)
-        column = self.seq_len.clamp(max=self.max_seq_len - 1)  # rows that append are below max_seq_len
-        self.sequences[slots, column] = torch.where(rows, token, self.sequences[slots, column])
-        self.seq_len = self.seq_len + rows
-        self.last_token = torch.where(rows, token, self.last_token)
-        self.generated_tokens += int(rows.sum())
-        reason = self.stops.check(None, token, self.seq_len - self.prompt_len, self.seq_len, taken=rows)
-        return self._done(slots, reason)
-
-    def _speculative_step(self) -> list[tuple[int, int]]:
+    def _speculative_step(self) -> None:
         """Verifies K drafted tokens per slot in one forward; appends the agreed ones plus the model's next.
 
-        Returns (slot, reason) of the slots that stopped. Rows near max_seq_len feed positions clamped
-        to the last one: those keys are only read by queries whose outputs are never used.
+        Rows near max_seq_len feed positions clamped to the last one: those keys are only read by queries
+        whose outputs are never used.
         """
-        active = self.active
-        drafts = self.drafter.propose(self.sequences, self.seq_len, active)  # (S, K)
+        state = self.state
+        active = state.active
+        drafts = self.drafter.propose(state.sequences, state.seq_len, active)  # (S, K)
         width = drafts.shape[1] + 1
         offsets = torch.arange(width, device=self.device)
-        positions = torch.where(active[:, None], (self.seq_len - 1)[:, None] + offsets, offsets)
+        positions = torch.where(active[:, None], (state.seq_len - 1)[:, None] + offsets, offsets)
         positions = positions.clamp(max=self.max_seq_len - 1)  # (S, K + 1)
-        tokens = torch.cat((self.last_token[:, None], drafts), dim=1)  # (S, K + 1)
+        tokens = torch.cat((state.last_token[:, None], drafts), dim=1)  # (S, K + 1)
         logits = self.model(tokens, positions, self.cache, None, offsets.expand(self.num_slots, width))
         verified = logits.argmax(-1)  # (S, K + 1): the model's token after each fed one
         accepted = (drafts == verified[:, :-1]).long().cumprod(1).sum(1)  # (S,) leading drafts agreed with
         self.drafted_tokens += int(active.sum()) * (width - 1)
         self.accepted_tokens += int(accepted[active].sum())
-        finished: list[tuple[int, int]] = []
         emitting = active.clone()
         for j in range(width):
-            emitting &= accepted >= j
+            emitting &= (accepted >= j) & state.active  # a row that stopped emits no more
             if not bool(emitting.any()):
                 break
-            stopped = self._append(verified[:, j], emitting)
-            for slot, _ in stopped:
-                emitting[slot] = False
-            finished += stopped
-        return finished
+            state.append(verified[:, j], emitting, self.stops)
 
-    @staticmethod
-    def _done(slots: torch.Tensor, reason: torch.Tensor) -> list[tuple[int, int]]:
-        """(slot, reason) pairs where reason is not CONTINUE; one device sync."""
-        stopped = (reason != CONTINUE).nonzero().flatten()
-        if stopped.numel() == 0:
-            return []
-        return list(zip(slots[stopped].tolist(), reason[stopped].tolist()))
-
-    def _release(self, finished: list[tuple[int, int]], free: deque) -> Iterator[Completion]:
-        """Turns stopped slots into Completions and hands the slots back."""
-        for slot, reason in finished:
-            begin, end = int(self.prompt_len[slot]), int(self.seq_len[slot])
-            tokens = self.sequences[slot, begin:end].cpu().numpy().astype(np.int32)
-            logprobs = None if self.logprobs is None else self.logprobs[slot, begin:end].cpu().numpy()
+    def _release(self, free: deque) -> Iterator[Completion]:
+        """Turns the slots whose rows stopped into Completions and hands the slots back (one host sync)."""
+        state = self.state
+        for slot, reason in state.finished_slots():
+            if self.owner[slot] is None:  # an idle slot's reason is never set; kept safe all the same
+                continue
+            begin, end = int(state.prompt_len[slot]), int(state.seq_len[slot])
+            tokens = state.sequences[slot, begin:end].cpu().numpy().astype(np.int32)
+            logprobs = None if state.logprobs is None else state.logprobs[slot, begin:end].cpu().numpy()
             index = self.owner[slot]
             self.owner[slot] = None
-            self.active[slot] = False
+            state.active[slot] = False
+            state.reason[slot] = 0
             free.append(slot)
+            self.generated_tokens += len(tokens)
             yield Completion(index=index, tokens=tokens, reason=REASON_NAMES[reason], logprobs=logprobs)

@@ -69,18 +69,17 @@ class StopChecker:
         keep their history and get 0. Priority when several rules hold: stop sequence, max_tokens,
         max_seq_len.
         """
+        # Elementwise selections only (no boolean indexing): no host sync, the same shapes every call.
         reason = torch.zeros_like(tokens)
         rows = slice(None) if slots is None else slots
         if self.history.shape[1]:
             history = torch.cat((self.history[rows][:, 1:], tokens[:, None]), dim=1)  # (B, K)
             if taken is not None:
                 history = torch.where(taken[:, None], history, self.history[rows])
-            self.history[rows] = history
+            self.history[rows] = history  # in place: the history keeps its storage
             # (B, 1, K) vs (1, S, K): a sequence matches when every real entry equals the history.
             equal = (history[:, None, :] == self.sequences[None]) | ~self.valid[None]
-            reason[(equal.all(-1) & self.enabled[rows]).any(-1)] = STOP_SEQUENCE
-        go_on = reason == CONTINUE
-        reason[go_on & (num_generated >= self.limit[rows])] = MAX_TOKENS
-        go_on = reason == CONTINUE
-        reason[go_on & (seq_lengths >= self.max_seq_len)] = MAX_SEQ_LEN
+            reason = torch.where((equal.all(-1) & self.enabled[rows]).any(-1), STOP_SEQUENCE, reason)
+        reason = torch.where((reason == CONTINUE) & (num_generated >= self.limit[rows]), MAX_TOKENS, reason)
+        reason = torch.where((reason == CONTINUE) & (seq_lengths >= self.max_seq_len), MAX_SEQ_LEN, reason)
         return reason if taken is None else reason * taken

@@ -9,6 +9,7 @@ hooks where it differs. Capabilities are class attributes (or properties where t
                        least num_layers, num_heads, num_kv_heads, head_dim, hidden_size, vocab_size,
                        max_position_embeddings and tie_word_embeddings
     packs_prompts      forward takes packed prompts: slots and positions (1, T), ForwardContext.packed
+    position_limit     the size of a learned position table (positions must stay below it), None without one
     splits_over_ranks  modelzoo/tensor_parallel.py can split it (runconfig.tensor_parallel)
     embedding_name     dotted name of the token embedding; register it before any position table
                        (int8 quantizes the first embedding with vocab_size rows)
@@ -35,6 +36,7 @@ class CausalLM(nn.Module):
 
     config_from_hf: Callable[[Any], Any]
     packs_prompts: bool = False
+    position_limit: int | None = None
     splits_over_ranks: bool = False
     embedding_name: str
     layers_name: str
@@ -60,11 +62,12 @@ class CausalLM(nn.Module):
             self.rotary.build_tables(device)
 
     def prepare(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: torch.Tensor | None,
-                last: torch.Tensor | None) -> tuple[torch.Tensor, Sequence[ForwardContext], tuple[torch.Tensor, ...]]:
+                last: torch.Tensor | None, length: int | None = None,
+                ) -> tuple[torch.Tensor, Sequence[ForwardContext], tuple[torch.Tensor, ...]]:
         """The input states (B, T, hidden), each layer's attention context, and the arguments every
-        layer takes before its context (the rotary tables); `last` as in forward. Default: token
-        embedding, one shared context, rotary tables where the family has them."""
-        ctx = ForwardContext.build(cache, slots, positions)
+        layer takes before its context (the rotary tables); `last` and `length` as in forward. Default:
+        token embedding, one shared context, rotary tables where the family has them."""
+        ctx = ForwardContext.build(cache, slots, positions, length=length)
         x = self.get_submodule(self.embedding_name)(tokens)  # (B, T, hidden)
         extra = (self.rotary(positions, x.dtype),) if self.rotary is not None else ()
         return x, [ctx] * self.config.num_layers, extra
@@ -74,14 +77,15 @@ class CausalLM(nn.Module):
         raise NotImplementedError
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                slots: torch.Tensor | None, last: torch.Tensor | None = None) -> torch.Tensor:
+                slots: torch.Tensor | None, last: torch.Tensor | None = None, length: int | None = None) -> torch.Tensor:
         """tokens, positions: (B, T); slots: (B,) cache rows, None for all, or (1, T) for packed
-        prompts; last: (B,) index into T, or (B, N) for N positions per row.
+        prompts; last: (B,) index into T, or (B, N) for N positions per row; length: the cache
+        positions attended over (ForwardContext.build), None to derive it from the positions.
 
         Returns the logits (B, vocab) of position `last` of each row (default: the final one), or
         (B, N, vocab).
         """
-        x, contexts, extra = self.prepare(tokens, positions, cache, slots, last)
+        x, contexts, extra = self.prepare(tokens, positions, cache, slots, last, length)
         for layer, ctx in zip(self.get_submodule(self.layers_name), contexts):
             x = layer(x, *extra, ctx)
         x = self.finish(last_token_states(x, last))  # (B, hidden)

@@ -117,10 +117,11 @@ class BloomForCausalLM(CausalLM):
         self.alibi_slopes = alibi_slopes(self.config.num_heads).to(device)
 
     def prepare(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: torch.Tensor | None,
-                last: torch.Tensor | None) -> tuple[torch.Tensor, list[ForwardContext], tuple[torch.Tensor, ...]]:
+                last: torch.Tensor | None, length: int | None = None,
+                ) -> tuple[torch.Tensor, list[ForwardContext], tuple[torch.Tensor, ...]]:
         """The ALiBi bias rides on the context's mask; the embeddings have a norm of their own."""
         x = self.transformer.word_embeddings(tokens)  # (B, T, hidden)
-        ctx = ForwardContext.build(cache, slots, positions)
+        ctx = ForwardContext.build(cache, slots, positions, length=length)
         ctx.add_position_bias(alibi_bias(self.alibi_slopes, ctx.length), x.dtype)
         return self.transformer.word_embeddings_layernorm(x), [ctx] * self.config.num_layers, ()
 

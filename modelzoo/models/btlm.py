@@ -98,9 +98,10 @@ class AlibiSlopes(nn.Module):
         self.slopes = nn.Parameter(torch.empty(num_heads, 1), requires_grad=False)
 
     def context(self, cache: KVCache, slots: torch.Tensor | None, positions: torch.Tensor,
-                last: torch.Tensor | None, config: BTLMDecoderConfig, dtype: torch.dtype) -> ForwardContext:
+                last: torch.Tensor | None, config: BTLMDecoderConfig, dtype: torch.dtype,
+                length: int | None = None) -> ForwardContext:
         """ForwardContext whose mask is -slope_h / scale * |key - query| (B, heads, T, length), -inf where hidden."""
-        ctx = ForwardContext.build(cache, slots, positions)
+        ctx = ForwardContext.build(cache, slots, positions, length=length)
         keys = torch.arange(ctx.length, device=positions.device)
         distance = (keys[None, None, :] - positions[:, :, None]).abs().to(torch.float32)  # (B, T, length)
         slopes = self.slopes.to(torch.float32)[:, 0]  # (heads,)
@@ -168,30 +169,35 @@ class BTLMLMHeadModel(GPT2LMHeadModel):
         """Packed prompts (ForwardContext.packed) with learned positions; not with ALiBi's bias."""
         return self.transformer.relative_pe is None
 
+    @property
+    def position_limit(self) -> int | None:
+        """The learned position table's size; none with ALiBi."""
+        return super().position_limit if self.transformer.relative_pe is None else None
+
     def build_buffers(self, device: torch.device) -> None:
         """Nothing to compute: the ALiBi slopes are checkpoint weights, the bias is built per forward."""
 
     def embed(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: torch.Tensor | None,
-              last: torch.Tensor | None) -> tuple[torch.Tensor, ForwardContext]:
+              last: torch.Tensor | None, length: int | None = None) -> tuple[torch.Tensor, ForwardContext]:
         """GPT-2's input states (B, T, hidden) and context, times the muP embeddings scale.
 
         With ALiBi the states are the token embeddings alone and the context's mask carries the slopes' bias.
         """
         relative_pe = self.transformer.relative_pe
         if relative_pe is None:
-            x, ctx = super().embed(tokens, positions, cache, slots, last)
+            x, ctx = super().embed(tokens, positions, cache, slots, last, length)
         else:
             x = self.transformer.wte(tokens)  # (B, T, hidden)
-            ctx = relative_pe.context(cache, slots, positions, last, self.config, x.dtype)
+            ctx = relative_pe.context(cache, slots, positions, last, self.config, x.dtype, length)
         # The remote code multiplies by a 0-d tensor of the model dtype: the scale is rounded to it first.
         return x * torch.tensor(self.config.embeddings_scale, dtype=x.dtype, device=x.device), ctx
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                slots: torch.Tensor | None, last: torch.Tensor | None = None) -> torch.Tensor:
+                slots: torch.Tensor | None, last: torch.Tensor | None = None, length: int | None = None) -> torch.Tensor:
         """tokens, positions: (B, T); slots: (B,) cache rows, None for all, or (1, T) for packed prompts; last:
-        (B,) index into T, or (B, N).
+        (B,) index into T, or (B, N); length as in CausalLM.forward.
 
         Returns the logits (B, vocab) of position `last` of each row (default: the final one), muP-scaled.
         """
-        logits = super().forward(tokens, positions, cache, slots, last)  # (B, vocab)
+        logits = super().forward(tokens, positions, cache, slots, last, length)  # (B, vocab)
         return logits * torch.tensor(self.config.output_logits_scale, dtype=logits.dtype, device=logits.device)

@@ -170,21 +170,22 @@ class FalconForCausalLM(CausalLM):
             self.alibi_slopes = alibi_slopes(self.config.num_heads).to(device)
 
     def alibi_context(self, cache: KVCache, slots: torch.Tensor | None, positions: torch.Tensor,
-                      dtype: torch.dtype) -> ForwardContext:
+                      dtype: torch.dtype, length: int | None = None) -> ForwardContext:
         """The context with Falcon's ALiBi mask: transformers rounds slope * key position to bfloat16
         (whatever the model dtype), then divides by sqrt(head_dim) since its attention scales only q @ k."""
-        ctx = ForwardContext.build(cache, slots, positions)  # mask: (B, 1, T, length) bool
+        ctx = ForwardContext.build(cache, slots, positions, length=length)  # mask: (B, 1, T, length) bool
         keys = torch.arange(ctx.length, device=positions.device)
         bias = (self.alibi_slopes.bfloat16()[:, None] * keys[None, :]).to(dtype)  # (heads, length), bf16-rounded
         bias = bias / math.sqrt(self.config.head_dim)
         return ctx.add_position_bias(bias[None, :, None, :], dtype)
 
     def prepare(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: torch.Tensor | None,
-                last: torch.Tensor | None) -> tuple[torch.Tensor, list[ForwardContext], tuple[torch.Tensor, ...]]:
+                last: torch.Tensor | None, length: int | None = None,
+                ) -> tuple[torch.Tensor, list[ForwardContext], tuple[torch.Tensor, ...]]:
         if self.rotary is not None:
-            return super().prepare(tokens, positions, cache, slots, last)
+            return super().prepare(tokens, positions, cache, slots, last, length)
         x = self.transformer.word_embeddings(tokens)  # (B, T, hidden)
-        return x, [self.alibi_context(cache, slots, positions, x.dtype)] * self.config.num_layers, (None,)
+        return x, [self.alibi_context(cache, slots, positions, x.dtype, length)] * self.config.num_layers, (None,)
 
     def finish(self, x: torch.Tensor) -> torch.Tensor:
         return self.transformer.ln_f(x)

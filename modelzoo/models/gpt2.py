@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from modelzoo.errors import UserError
+from modelzoo.errors import UserError, past_learned_positions
 from modelzoo.generation.kv_cache import KVCache
 from modelzoo.models.base import CausalLM
 from modelzoo.models.config import DecoderConfig
@@ -69,8 +69,7 @@ class Conv1D(nn.Module):
 def check_learned_positions(ctx: ForwardContext, limit: int) -> None:
     """A learned position table has `limit` rows: a longer sequence is a config error, not an IndexError."""
     if ctx.length > limit:
-        raise UserError(f"position {ctx.length - 1} is past the {limit} learned position embeddings of this "
-                        f"checkpoint; lower max_seq_len to at most {limit}")
+        raise past_learned_positions(ctx.length - 1, limit)
 
 
 class GPT2Attention(nn.Module):
@@ -150,6 +149,10 @@ class GPT2LMHeadModel(CausalLM):
     config_from_hf = staticmethod(config_from_hf)
     packs_prompts = True
     embedding_name, layers_name = "transformer.wte", "transformer.h"
+
+    @property
+    def position_limit(self) -> int | None:
+        return self.config.max_position_embeddings
     transformer_type: type[GPT2Model] = GPT2Model  # the `transformer.` module
     attention_type: type[nn.Module] = GPT2Attention  # each block's `attn`
     mlp_type: type[nn.Module] = GPT2MLP  # each block's `mlp`
@@ -160,15 +163,16 @@ class GPT2LMHeadModel(CausalLM):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def embed(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: torch.Tensor | None,
-              last: torch.Tensor | None) -> tuple[torch.Tensor, ForwardContext]:
+              last: torch.Tensor | None, length: int | None = None) -> tuple[torch.Tensor, ForwardContext]:
         """The input states (B, T, hidden), token plus learned position embeddings, and the attention context."""
-        ctx = ForwardContext.build(cache, slots, positions)
+        ctx = ForwardContext.build(cache, slots, positions, length=length)
         check_learned_positions(ctx, self.config.max_position_embeddings)
         return self.transformer.wte(tokens) + self.transformer.wpe(positions), ctx
 
     def prepare(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: torch.Tensor | None,
-                last: torch.Tensor | None) -> tuple[torch.Tensor, list[ForwardContext], tuple[torch.Tensor, ...]]:
-        x, ctx = self.embed(tokens, positions, cache, slots, last)
+                last: torch.Tensor | None, length: int | None = None,
+                ) -> tuple[torch.Tensor, list[ForwardContext], tuple[torch.Tensor, ...]]:
+        x, ctx = self.embed(tokens, positions, cache, slots, last, length)
         return x, [ctx] * self.config.num_layers, ()
 
     def finish(self, x: torch.Tensor) -> torch.Tensor:

@@ -54,19 +54,25 @@ class ForwardContext:
 
     @classmethod
     def build(cls, cache: KVCache, slots: torch.Tensor | None, positions: torch.Tensor,
-              sliding_window: int | None = None) -> "ForwardContext":
+              sliding_window: int | None = None, length: int | None = None) -> "ForwardContext":
         """Causal mask over cache positions: key j is visible to a query at position p iff j <= p
-        (and j > p - sliding_window)."""
+        (and j > p - sliding_window).
+
+        length: the cache positions attended over, fixed by the caller (the decode step's length bucket,
+        more than every position): then nothing here reads a tensor's value on the host, so the context's
+        shapes depend on `length` alone. None: the positions' maximum + 1 (one host sync).
+        """
         if slots is not None and slots.dim() == 2:
             return cls.packed(cache, slots, positions, sliding_window)
-        length = int(positions.max()) + 1
+        fixed = length is not None
+        length = length if fixed else int(positions.max()) + 1
         keys = torch.arange(length, device=positions.device)
         visible = keys[None, None, :] <= positions[:, :, None]  # (B, T, length)
         if sliding_window is not None:
             visible &= keys[None, None, :] > positions[:, :, None] - sliding_window
         mask = visible[:, None]
         width = positions.shape[1]
-        fresh = width > 1 and bool((positions == keys[:width]).all())  # one sync, prefill only
+        fresh = not fixed and width > 1 and bool((positions == keys[:width]).all())  # one sync, prefill only
         windowed = sliding_window is not None and length > sliding_window
         end = positions + 1
         start = (end - sliding_window).clamp(min=0) if windowed else torch.zeros_like(end)
@@ -126,8 +132,9 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def fused_kernels(x: torch.Tensor) -> ModuleType | None:
-    """The C++ kernel module where its fused ops take `x` (a CPU tensor of KERNEL_DTYPES); None for PyTorch's ops."""
-    if x.device.type != "cpu" or x.dtype not in KERNEL_DTYPES:
+    """The C++ kernel module where its fused ops take `x` (a CPU tensor of KERNEL_DTYPES, not under torch.compile,
+    which cannot trace them); None for PyTorch's ops."""
+    if x.device.type != "cpu" or x.dtype not in KERNEL_DTYPES or torch.compiler.is_compiling():
         return None
     return cpu_kernels()
 
@@ -236,9 +243,10 @@ def split_heads(x: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
 
 def attention_kernel(q: torch.Tensor, ctx: ForwardContext) -> ModuleType | None:
     """The C++ kernel module where it handles this attention (on the CPU, q and the cache of one of
-    KERNEL_DTYPES, no ALiBi bias, 1 to 8 query heads per kv head, head_dim 16, 32, 64 or 128); None for
-    the PyTorch path."""
+    KERNEL_DTYPES, no ALiBi bias, 1 to 8 query heads per kv head, head_dim 16, 32, 64 or 128, not under
+    torch.compile); None for the PyTorch path."""
     if (q.device.type != "cpu" or q.dtype not in KERNEL_DTYPES or ctx.cache.keys[0].dtype != q.dtype
+            or torch.compiler.is_compiling()
             or (ctx.mask is not None and ctx.mask.dtype != torch.bool)):
         return None
     heads, head_dim, kv_heads = q.shape[1], q.shape[3], ctx.cache.keys[0].shape[1]
@@ -278,11 +286,29 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: i
         keys, values = k, v  # (B, kv_heads, T, hd), T == length
     else:
         keys, values = ctx.cache.read(layer, ctx.slots, ctx.length)  # (B, kv_heads, length, hd)
+    if seq == 1 and heads != keys.shape[1]:
+        return grouped_query_attention(q, keys, values, ctx.mask, scale).view(batch, seq, heads * head_dim)
     # Plain causal attention over fresh keys lets SDPA skip the hidden half instead of masking it.
     causal = ctx.fresh and not ctx.windowed and ctx.mask.dtype == torch.bool
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=None if causal else ctx.mask,
                                          is_causal=causal, scale=scale, enable_gqa=q.shape[1] != keys.shape[1])
     return out.transpose(1, 2).reshape(batch, seq, heads * head_dim)
+
+
+def grouped_query_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                            scale: float | None) -> torch.Tensor:
+    """One query per row over a grouped-query cache, with each kv head's query heads as the rows of one query
+    block: q (B, heads, 1, hd) viewed as (B, kv_heads, heads / kv_heads, hd) against keys, values
+    (B, kv_heads, L, hd); mask (B, 1, 1, L) bool or (B, heads, 1, L) additive. SDPA then reads each kv head once
+    and takes its fast kernels, where `enable_gqa` with a mask falls back to expanding K/V per query head (its
+    math path). Returns (B, heads, hd)."""
+    batch, heads, _, head_dim = q.shape
+    kv_heads = keys.shape[1]
+    grouped = q.reshape(batch, kv_heads, heads // kv_heads, head_dim)  # head h = kv * group + g
+    if mask.shape[1] != 1:  # a bias per query head: (B, heads, 1, L) -> (B, kv_heads, group, L)
+        mask = mask.reshape(batch, kv_heads, heads // kv_heads, mask.shape[-1])
+    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)  # (B, kv, group, hd)
+    return out.reshape(batch, heads, head_dim)
 
 
 def gelu_new(x: torch.Tensor) -> torch.Tensor:

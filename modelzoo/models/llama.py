@@ -146,10 +146,11 @@ class LlamaForCausalLM(CausalLM):
         return fused
 
     def prepare(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: torch.Tensor | None,
-                last: torch.Tensor | None) -> tuple[torch.Tensor, list[ForwardContext], tuple[torch.Tensor, ...]]:
+                last: torch.Tensor | None, length: int | None = None,
+                ) -> tuple[torch.Tensor, list[ForwardContext], tuple[torch.Tensor, ...]]:
         """One context per distinct sliding window, shared by the layers that have it."""
         windows = self.config.sliding_windows or (None,) * self.config.num_layers
-        contexts = {w: ForwardContext.build(cache, slots, positions, sliding_window=w) for w in set(windows)}
+        contexts = {w: ForwardContext.build(cache, slots, positions, sliding_window=w, length=length) for w in set(windows)}
         x = self.model.embed_tokens(tokens)  # (B, T, hidden)
         return x, [contexts[w] for w in windows], (self.rotary(positions, x.dtype),)
 

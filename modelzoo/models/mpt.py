@@ -138,10 +138,11 @@ class MptForCausalLM(CausalLM):
         self.alibi_slopes = mpt_alibi_slopes(self.config.num_heads, self.config.alibi_bias_max).to(device)
 
     def prepare(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: torch.Tensor | None,
-                last: torch.Tensor | None) -> tuple[torch.Tensor, list[ForwardContext], tuple[torch.Tensor, ...]]:
+                last: torch.Tensor | None, length: int | None = None,
+                ) -> tuple[torch.Tensor, list[ForwardContext], tuple[torch.Tensor, ...]]:
         """The ALiBi bias rides on the context's mask, in the states' dtype."""
         x = self.transformer.wte(tokens)  # (B, T, hidden)
-        ctx = ForwardContext.build(cache, slots, positions)
+        ctx = ForwardContext.build(cache, slots, positions, length=length)
         ctx.add_position_bias(alibi_bias(self.alibi_slopes, ctx.length), x.dtype)
         return x, [ctx] * self.config.num_layers, ()
 

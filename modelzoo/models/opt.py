@@ -129,15 +129,20 @@ class OPTForCausalLM(CausalLM):
     packs_prompts = True
     embedding_name, layers_name = "model.decoder.embed_tokens", "model.decoder.layers"
 
+    @property
+    def position_limit(self) -> int | None:
+        return self.config.max_position_embeddings
+
     def __init__(self, config: OPTDecoderConfig) -> None:
         super().__init__(config)
         self.model = OPTModel(config)
         self.lm_head = nn.Linear(config.word_embed_proj_dim, config.vocab_size, bias=False)
 
     def prepare(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: torch.Tensor | None,
-                last: torch.Tensor | None) -> tuple[torch.Tensor, list[ForwardContext], tuple[torch.Tensor, ...]]:
+                last: torch.Tensor | None, length: int | None = None,
+                ) -> tuple[torch.Tensor, list[ForwardContext], tuple[torch.Tensor, ...]]:
         decoder = self.model.decoder
-        ctx = ForwardContext.build(cache, slots, positions)
+        ctx = ForwardContext.build(cache, slots, positions, length=length)
         check_learned_positions(ctx, self.config.max_position_embeddings)
         x = decoder.embed_tokens(tokens)  # (B, T, word_embed_proj_dim)
         if decoder.project_in is not None:

@@ -1,0 +1,208 @@
+"""The fixed-shape decode step: one token for every slot, over state tensors allocated once per job.
+
+Everything the step reads or writes lives at fixed addresses: the KV cache, the stop rules' state and
+`SlotState` (each slot's tokens, length, prompt length, last token, sample index, whether it generates and
+why it stopped). Lengths and positions are tensors, never Python ints; attention reads a cache-length
+bucket the host fixes (`length_bucket`: the longest row rounded up), with each row's own length as a
+mask; the token choice (greedy, seeded sampling, repetition control) and the stop rules (stop sequences,
+max_tokens, max_seq_len) are decided on the device. The step reads nothing back: the host looks at
+`SlotState.reason` when it chooses to (`finished_slots`), every step on the CPU, where that costs nothing.
+
+So one function runs three ways (`DecodeStep.mode`): eager (the CPU's default: its C++ kernels and
+measured GEMMs), compiled by `torch.compile(fullgraph=True, dynamic=False)` (one graph per rows and
+length bucket, compiled before generation by `warm_up`), or, on CUDA, replayed as a CUDA graph captured
+once per bucket. A step over slots that are all idle changes nothing but the cache at position 0 of each
+slot (overwritten when the slot takes a prompt), which is what lets `warm_up` run it before any prompt.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import torch
+from torch import nn
+
+from modelzoo.generation.kv_cache import KVCache
+from modelzoo.generation.stopping import CONTINUE, StopChecker
+
+if TYPE_CHECKING:
+    from modelzoo.generation.sampling import TokenChoice
+
+log = logging.getLogger("zoo-infer")
+
+# Granularity of the cache length a decode step attends over: one compiled graph per bucket, and at most
+# LENGTH_BUCKET - 1 masked keys read beyond the longest row.
+LENGTH_BUCKET = 128
+MODES = ("eager", "compiled", "cuda_graph")
+
+
+def length_bucket(longest: int, max_len: int) -> int:
+    """The cache length a step reads when its longest row holds `longest` tokens: rounded up to a multiple of
+    LENGTH_BUCKET, at most `max_len`."""
+    return min(max_len, -(-max(longest, 1) // LENGTH_BUCKET) * LENGTH_BUCKET)
+
+
+def length_buckets(max_len: int) -> list[int]:
+    """Every length `length_bucket` can return for a cache of `max_len` positions."""
+    return sorted({length_bucket(n, max_len) for n in range(1, max_len + 1, LENGTH_BUCKET)} | {max_len})
+
+
+@dataclass
+class SlotState:
+    """Per-slot generation state, on the device, allocated once; every update is in place."""
+
+    sequences: torch.Tensor  # (S, L) long: the prompt, then the generated tokens
+    seq_len: torch.Tensor  # (S,) long: prompt + generated
+    prompt_len: torch.Tensor  # (S,) long
+    last_token: torch.Tensor  # (S,) long: the token to feed next
+    sample_index: torch.Tensor  # (S,) long: the sample's global index, the key of its random stream
+    active: torch.Tensor  # (S,) bool: the slot generates
+    reason: torch.Tensor  # (S,) long: why the slot's row stopped (stopping.py's codes), CONTINUE until then
+    logprobs: torch.Tensor | None  # (S, L) float32 with logprobs: each generated token's, where it sits
+
+    @classmethod
+    def allocate(cls, num_slots: int, max_len: int, device: torch.device, logprobs: bool) -> SlotState:
+        """Zeroed state for `num_slots` slots of `max_len` positions."""
+        def zeros(*shape: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        return cls(zeros(num_slots, max_len), zeros(num_slots), zeros(num_slots), zeros(num_slots), zeros(num_slots),
+                   zeros(num_slots, dtype=torch.bool), zeros(num_slots),
+                   zeros(num_slots, max_len, dtype=torch.float32) if logprobs else None)
+
+    @property
+    def num_slots(self) -> int:
+        return self.sequences.shape[0]
+
+    def append(self, token: torch.Tensor, taken: torch.Tensor, stops: StopChecker, slots: torch.Tensor | None = None,
+               logprob: torch.Tensor | None = None) -> None:
+        """Appends `token` (R,) to the rows of `slots` (R,) (None = every slot, in order) where `taken` (R,) is
+        true, with its `logprob` (R,) if kept; records the reason of each row that stops and makes it inactive."""
+        rows = slice(None) if slots is None else slots
+        index = torch.arange(self.num_slots, device=token.device)[rows]  # (R,) the slots of these rows
+        seq_len = self.seq_len[rows]  # (R,)
+        column = seq_len.clamp(max=self.sequences.shape[1] - 1)  # rows that take a token are below max_len
+        self.sequences[index, column] = torch.where(taken, token, self.sequences[index, column])
+        if logprob is not None and self.logprobs is not None:
+            self.logprobs[index, column] = torch.where(taken, logprob, self.logprobs[index, column])
+        seq_len = seq_len + taken
+        self.seq_len[rows] = seq_len
+        self.last_token[rows] = torch.where(taken, token, self.last_token[rows])
+        reason = stops.check(slots, token, seq_len - self.prompt_len[rows], seq_len, taken=taken)  # (R,)
+        self.reason[rows] = torch.where(reason != CONTINUE, reason, self.reason[rows])
+        self.active[rows] = self.active[rows] & (reason == CONTINUE)
+
+    def finished_slots(self) -> list[tuple[int, int]]:
+        """(slot, reason) of every slot whose row has stopped and not been released; one host sync."""
+        stopped = (self.reason != CONTINUE).nonzero().flatten()
+        if stopped.numel() == 0:
+            return []
+        return list(zip(stopped.tolist(), self.reason[stopped].tolist()))
+
+
+def choose_tokens(logits: torch.Tensor, state: SlotState, slots: torch.Tensor | None, choice: TokenChoice | None,
+                  want_logprobs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Next token (R,) from logits (R, vocab) of `slots` (None = every slot, in order), and with
+    `want_logprobs` its log-probability (R,) under the distribution it was picked from (after repetition
+    control and temperature, top-k, top-p: the scores transformers' processors leave). No host sync."""
+    rows = slice(None) if slots is None else slots
+    if choice is None:
+        tokens, scores = logits.argmax(-1), logits
+    else:
+        seq_len = state.seq_len[rows]
+        scores = choice.process(logits, state.sequences[rows], seq_len)  # (R, V) float32
+        tokens = choice.choose_from_scores(scores, seq_len, state.sample_index[rows])
+    if not want_logprobs:
+        return tokens, None
+    return tokens, torch.log_softmax(scores.float(), dim=-1).gather(1, tokens[:, None])[:, 0]
+
+
+class DecodeStep:
+    """One decode step of `model` over `state`, `cache` and `stops`, run `mode`'s way (see the module docstring).
+
+    Call it with the slots of the step's rows (None: every slot) and the cache length bucket it reads.
+    """
+
+    def __init__(self, model: nn.Module, cache: KVCache, state: SlotState, stops: StopChecker,
+                 choice: TokenChoice | None) -> None:
+        self.model, self.cache, self.state, self.stops, self.choice = model, cache, state, stops, choice
+        self.mode = "eager"
+        self._compiled: Callable[[torch.Tensor | None, int], None] | None = None
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (rows, length) -> captured step
+        self._graph_slots: dict[int, torch.Tensor] = {}  # rows -> the captured step's slot buffer
+
+    def run(self, slots: torch.Tensor | None, length: int) -> None:
+        """tokens (R, 1) fed from each row's last token at its position; the chosen token appended in place.
+        Idle rows (not active) feed position 0 and keep their state."""
+        state, rows = self.state, slice(None) if slots is None else slots
+        active = state.active[rows]  # (R,)
+        tokens = state.last_token[rows][:, None]  # (R, 1)
+        positions = torch.where(active, state.seq_len[rows] - 1, 0)[:, None]  # (R, 1): where the fed token sits
+        logits = self.model(tokens, positions, self.cache, slots, length=length)  # (R, vocab)
+        token, logprob = choose_tokens(logits, state, slots, self.choice, state.logprobs is not None)
+        state.append(token, active, self.stops, slots, logprob)
+
+    def __call__(self, slots: torch.Tensor | None, length: int) -> None:
+        if self.mode == "eager":
+            self.run(slots, length)
+        elif self.mode == "compiled":
+            self._compiled(slots, length)
+        else:
+            self._replay(slots, length)
+
+    def compile(self) -> None:
+        """From now on the step runs compiled: one graph, no graph break (fullgraph), per rows and length."""
+        self._compiled = torch.compile(self.run, fullgraph=True, dynamic=False)
+        self.mode = "compiled"
+
+    def capture(self) -> None:
+        """From now on (CUDA only) the step replays a CUDA graph per (rows, length) bucket, captured from the
+        compiled step by `warm_up` (capturing runs the step, so only while every slot is idle)."""
+        if self.state.sequences.device.type != "cuda":
+            raise ValueError("CUDA graphs need the model on a CUDA device")
+        if self._compiled is None:
+            self.compile()
+        self.mode = "cuda_graph"
+
+    def _replay(self, slots: torch.Tensor | None, length: int) -> None:
+        """Replays the captured graph of this (rows, length), the slots copied in; a shape `warm_up` did not capture
+        (capturing runs the step, which would append tokens now) runs compiled."""
+        key = (-1 if slots is None else len(slots), length)
+        if key not in self._graphs:
+            if not bool(self.state.active.any()):
+                self._capture(slots, length, key)
+            else:
+                self._compiled(slots, length)
+                return
+        if slots is not None:
+            self._graph_slots[len(slots)].copy_(slots)
+        self._graphs[key].replay()
+
+    def _capture(self, slots: torch.Tensor | None, length: int, key: tuple[int, int]) -> None:
+        """Warms the compiled step up on a side stream, then records it into a CUDA graph."""
+        if slots is not None:
+            slots = self._graph_slots.setdefault(len(slots), slots.clone())
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._compiled(slots, length)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._compiled(slots, length)
+        self._graphs[key] = graph
+
+    def warm_up(self, shapes: list[tuple[torch.Tensor | None, int]]) -> float:
+        """Runs the step once per (slots, length) in `shapes` while every slot is idle: kernel builds, GEMM
+        primitives, compilation and graph capture happen here, before generation. Returns the seconds spent."""
+        if bool(self.state.active.any()):
+            raise RuntimeError("warm_up runs only while every slot is idle")
+        start = time.perf_counter()
+        for slots, length in shapes:
+            self(slots, length)
+        if self.state.sequences.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start

@@ -1,0 +1,200 @@
+"""The fixed-shape decode step (modelzoo/generation/step.py): compiled whole, never recompiled, no host sync,
+state at fixed addresses, and the same tokens as the eager step."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch._dynamo.backends.common import aot_autograd
+
+from harness import save_tiny_model
+from modelzoo.checkpoint import load_model
+from modelzoo.generation.engine import GenerationEngine, Request
+from modelzoo.generation.sampling import TokenChoice
+from modelzoo.generation.step import LENGTH_BUCKET, length_bucket, length_buckets
+from modelzoo.params import TokenChoiceParams
+from tiny_configs import VOCAB, tiny_llama_config
+
+SLOTS, MAX_SEQ_LEN, MAX_TOKENS = 4, 96, 8
+NUM_PROMPTS = 64  # 64 rows of 2-8 tokens in 4 slots: 80-odd steps, rows finishing and joining all along
+# Ops that read a tensor's value on the host, or give a shape that depends on values.
+HOST_SYNC_OPS = ("aten._local_scalar_dense", "aten.item", "aten.nonzero", "aten.masked_select", "aten._assert_async",
+                 "aten.unique")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> Path:
+    return save_tiny_model(tiny_llama_config(), tmp_path_factory.mktemp("tiny_llama"))
+
+
+def requests() -> list[Request]:
+    """Prompts of 1-20 tokens; a stop sequence and each row's own max_tokens end rows at different steps."""
+    rng = np.random.default_rng(5)
+    return [Request(i, rng.integers(3, VOCAB, size=int(rng.integers(1, 21))), max_tokens=int(rng.integers(2, 9)))
+            for i in range(NUM_PROMPTS)]
+
+
+def engine_for(path: Path, choice: TokenChoice | None = None, logprobs: bool = False) -> GenerationEngine:
+    model, _ = load_model(path, torch.float32, torch.device("cpu"))
+    return GenerationEngine(model, SLOTS, MAX_SEQ_LEN, [[7, 8]], MAX_TOKENS, torch.device("cpu"), torch.float32,
+                            choice=choice, logprobs=logprobs)
+
+
+def outputs(engine: GenerationEngine) -> dict[int, tuple[list[int], str, list[float] | None]]:
+    return {c.index: (c.tokens.tolist(), c.reason, None if c.logprobs is None else c.logprobs.tolist())
+            for c in engine.generate(requests())}
+
+
+def buffer_addresses(engine: GenerationEngine) -> list[int]:
+    """data_ptr of everything the step reads or writes: cache, slot state, stop state."""
+    state, stops = engine.state, engine.stops
+    tensors = [*engine.cache.keys, *engine.cache.values, state.sequences, state.seq_len, state.prompt_len,
+               state.last_token, state.sample_index, state.active, state.reason, stops.history, stops.limit,
+               stops.enabled]
+    return [t.data_ptr() for t in tensors + ([state.logprobs] if state.logprobs is not None else [])]
+
+
+class GraphRecorder:
+    """A torch.compile backend that keeps every forward graph AOT autograd hands it (functionalized ATen ops,
+    where an `.item()` or a data-dependent shape would show) and runs it as it is."""
+
+    def __init__(self) -> None:
+        self.graphs: list[torch.fx.GraphModule] = []
+        self.backend = aot_autograd(fw_compiler=self.record)
+
+    def record(self, graph: torch.fx.GraphModule, example_inputs) -> object:
+        self.graphs.append(graph)
+        return graph.forward
+
+    def targets(self) -> set[str]:
+        return {str(node.target) for graph in self.graphs for node in graph.graph.nodes if node.op == "call_function"}
+
+    def unbacked_symbols(self) -> list[str]:
+        """Symbols the graphs would have to read from the device (u0, u1, ...)."""
+        found = []
+        for graph in self.graphs:
+            for node in graph.graph.nodes:
+                value = node.meta.get("val")
+                shapes = value.shape if isinstance(value, torch.Tensor) else ()
+                found += [str(d) for d in shapes if isinstance(d, torch.SymInt) and str(d).startswith("u")]
+        return found
+
+
+@pytest.mark.parametrize("options", ["greedy", "sampled_logprobs"])
+def test_compiled_step_runs_without_break_recompile_or_sync(tiny_llama, options):
+    """Compiled with fullgraph=True, dynamic=False and warmed up, the step runs 64+ steps with rows stopping
+    and joining under fail_on_recompile; its buffers keep their addresses; its graph holds no host sync; the
+    tokens and reasons equal the eager step's, the log-probabilities to float32 rounding."""
+    choice = None
+    if options == "sampled_logprobs":
+        choice = TokenChoice.from_params(TokenChoiceParams(temperature=0.8, top_k=20, top_p=0.9, seed=3,
+                                                           repetition_penalty=1.3))
+    logprobs = options == "sampled_logprobs"
+    eager = outputs(engine_for(tiny_llama, choice, logprobs))
+
+    engine = engine_for(tiny_llama, choice, logprobs)
+    recorder = GraphRecorder()
+    engine.decode._compiled = torch.compile(engine.decode.run, backend=recorder.backend, fullgraph=True,
+                                            dynamic=False)
+    engine.decode.mode = "compiled"
+    engine.warm_up()
+    assert len(recorder.graphs) == len(engine.step_shapes()) == 1  # one length bucket of 96, every slot
+    addresses = buffer_addresses(engine)
+    steps = 0
+    decode = engine._decode_step
+
+    def counted() -> None:
+        nonlocal steps
+        steps += 1
+        decode()
+
+    engine._decode_step = counted
+    with torch.compiler.set_stance("fail_on_recompile"):
+        compiled = outputs(engine)
+    assert steps >= 64, steps
+    assert len(recorder.graphs) == 1  # nothing compiled after the warm-up
+    assert buffer_addresses(engine) == addresses
+    # Compiled, attention and the small ops are PyTorch's rather than our C++ kernels: log-probabilities agree
+    # to float32 rounding, tokens and reasons exactly.
+    assert {i: out[:2] for i, out in compiled.items()} == {i: out[:2] for i, out in eager.items()}
+    assert len(compiled) == NUM_PROMPTS
+    if logprobs:
+        for index, (_, _, values) in compiled.items():
+            np.testing.assert_allclose(values, eager[index][2], rtol=0, atol=1e-5)
+    assert {reason for _, reason, _ in compiled.values()} >= {"max_tokens"}
+    assert not [t for t in recorder.targets() if t.startswith(HOST_SYNC_OPS)], recorder.targets()
+    assert not recorder.unbacked_symbols()
+
+
+def test_inductor_compiled_step_gives_the_eager_tokens(tiny_llama):
+    """The step compiled by inductor (the default backend: fused kernels, no C++ kernels of ours) gives the
+    eager step's tokens."""
+    eager = outputs(engine_for(tiny_llama))
+    engine = engine_for(tiny_llama)
+    engine.decode.compile()
+    engine.warm_up()
+    assert outputs(engine) == eager
+
+
+def test_idle_step_changes_only_position_zero_of_the_cache(tiny_llama):
+    """A step while every slot is idle (what warm_up runs) leaves the slot and stop state as they were."""
+    engine = engine_for(tiny_llama)
+    state = engine.state
+    state.sequences.random_(0, VOCAB)
+    state.seq_len.fill_(9)
+    state.last_token.fill_(5)
+    engine.stops.history.fill_(4)
+    before = [t.clone() for t in (state.sequences, state.seq_len, state.last_token, state.reason, state.active,
+                                  engine.stops.history)]
+    for layer in range(len(engine.cache.keys)):
+        engine.cache.keys[layer].fill_(1.5)
+    engine.warm_up()
+    after = (state.sequences, state.seq_len, state.last_token, state.reason, state.active, engine.stops.history)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    keys = engine.cache.keys[0]
+    assert torch.all(keys[:, :, 1:] == 1.5) and not torch.all(keys[:, :, 0] == 1.5)
+
+
+def test_warm_up_refuses_active_slots(tiny_llama):
+    engine = engine_for(tiny_llama)
+    engine.state.active[1] = True
+    with pytest.raises(RuntimeError, match="idle"):
+        engine.decode.warm_up([(None, MAX_SEQ_LEN)])
+
+
+def test_length_buckets():
+    """The longest row rounded up to LENGTH_BUCKET, capped at the cache's length; every bucket listed."""
+    assert length_bucket(1, 512) == LENGTH_BUCKET
+    assert length_bucket(LENGTH_BUCKET, 512) == LENGTH_BUCKET
+    assert length_bucket(LENGTH_BUCKET + 1, 512) == 2 * LENGTH_BUCKET
+    assert length_bucket(500, 500) == 500
+    assert length_buckets(96) == [96]
+    assert length_buckets(512) == [128, 256, 384, 512]
+    assert length_buckets(300) == [128, 256, 300]
+    assert all(length_bucket(n, 300) in length_buckets(300) for n in range(1, 301))
+
+
+def test_capture_needs_cuda(tiny_llama):
+    with pytest.raises(ValueError, match="CUDA"):
+        engine_for(tiny_llama).decode.capture()
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["bool_mask", "additive_bias"])
+def test_grouped_query_attention_equals_expanded_heads(bias):
+    """Decode attention over grouped queries equals attention with K/V expanded to every query head."""
+    from modelzoo.models.layers import grouped_query_attention
+
+    torch.manual_seed(0)
+    batch, heads, kv_heads, length, head_dim = 5, 8, 2, 37, 16
+    q = torch.randn(batch, heads, 1, head_dim)
+    keys, values = torch.randn(2, batch, kv_heads, length, head_dim)
+    lengths = torch.tensor([1, 9, 37, 20, 3])
+    mask = (torch.arange(length)[None, :] < lengths[:, None])[:, None, None, :]  # (B, 1, 1, L)
+    if bias:
+        mask = torch.randn(batch, heads, 1, length).masked_fill(~mask, float("-inf"))  # (B, heads, 1, L)
+    expanded = [t.repeat_interleave(heads // kv_heads, dim=1) for t in (keys, values)]
+    want = torch.nn.functional.scaled_dot_product_attention(q, *expanded, attn_mask=mask, scale=0.3)[:, :, 0]
+    got = grouped_query_attention(q, keys, values, mask, 0.3)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
