@@ -4,7 +4,7 @@
 its slot takes the next pending request at once (continuous batching), instead of idling until
 every row of its batch is done. The decode step itself is `DecodeStep` (step.py): fixed shapes,
 state in place, stops decided on the device; this module is the host side around it (admission,
-prefill, release), which reads which rows finished once per step. Newly admitted prompts are prefilled together, grouped by length
+prefill, release), which reads which rows finished once per step (every few on a GPU). Newly admitted prompts are prefilled together, grouped by length
 so that padding stays small; a prefix they all share (a chat template) is prefilled only once
 (`SharedPrefix`). The decode step runs every slot (idle ones on a throwaway row at position 0): a
 fixed batch shape costs about the same as a smaller one at these sizes, and it is what lets the CPU
@@ -39,6 +39,8 @@ if TYPE_CHECKING:
     from modelzoo.generation.speculative import Drafter
 
 log = logging.getLogger("zoo-infer")
+
+STEPS_PER_READ_CUDA = 4
 
 
 @dataclass
@@ -93,6 +95,9 @@ class GenerationEngine:
         # An upper bound of each slot's length, known on the host without reading the device: it sizes the
         # cache length bucket of each step.
         self.length_bound = np.zeros(num_slots, dtype=np.int64)
+        # Decode steps between two reads of which rows finished: on a GPU a read waits for the queued steps
+        # to finish, so it is read every few steps (a finished row idles until then); on the CPU every step.
+        self.steps_per_read = STEPS_PER_READ_CUDA if device.type == "cuda" and drafter is None else 1
         # Lengths a row may reach: max_seq_len, or less where the model's learned position table ends.
         self.position_limit = min(max_seq_len, getattr(model, "position_limit", None) or max_seq_len)
         # The prompt prefix shared by the first admitted requests, once known (not with a drafter: a
@@ -138,7 +143,8 @@ class GenerationEngine:
                 if exhausted:
                     return
                 continue
-            step()
+            for _ in range(self.steps_per_read):
+                step()
             yield from self._release(free)
 
     def step_shapes(self) -> list[tuple[torch.Tensor | None, int]]:
@@ -248,8 +254,12 @@ class GenerationEngine:
         slots = self._small_step_slots()
         owned = [slot for slot, owner in enumerate(self.owner) if owner is not None]
         longest, limit = int(self.length_bound[owned].max()), self.position_limit
-        if longest > limit:
-            raise past_learned_positions(longest - 1, limit)
+        if longest > limit:  # the bound may count steps of rows already stopped: read the true lengths once
+            lengths = torch.where(self.state.active, self.state.seq_len, 0).cpu().numpy()
+            self.length_bound[owned] = lengths[owned]
+            longest = int(self.length_bound[owned].max())
+            if longest > limit:
+                raise past_learned_positions(longest - 1, limit)
         self.decode(slots, length_bucket(longest, limit))
         self.length_bound[owned] = np.minimum(self.length_bound[owned] + 1, self.max_seq_len)
 
