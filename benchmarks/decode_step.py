@@ -8,11 +8,11 @@ next one.
 
 Every run is `run_inference.py` in a process of its own, one after another, on the same prompts: random token
 ids (seeded) of 32 to 160 tokens, greedy, exactly --max_tokens new tokens each (no stop sequence), every row
-in flight at once. Per dtype:
-  - eager, first job: a fresh, empty kernel folder (ZOO_INFER_KERNEL_DIR), so the C++ kernels build and the
-    GEMMs are measured in this job, as on a fresh install;
-  - eager, second job: the same folder, now holding both;
-  - compiled: runconfig.decode_step compiled, in that folder (inductor compiles in the set-up).
+in flight at once. The runs use a fresh clone of this checkout's HEAD, with empty kernel and cache folders
+(ZOO_INFER_KERNEL_DIR, XDG_CACHE_HOME, TORCHINDUCTOR_CACHE_DIR), as a fresh install would. Per dtype:
+  - eager, first job: the C++ kernels build (the first dtype only) and the GEMMs are measured in this job;
+  - eager, second job: the same install, now holding both;
+  - compiled: runconfig.decode_step compiled (inductor compiles in the set-up).
 Printed per run: set-up seconds (load, GEMM choice, kernel build, compilation, warm-up), generation seconds
 and tokens/s as summary.json reports them, the process's wall time, tokens/s over the second eager job's, and
 whether its predictions files equal the second eager job's.
@@ -49,7 +49,7 @@ def write_prompts(folder: Path, num_prompts: int, max_tokens: int, vocab_size: i
         handle.create_dataset("data", data=rows)
 
 
-def run_job(out: Path, name: str, model: str, dtype: str, args: argparse.Namespace, kernel_dir: Path,
+def run_job(out: Path, name: str, model: str, dtype: str, args: argparse.Namespace, install: Path,
             decode_step: str) -> dict:
     """One run_inference.py process; its summary.json plus the wall time."""
     params = {
@@ -63,10 +63,11 @@ def run_job(out: Path, name: str, model: str, dtype: str, args: argparse.Namespa
     path = out / f"params_{name}.yaml"
     path.write_text(yaml.safe_dump(params))
     model_dir = out / f"run_{name}"
-    env = {**os.environ, "ZOO_INFER_KERNEL_DIR": str(kernel_dir)}
+    env = {**os.environ, "ZOO_INFER_KERNEL_DIR": str(install / "kernels"), "XDG_CACHE_HOME": str(install / "cache"),
+           "TORCHINDUCTOR_CACHE_DIR": str(install / "inductor")}
     start = time.perf_counter()
-    subprocess.run([sys.executable, str(ROOT / "run_inference.py"), "--params", str(path), "--model_dir",
-                    str(model_dir), "--overwrite"], check=True, env=env, cwd=ROOT)
+    subprocess.run([sys.executable, str(install / "zoo-infer" / "run_inference.py"), "--params", str(path),
+                    "--model_dir", str(model_dir), "--overwrite"], check=True, env=env, cwd=install / "zoo-infer")
     summary = json.loads((model_dir / "artifacts" / "summary.json").read_text())
     summary["process_seconds"] = time.perf_counter() - start
     summary["model_dir"] = str(model_dir)
@@ -97,15 +98,13 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     write_prompts(args.out / "data", args.num_prompts, args.max_tokens, int(config["vocab_size"]), args.start_token)
     rows = []
-    with tempfile.TemporaryDirectory(prefix="zoo-kernels-") as fresh:
-        kernel_dir = Path(fresh)
+    with tempfile.TemporaryDirectory(prefix="zoo-install-") as fresh:
+        install = Path(fresh)
+        subprocess.run(["git", "clone", "--quiet", str(ROOT), str(install / "zoo-infer")], check=True)
         for dtype in args.dtypes.split(","):
             for mode in args.modes.split(","):
-                if mode == "eager_first":  # an empty folder: kernels build and GEMMs are measured in this job
-                    for item in kernel_dir.iterdir():
-                        subprocess.run(["rm", "-rf", str(item)], check=True)
                 name = f"{mode}_{dtype}"
-                summary = run_job(args.out, name, args.model, dtype, args, kernel_dir,
+                summary = run_job(args.out, name, str(Path(args.model).resolve()), dtype, args, install,
                                   "compiled" if mode == "compiled" else "eager")
                 rows.append({"run": name, "mode": mode, "dtype": dtype, **{k: summary[k] for k in (
                     "setup_seconds", "generation_seconds", "tokens_per_second", "generated_tokens",

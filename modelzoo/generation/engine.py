@@ -4,8 +4,8 @@
 its slot takes the next pending request at once (continuous batching), instead of idling until
 every row of its batch is done. The decode step itself is `DecodeStep` (step.py): fixed shapes,
 state in place, stops decided on the device; this module is the host side around it (admission,
-prefill, release), which reads which rows finished once per step (every few on a GPU). Newly admitted prompts are prefilled together, grouped by length
-so that padding stays small; a prefix they all share (a chat template) is prefilled only once
+prefill, release), which reads which rows finished once per step (every few on a GPU). Newly
+admitted prompts are prefilled together, grouped by length so that padding stays small; a prefix they all share (a chat template) is prefilled only once
 (`SharedPrefix`). The decode step runs every slot (idle ones on a throwaway row at position 0): a
 fixed batch shape costs about the same as a smaller one at these sizes, and it is what lets the CPU
 decode GEMMs use weights prepacked for that shape. Once at most `small_step_rows` slots are still
@@ -302,8 +302,6 @@ class GenerationEngine:
         """Turns the slots whose rows stopped into Completions and hands the slots back (one host sync)."""
         state = self.state
         for slot, reason in state.finished_slots():
-            if self.owner[slot] is None:  # an idle slot's reason is never set; kept safe all the same
-                continue
             begin, end = int(state.prompt_len[slot]), int(state.seq_len[slot])
             tokens = state.sequences[slot, begin:end].cpu().numpy().astype(np.int32)
             logprobs = None if state.logprobs is None else state.logprobs[slot, begin:end].cpu().numpy()
