@@ -16,6 +16,7 @@ from modelzoo.generation.kv_cache import KVCache
 from modelzoo.generation.sampling import TokenChoice
 from modelzoo.generation.speculative import DraftModelDrafter, Drafter, PromptLookupDrafter
 from modelzoo.int8_compute import apply_int8_backend
+from modelzoo.kernels import machine_dir
 from modelzoo.memory import available_host_memory
 from modelzoo.params import InferenceParams
 from modelzoo.quantization import int8_summary
@@ -142,9 +143,13 @@ class ModelSetup:
         return requested
 
     def _prepare_decode_step(self, engine: GenerationEngine) -> None:
-        """Compiles or captures the decode step as `mode` says, and runs it once per shape it can take, all before
-        the generation clock starts (kernel builds and GEMM primitives included); logged and kept for summary.json."""
+        """Compiles or captures the decode step as runconfig.decode_step says, and runs it once per shape it can
+        take, all before the generation clock starts (kernel builds and GEMM primitives included); logged and kept
+        for summary.json. Inductor's compiled code is cached beside the C++ kernels' builds (unless
+        TORCHINDUCTOR_CACHE_DIR says where), so the next job on this machine type reuses it."""
         mode = self.decode_step_mode
+        if mode in ("compiled", "cuda_graph"):
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(machine_dir() / "inductor"))
         if mode == "compiled":
             engine.decode.compile()
         elif mode == "cuda_graph":
@@ -224,8 +229,8 @@ class ModelSetup:
                                        spare_bytes=spare_bytes)
         if weight_dtype == "int8":
             self.gemm.add(apply_int8_backend(model, self.dtype, self.device, self.params.runconfig.int8_backend))
-        if spec or rows <= SMALL_STEP_ROWS or self.device.type != "cpu":
-            return None
+        if spec or rows <= SMALL_STEP_ROWS or self.device.type != "cpu" or self.decode_step_mode == "compiled":
+            return None  # compiled: another shape is another graph, whose fusions may round a row otherwise
         return SMALL_STEP_ROWS if self.gemm.batch_invariant else None
 
     def _drafter(self) -> Drafter | None:
