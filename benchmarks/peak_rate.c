@@ -6,12 +6,18 @@
  * kind 0: vfmadd231ps on zmm  (float32, AVX-512F):      16 lanes x 2 FLOPs = 32 per instruction
  * kind 1: vfmadd231ps on ymm  (float32, AVX2 + FMA):     8 lanes x 2 FLOPs = 16 per instruction
  * kind 2: vdpbf16ps on zmm    (bfloat16, AVX512-BF16):  16 lanes x 2 pairs x 2 FLOPs = 64 per instruction
+ * kind 3: tdpbf16ps on tiles  (bfloat16, AMX-BF16):     16 x 16 outputs x 32 pairs x 2 FLOPs = 16384
+ * kind 4: tdpbssd on tiles    (int8, AMX-INT8):         16 x 16 outputs x 64 pairs x 2 ops = 32768
  *
- * Twelve chains: more than latency (4 cycles) x FMA ports (2) on current x86-64 cores, so every
- * port issues every cycle.
+ * Twelve chains for the vector instructions: more than latency (4 cycles) x FMA ports (2) on current
+ * x86-64 cores, so every port issues every cycle. Four accumulator tiles for AMX, each fed by two of
+ * four source tiles, as its GEMM kernels do. AMX needs the kernel's permission for its tile state
+ * (arch_prctl ARCH_REQ_XCOMP_PERM, Linux 5.16+), asked once per process.
  */
 #include <pthread.h>
+#include <sys/syscall.h>
 #include <time.h>
+#include <unistd.h>
 
 #define TWELVE(op, reg, src)                                                                        \
     op " %%" reg "12, %%" src "13, %%" reg "0\n\t" op " %%" reg "12, %%" src "13, %%" reg "1\n\t"    \
@@ -24,8 +30,42 @@
 #define CLOBBERS "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", \
                  "xmm11", "xmm12", "xmm13"
 
-static const double FLOPS_PER_INSTRUCTION[] = {32.0, 16.0, 64.0};
-enum { INSTRUCTIONS_PER_ITERATION = 12 };
+static const double FLOPS_PER_ITERATION[] = {32.0 * 12, 16.0 * 12, 64.0 * 12, 16384.0 * 4, 32768.0 * 4};
+enum { KINDS = 5, FIRST_AMX_KIND = 3 };
+
+/* The AMX tile configuration (palette 1): eight tiles of 16 rows x 64 bytes. */
+struct tile_config {
+    unsigned char palette_id, start_row, reserved[14];
+    unsigned short colsb[16];
+    unsigned char rows[16];
+};
+
+#define AMX_FOUR(op) op " %%tmm6, %%tmm4, %%tmm0\n\t" op " %%tmm7, %%tmm4, %%tmm1\n\t" \
+                     op " %%tmm6, %%tmm5, %%tmm2\n\t" op " %%tmm7, %%tmm5, %%tmm3\n\t"
+
+static void run_tiles(int kind, long n) {
+    struct tile_config config = {0};
+    config.palette_id = 1;
+    for (int tile = 0; tile < 8; ++tile) {
+        config.colsb[tile] = 64;
+        config.rows[tile] = 16;
+    }
+    __asm__ volatile("ldtilecfg %0" ::"m"(config));
+    /* Zeroed sources and accumulators: nothing ever overflows or turns denormal. */
+    __asm__ volatile("tilezero %%tmm0\n\ttilezero %%tmm1\n\ttilezero %%tmm2\n\ttilezero %%tmm3\n\t"
+                     "tilezero %%tmm4\n\ttilezero %%tmm5\n\ttilezero %%tmm6\n\ttilezero %%tmm7" ::);
+    if (kind == 3)
+        for (long i = 0; i < n; ++i) __asm__ volatile(AMX_FOUR("tdpbf16ps") ::);
+    else
+        for (long i = 0; i < n; ++i) __asm__ volatile(AMX_FOUR("tdpbssd") ::);
+    __asm__ volatile("tilerelease" ::);
+}
+
+/* Asks Linux for the AMX tile data state; 0 when granted. */
+static int request_amx(void) {
+    enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
+    return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
+}
 
 struct job {
     int kind;
@@ -35,6 +75,10 @@ struct job {
 static void *run_chains(void *arg) {
     const struct job *job = (const struct job *)arg;
     long n = job->iterations;
+    if (job->kind >= FIRST_AMX_KIND) {
+        run_tiles(job->kind, n);
+        return 0;
+    }
     /* Zeroed sources: the values never become denormal or infinite, whatever the count. */
     if (job->kind == 0) {
         __asm__ volatile("vpxord %%zmm12, %%zmm12, %%zmm12\n\tvpxord %%zmm13, %%zmm13, %%zmm13" ::: CLOBBERS);
@@ -56,12 +100,13 @@ static double now(void) {
 }
 
 /* GFLOP/s of `threads` threads each running `iterations` iterations of instruction `kind`;
- * a negative value when a thread could not start or `kind` is unknown. */
+ * a negative value when a thread could not start, `kind` is unknown or AMX was refused. */
 double peak_gflops(int kind, int threads, long iterations) {
     enum { MAX_THREADS = 1024 };
     pthread_t ids[MAX_THREADS];
     struct job job = {kind, iterations};
-    if (kind < 0 || kind > 2 || threads < 1 || threads > MAX_THREADS) return -1.0;
+    if (kind < 0 || kind >= KINDS || threads < 1 || threads > MAX_THREADS) return -1.0;
+    if (kind >= FIRST_AMX_KIND && request_amx() != 0) return -1.0;
     double start = now();
     int started = 0;
     for (; started < threads; ++started)
@@ -69,5 +114,5 @@ double peak_gflops(int kind, int threads, long iterations) {
     for (int i = 0; i < started; ++i) pthread_join(ids[i], 0);
     double seconds = now() - start;
     if (started != threads) return -1.0;
-    return FLOPS_PER_INSTRUCTION[kind] * INSTRUCTIONS_PER_ITERATION * (double)iterations * threads / seconds / 1e9;
+    return FLOPS_PER_ITERATION[kind] * (double)iterations * threads / seconds / 1e9;
 }

@@ -6,11 +6,13 @@ dtype can beat it on these threads, so a workload's FLOPs over it bound every en
 
 Which instruction bounds which dtype:
   - float32: vfmadd231ps on zmm (AVX-512F), else on ymm (AVX2 + FMA).
-  - bfloat16: vdpbf16ps on zmm where the CPU has AVX512-BF16; without it bfloat16 is multiplied in
-    float32 (zoo-infer's and oneDNN's way there), so the float32 peak bounds it.
-  - float16: the float32 peak, where the CPU lacks AVX512-FP16.
-A CPU with AMX (Sapphire Rapids and later) or AVX512-FP16 multiplies half precision faster than any
-of these loops: no bound is given there for bfloat16 / float16 (None), rather than a wrong one.
+  - bfloat16: tdpbf16ps on AMX tiles where the CPU has AMX-BF16 (Sapphire Rapids and later); else
+    vdpbf16ps on zmm where it has AVX512-BF16; without either bfloat16 is multiplied in float32
+    (zoo-infer's and oneDNN's way there), so the float32 peak bounds it.
+  - float16: the float32 peak, where the CPU lacks AVX512-FP16 and AMX-FP16.
+  - int8: tdpbssd on AMX tiles where the CPU has AMX-INT8 (ops, not FLOPs).
+A CPU with AVX512-FP16 or AMX-FP16 multiplies float16 faster than any of these loops: no bound is
+given there for float16 (None), rather than a wrong one; nor for int8 without AMX.
 """
 from __future__ import annotations
 
@@ -31,8 +33,10 @@ if str(REPO_ROOT) not in sys.path:
 from modelzoo.cpu import cpu_flags  # noqa: E402
 
 SOURCE = Path(__file__).with_name("peak_rate.c")
-FP32_ZMM, FP32_YMM, BF16_ZMM = 0, 1, 2  # the `kind` argument of peak_gflops() in peak_rate.c
-INSTRUCTIONS = {FP32_ZMM: "vfmadd231ps zmm", FP32_YMM: "vfmadd231ps ymm", BF16_ZMM: "vdpbf16ps zmm"}
+FP32_ZMM, FP32_YMM, BF16_ZMM, BF16_AMX, INT8_AMX = 0, 1, 2, 3, 4  # peak_gflops()'s `kind` in peak_rate.c
+INSTRUCTIONS = {FP32_ZMM: "vfmadd231ps zmm", FP32_YMM: "vfmadd231ps ymm", BF16_ZMM: "vdpbf16ps zmm",
+                BF16_AMX: "tdpbf16ps tiles", INT8_AMX: "tdpbssd tiles"}
+AMX_ITERATIONS_SHARE = 64  # an AMX iteration does ~300x the work of a vector one: fewer of them
 ITERATIONS = 20_000_000  # 240M instructions a thread: about 0.1 s at 4 GHz and two ports
 REPEATS = 5  # the best of these runs is kept (the rate moves a few percent between runs)
 
@@ -53,21 +57,22 @@ def _build(folder: Path) -> ctypes.CDLL:
 
 def instructions_for(flags: AbstractSet[str]) -> dict[str, int | None]:
     """dtype -> the instruction (peak_rate.c's kind) whose rate bounds its GEMMs on a CPU with these
-    flags; None where a faster unit (AMX, AVX512-FP16) is not measured or the CPU has no AVX2 + FMA."""
+    flags; None where a faster unit (AVX512-FP16, AMX-FP16) is not measured or the CPU has no AVX2 + FMA."""
     if "avx512f" in flags:
         fp32 = FP32_ZMM
     elif {"avx2", "fma"} <= flags:
         fp32 = FP32_YMM
     else:
         fp32 = None
-    if flags & {"amx_bf16"}:
-        bf16 = None
+    if {"amx_bf16", "amx_tile"} <= flags:
+        bf16 = BF16_AMX
     elif "avx512_bf16" in flags:
         bf16 = BF16_ZMM
     else:
         bf16 = fp32
     fp16 = None if flags & {"amx_fp16", "avx512_fp16"} else fp32
-    return {"float32": fp32, "bfloat16": bf16, "float16": fp16}
+    int8 = INT8_AMX if {"amx_int8", "amx_tile"} <= flags else None
+    return {"float32": fp32, "bfloat16": bf16, "float16": fp16, "int8": int8}
 
 
 def measure_peaks(threads: int, dtypes: list[str]) -> tuple[dict[str, float | None], str]:
@@ -80,13 +85,19 @@ def measure_peaks(threads: int, dtypes: list[str]) -> tuple[dict[str, float | No
     try:
         with tempfile.TemporaryDirectory(prefix="zoo-peak-") as folder:
             lib = _build(Path(folder))
-            rates = {kind: max(lib.peak_gflops(kind, threads, ITERATIONS) for _ in range(REPEATS)) for kind in wanted}
+            rates = {kind: max(lib.peak_gflops(kind, threads, iterations(kind)) for _ in range(REPEATS))
+                     for kind in wanted}
     except (RuntimeError, OSError, subprocess.CalledProcessError) as error:
         detail = getattr(error, "stderr", "") or str(error)
         return nothing, f"not measured ({detail.strip().splitlines()[-1][:200]})"
     if any(rate <= 0 for rate in rates.values()):
-        return nothing, f"not measured (could not start {threads} threads)"
+        return nothing, f"not measured (could not start {threads} threads, or Linux refused AMX)"
     return {dtype: rates.get(kinds.get(dtype)) for dtype in dtypes}, ""
+
+
+def iterations(kind: int) -> int:
+    """Loop iterations a thread runs for instruction `kind`."""
+    return ITERATIONS // AMX_ITERATIONS_SHARE if kind in (BF16_AMX, INT8_AMX) else ITERATIONS
 
 
 def describe(peaks: dict[str, float | None], threads: int, why_not: str = "") -> str:
@@ -94,7 +105,7 @@ def describe(peaks: dict[str, float | None], threads: int, why_not: str = "") ->
     if why_not:
         return why_not
     kinds = instructions_for(cpu_flags())
-    unmeasured = "AMX / AVX512-FP16 multiply it faster" if kinds["float32"] is not None else "no AVX2 + FMA"
+    unmeasured = "AVX512-FP16 / AMX-FP16 multiply it faster" if kinds["float32"] is not None else "no AVX2 + FMA"
     said = ", ".join(f"{dtype} {peak:.0f} ({INSTRUCTIONS[kinds[dtype]]})" if peak
                      else f"{dtype} not measured ({unmeasured})" for dtype, peak in peaks.items())
     return f"{said}; {threads} threads issuing one instruction on registers only"
@@ -103,7 +114,7 @@ def describe(peaks: dict[str, float | None], threads: int, why_not: str = "") ->
 def main() -> int:
     """Prints the peaks for every dtype with every core available."""
     threads = len(os.sched_getaffinity(0))
-    peaks, why_not = measure_peaks(threads, ["float32", "bfloat16", "float16"])
+    peaks, why_not = measure_peaks(threads, ["float32", "bfloat16", "float16", "int8"])
     print(f"arithmetic peak, GFLOP/s: {describe(peaks, threads, why_not)}")
     return 0
 

@@ -10,9 +10,15 @@ job multiplies, the candidates are timed on this machine at a prefill-sized and 
             PyTorch's Inductor emits); the reordered copy *replaces* the checkpoint's.
 - `mkl`:    MKL's packed GEMM for the decode batch's row count (`torch.ops.mkl`, float32 only); MKL
             needs the plain weight for every other row count, so it keeps two copies.
+- `onednn_blocks`, `torch_blocks`: `onednn` and `torch` called on fixed blocks of BLOCK_ROWS rows, the
+            last one zero-padded: every call the library sees has the same shape, so its blocking (AMX
+            tiles included) cannot follow the number of rows, and neither can a row's bits. They cost
+            the padding and a copy of the output; auto takes them where the plain call is not
+            batch-invariant (on Intel AMX CPUs, in bfloat16, neither oneDNN nor torch is).
 
 A candidate must also be batch-invariant here: each row of its output must not depend on how many
-rows share the call (checked bit for bit at M = 1, 7 and 32 against the same rows in a larger call), or
+rows share the call or where it sits among them (checked bit for bit at M = 1, 7 and 32 against the same
+rows in a larger call, at its start and further in), or
 a job's tokens would depend on which rows share its batch, and a resumed job's files would differ
 from an uninterrupted one's. A candidate that fails is not chosen (a forced one runs, with a
 warning). The fastest remaining one (time per row at M = 256 plus time per row at M = 32: as many
@@ -41,9 +47,11 @@ from modelzoo.kernels import kernel_roots, machine_dir
 
 log = logging.getLogger("zoo-infer")
 
-BACKENDS = ("mkl", "onednn", "torch")
+BACKENDS = ("mkl", "onednn", "torch", "onednn_blocks", "torch_blocks")
 PREFILL_ROWS, DECODE_ROWS = 256, 32  # the row counts timed (fixed, so the choice does not depend on the job)
 INVARIANCE_ROWS = (1, 7, DECODE_ROWS)  # row counts whose rows must equal the same rows in a larger call
+INVARIANCE_OFFSETS = (0, 5, 70)  # where those rows sit in the larger call (70: past a block of BLOCK_ROWS)
+BLOCK_ROWS = 64  # the rows of every call of the *_blocks backends
 MEASURED_WEIGHT_BYTES = 64 * 2**20  # a wider weight (a vocabulary head) is timed on as many outputs as fit
 CACHE_VERSION = 1
 
@@ -88,13 +96,44 @@ class MKLPackedLinear(nn.Module):
         return self.packed.numel() * self.packed.element_size()
 
 
+class RowBlockLinear(nn.Module):
+    """A linear layer multiplied by `backend` (torch or onednn) on fixed blocks of BLOCK_ROWS rows, the last one
+    zero-padded. With torch it holds the weight itself (no plain nn.Linear left inside to be swapped again)."""
+
+    def __init__(self, linear: nn.Linear, backend: str) -> None:
+        super().__init__()
+        self.out_features = linear.out_features
+        if backend == "torch":
+            self.weight, self.bias = linear.weight, linear.bias
+            self.packed: OneDNNLinear | None = None
+        else:
+            self.packed = OneDNNLinear(linear)
+
+    def inner(self, x: torch.Tensor) -> torch.Tensor:
+        """One block (BLOCK_ROWS, K) -> (BLOCK_ROWS, N)."""
+        return F.linear(x, self.weight, self.bias) if self.packed is None else self.packed(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # (M, K)
+        rows = flat.shape[0]
+        out = flat.new_empty(rows, self.out_features)  # (M, N)
+        whole = rows - rows % BLOCK_ROWS
+        for start in range(0, whole, BLOCK_ROWS):
+            out[start: start + BLOCK_ROWS] = self.inner(flat[start: start + BLOCK_ROWS])
+        if whole < rows:
+            padded = flat.new_zeros(BLOCK_ROWS, flat.shape[1])  # (BLOCK_ROWS, K)
+            padded[: rows - whole] = flat[whole:]
+            out[whole:] = self.inner(padded)[: rows - whole]
+        return out.view(*x.shape[:-1], self.out_features)
+
+
 def available_backends(device: torch.device, dtype: torch.dtype) -> list[str]:
     """The candidates this torch build offers for `dtype` on `device` (CUDA: torch only)."""
     if device.type != "cpu":
         return ["torch"]
-    names = ["torch"]
+    names = ["torch", "torch_blocks"]
     if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
-        names.insert(0, "onednn")
+        names[:0] = ["onednn", "onednn_blocks"]
     if dtype == torch.float32 and torch._C.has_mkl and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"):
         names.insert(0, "mkl")
     return names
@@ -108,6 +147,8 @@ def wrap(linear: nn.Linear, backend: str, decode_rows: int = DECODE_ROWS) -> nn.
         return MKLPackedLinear(linear, decode_rows)
     if backend == "torch":
         return linear
+    if backend in ("onednn_blocks", "torch_blocks"):
+        return RowBlockLinear(linear, backend.removesuffix("_blocks"))
     raise ValueError(f"unknown GEMM backend {backend!r}; one of {', '.join(BACKENDS)}")
 
 
@@ -147,14 +188,16 @@ def measure_shape(in_features: int, out_features: int, dtype: torch.dtype, backe
     with torch.no_grad():
         linear.weight.normal_(0.0, in_features ** -0.5, generator=generator)  # in place: no second copy
     x = torch.randn(max(PREFILL_ROWS, *timed_rows), in_features, generator=generator, dtype=dtype)
+    rows_at = [(rows, offset) for rows in INVARIANCE_ROWS for offset in INVARIANCE_OFFSETS]
     choice = ShapeChoice(backend="torch")
     with torch.inference_mode():
         for backend in backends:
             try:
                 module = build(linear, backend)
                 full = module(x)  # (rows, N)
-                choice.invariant[backend] = all(torch.equal(module(x[:rows].contiguous()), full[:rows])
-                                                for rows in INVARIANCE_ROWS)
+                choice.invariant[backend] = all(
+                    torch.equal(module(x[offset: offset + rows].contiguous()), full[offset: offset + rows])
+                    for rows, offset in rows_at)
                 rates = {}
                 for rows in timed_rows:
                     part = x[:rows].contiguous()

@@ -96,14 +96,21 @@ def summary_of(stats: list[RunStats], device: str, dtype: str, shards: int,
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:
     """Writes JSON atomically (readers never see half a file). On a disk too full for a temp file,
-    an existing file is rewritten in place, so a run that fails for want of space still says so."""
+    an existing file is rewritten in place, so a run that fails for want of space still says so: only the
+    blocks the file already holds can be written then, so it is written compact, and without the GEMM
+    rates (gemm_choices.json keeps them) where it would not fit otherwise."""
     text = json.dumps(payload, indent=2) + "\n"
     try:
         write_text_atomic(path, text)
     except WriteError:
         if not path.is_file():
             raise
-        overwrite_in_place(path, text)
+        room = path.stat().st_blocks * 512
+        compact = json.dumps(payload, separators=(",", ":")) + "\n"
+        if len(compact.encode()) > room and isinstance(payload.get("gemm"), dict):
+            payload = {**payload, "gemm": {key: value for key, value in payload["gemm"].items() if key != "measured"}}
+            compact = json.dumps(payload, separators=(",", ":")) + "\n"
+        overwrite_in_place(path, compact)
 
 
 def shard_stats_path(artifacts: Path, index: int) -> Path:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import platform
+import tempfile
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -132,15 +133,15 @@ def test_random_model_is_built_once_with_the_default_tokenizer(tmp_path: Path, m
 def test_peak_rate_instructions_and_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
     """Which instruction bounds which dtype on which CPU; the measured peaks are positive numbers."""
     peak_rate = load_script("benchmarks/peak_rate.py")
-    zen4 = {"avx2", "fma", "avx512f", "avx512_bf16"}
+    zen4 = {"avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni"}
     assert peak_rate.instructions_for(zen4) == {"float32": peak_rate.FP32_ZMM, "bfloat16": peak_rate.BF16_ZMM,
-                                                "float16": peak_rate.FP32_ZMM}
-    assert peak_rate.instructions_for({"avx2", "fma"}) == dict.fromkeys(("float32", "bfloat16", "float16"),
-                                                                       peak_rate.FP32_YMM)
-    sapphire_rapids = zen4 | {"amx_bf16", "amx_fp16", "avx512_fp16"}  # faster units the loops do not measure
-    assert peak_rate.instructions_for(sapphire_rapids) == {"float32": peak_rate.FP32_ZMM, "bfloat16": None,
-                                                           "float16": None}
-    assert peak_rate.instructions_for({"sse4_2"}) == dict.fromkeys(("float32", "bfloat16", "float16"))
+                                                "float16": peak_rate.FP32_ZMM, "int8": None}
+    assert peak_rate.instructions_for({"avx2", "fma"}) == {**dict.fromkeys(("float32", "bfloat16", "float16"),
+                                                                           peak_rate.FP32_YMM), "int8": None}
+    sapphire_rapids = zen4 | {"amx_tile", "amx_bf16", "amx_int8", "avx512_fp16"}  # AMX: its tiles bound bf16, int8
+    assert peak_rate.instructions_for(sapphire_rapids) == {"float32": peak_rate.FP32_ZMM, "bfloat16": peak_rate.BF16_AMX,
+                                                           "float16": None, "int8": peak_rate.INT8_AMX}
+    assert peak_rate.instructions_for({"sse4_2"}) == dict.fromkeys(("float32", "bfloat16", "float16", "int8"))
     if platform.machine() != "x86_64":
         pytest.skip("the peak is measured on x86-64 only")
     monkeypatch.setattr(peak_rate, "ITERATIONS", 100_000)
@@ -148,6 +149,10 @@ def test_peak_rate_instructions_and_measurement(monkeypatch: pytest.MonkeyPatch)
     assert why_not == "" and peaks["float32"] > 1
     assert (peaks["bfloat16"] is None) == (peak_rate.instructions_for(peak_rate.cpu_flags())["bfloat16"] is None)
     assert peak_rate.describe(peaks, 2).startswith(f"float32 {peaks['float32']:.0f} (vfmadd231ps ")
+    if "amx_tile" not in peak_rate.cpu_flags():  # the AMX loops are refused here, not run (no SIGILL)
+        with tempfile.TemporaryDirectory() as folder:
+            lib = peak_rate._build(Path(folder))
+            assert lib.peak_gflops(peak_rate.BF16_AMX, 1, 10) < 0 and lib.peak_gflops(peak_rate.INT8_AMX, 1, 10) < 0
     monkeypatch.setenv("CC", "/nonexistent/cc")  # no compiler: said, not raised
     peaks, why_not = peak_rate.measure_peaks(2, ["float32"])
     assert peaks == {"float32": None} and why_not.startswith("not measured (")

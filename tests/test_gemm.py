@@ -11,8 +11,8 @@ from torch import nn
 import modelzoo.gemm as gemm
 import modelzoo.kernels
 from modelzoo.errors import UserError
-from modelzoo.gemm import (INVARIANCE_ROWS, MKLPackedLinear, OneDNNLinear, apply_gemm_backend, available_backends,
-                           linear_layers, measure_shape, weight_bytes, wrap)
+from modelzoo.gemm import (INVARIANCE_ROWS, MKLPackedLinear, OneDNNLinear, RowBlockLinear, apply_gemm_backend,
+                           available_backends, linear_layers, measure_shape, weight_bytes, wrap)
 
 CPU = torch.device("cpu")
 FLOAT32_BACKENDS = available_backends(CPU, torch.float32)
@@ -103,7 +103,8 @@ def test_forced_backend_is_used_everywhere(backend):
     model = nn.Sequential(nn.Linear(16, 24), nn.Linear(24, 16))
     plan = apply_gemm_backend(model, torch.float32, CPU, backend)
     assert set(plan.layers.values()) == {backend}
-    kinds = {"onednn": OneDNNLinear, "mkl": MKLPackedLinear, "torch": nn.Linear}
+    kinds = {"onednn": OneDNNLinear, "mkl": MKLPackedLinear, "torch": nn.Linear, "onednn_blocks": RowBlockLinear,
+             "torch_blocks": RowBlockLinear}
     assert all(type(layer) is kinds[backend] for layer in model)
 
 
@@ -170,3 +171,22 @@ def test_mkl_second_copy_only_within_the_spare_memory(monkeypatch):
     assert apply_gemm_backend(nn.Sequential(nn.Linear(64, 80)), torch.float32, CPU, "auto").layers == {"float32 64x80": "mkl"}
     plan = apply_gemm_backend(other, torch.float32, CPU, "auto", spare_bytes=1000)
     assert plan.layers == {"float32 64x80": "onednn" if "onednn" in FLOAT32_BACKENDS else "torch"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", [b for b in FLOAT32_BACKENDS if b.endswith("_blocks")])
+def test_row_blocks_give_every_row_the_same_bits_wherever_it_sits(backend, dtype):
+    """The *_blocks backends call the library on fixed 64-row blocks: a row's bits do not depend on how many
+    rows share the call or where it sits among them, whatever the library does with the row count (on this
+    CPU or an AMX one), and the values are the plain layer's."""
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 200).to(dtype)
+    layer = wrap(linear, backend)
+    x = torch.randn(300, 96, dtype=dtype)
+    with torch.inference_mode():
+        full = layer(x)
+        for rows, offset in ((1, 0), (1, 130), (7, 3), (63, 64), (65, 1), (200, 100)):
+            assert torch.equal(layer(x[offset: offset + rows]), full[offset: offset + rows]), (rows, offset)
+        assert torch.equal(layer(x[:130].view(10, 13, 96)), full[:130].view(10, 13, 200))
+        torch.testing.assert_close(full.float(), linear(x).float(), rtol=2e-2, atol=2e-2)
+    assert not linear_layers(nn.Sequential(layer))  # no plain nn.Linear inside to be swapped again

@@ -50,7 +50,7 @@ def test_valid_params_and_defaults():
     (changed("runconfig", "compile_only", "yes"), "runconfig.compile_only must be true or false, got 'yes'"),
     (changed("runconfig", "device", "tpu"), "runconfig.device must be one of auto, cpu, cuda, got 'tpu'"),
     (changed("runconfig", "gemm_backend", "blas"),
-     "runconfig.gemm_backend must be one of auto, mkl, onednn, torch, got 'blas'"),
+     "runconfig.gemm_backend must be one of auto, mkl, onednn, torch, onednn_blocks, torch_blocks, got 'blas'"),
     ({"model": VALID["model"], "runconfig": {}}, "params is missing required key inference_input.data_dir"),
     ({**VALID, "model": {"checkpoint_path": "c"}}, "params is missing required key model.start_token"),
     ([1, 2], "params must be a YAML mapping"),
