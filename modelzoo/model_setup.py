@@ -29,6 +29,9 @@ log = logging.getLogger("zoo-infer")
 # all their rows: on AMD EPYC Zen 4 (2 vCPU, float32 SmolLM2) 32 rows ran the decode GEMMs at 100-135
 # GFLOP/s (memory-bound), 164 rows at 185-200, and the 164-prompt workload 1.27x faster.
 AUTO_ROWS_IN_FLIGHT = 256
+# On a GPU a decode step's cost hardly grows with its rows until the KV cache's reads dominate, so auto
+# takes as many rows as the memory holds, up to this many (thousands for a 1.1B model on 80 GB).
+AUTO_ROWS_IN_FLIGHT_CUDA = 4096
 KV_CACHE_SHARE = 0.5
 
 # Rows of a decode step once few are left active (CPU). Measured on SmolLM2-135M, 2 cores (Ice Lake):
@@ -172,7 +175,8 @@ class ModelSetup:
         return KVCache.nbytes(c.num_layers, rows, c.num_kv_heads, self.max_seq_len, c.head_dim, self.dtype)
 
     def _rows_in_flight(self, model: torch.nn.Module, rows_to_do: int, free: int, tp: TensorParallelGroup) -> int:
-        """runconfig.rows_in_flight, or for auto: every row to do up to AUTO_ROWS_IN_FLIGHT, as many as
+        """runconfig.rows_in_flight, or for auto: every row to do up to AUTO_ROWS_IN_FLIGHT (on CUDA
+        AUTO_ROWS_IN_FLIGHT_CUDA), as many as
         KV_CACHE_SHARE of the `free` bytes hold, never fewer than batch_size (the ranks of a tensor-parallel
         group, which must agree, and speculative decoding, whose steps are worth it only where few rows share
         a step, keep batch_size). Logged with the reason."""
@@ -186,9 +190,10 @@ class ModelSetup:
             return batch_size
         per_row = self.kv_cache_bytes(model, rows=1)
         fit = int(free * KV_CACHE_SHARE) // per_row
-        rows = max(batch_size, min(rows_to_do, AUTO_ROWS_IN_FLIGHT, fit))
+        cap = AUTO_ROWS_IN_FLIGHT_CUDA if self.device.type == "cuda" else AUTO_ROWS_IN_FLIGHT
+        rows = max(batch_size, min(rows_to_do, cap, fit))
         log.info("rows in flight: %d (auto: %d rows to do, at most %d, KV cache within %.0f%% of the free memory: "
-                 "%d rows; at least batch_size %d)", rows, rows_to_do, AUTO_ROWS_IN_FLIGHT, KV_CACHE_SHARE * 100,
+                 "%d rows; at least batch_size %d)", rows, rows_to_do, cap, KV_CACHE_SHARE * 100,
                  fit, batch_size)
         return rows
 

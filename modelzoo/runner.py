@@ -97,8 +97,9 @@ class InferenceJob:
                     if todo is None:
                         return self.stats
                     setup_start = time.perf_counter()
-                    model, engine = self.setup.build(self.tp, self.data.row_stop_sequences(),
-                                                     sum(self._real_samples(step) for step in todo))
+                    with self._out_of_memory_named("setting up"):
+                        model, engine = self.setup.build(self.tp, self.data.row_stop_sequences(),
+                                                         sum(self._real_samples(step) for step in todo))
                     self.stats.setup_seconds = time.perf_counter() - setup_start
                     if self.params.runconfig.compile_only:
                         self._check_forward(model, engine)
@@ -108,7 +109,8 @@ class InferenceJob:
                              self.params.inference_input.batch_size, self.shard.index, self.shard.count,
                              len(self.steps_of_shard), len(todo), self.data.max_seq_len, self.predictions_dir)
                 stop = AgreedStop(request, self.tp) if self.tp.size > 1 else request
-                self._generate(engine, todo, stop)
+                with self._out_of_memory_named("generating"):
+                    self._generate(engine, todo, stop)
             except Interrupted as interrupted:
                 request.signum = interrupted.signum
             except UserError as error:
@@ -161,6 +163,18 @@ class InferenceJob:
             self.output.prepare(self.todo, params_yaml)
             self._write_summary()  # status "running"
         return self.todo
+
+    @contextlib.contextmanager
+    def _out_of_memory_named(self, phase: str) -> Iterator[None]:
+        """An allocation failure (another process took the GPU's memory, a capture that does not fit) as one
+        error line naming the settings to lower; every predictions file written before it is complete."""
+        try:
+            yield
+        except torch.OutOfMemoryError as error:
+            detail = str(error).strip().splitlines()[0][:160] if str(error).strip() else "no detail"
+            raise UserError(f"out of memory on {self.device} while {phase} ({detail}); lower runconfig.rows_in_flight "
+                            f"(this run: {self.setup.rows_in_flight}) or the data's max_seq_len, then rerun: it "
+                            f"resumes after the files already written") from None
 
     def _count_remaining(self) -> None:
         """Steps and samples of this run left undone."""

@@ -241,3 +241,37 @@ def test_engine_last_steps_run_only_the_rows_left(tiny_llama, prompts):
     widths.clear()
     assert tokens(3) == full and len(full) == len(prompts)  # 7 prompts in 4 slots: the last 3 together
     assert set(widths) == {3, 4} and widths[-1] == 3
+
+
+def test_out_of_memory_is_one_line_and_a_rerun_resumes(tmp_path, tiny_llama, prompts, reference, monkeypatch,
+                                                       capsys):
+    """Memory running out mid-job (a GPU another process fills) ends the job with one error line naming the
+    setting to lower; the files written before are complete, and a rerun resumes to the full result."""
+    rows = prompt_rows(prompts, MAX_SEQ_LEN, START)
+    write_h5(tmp_path / "data", rows)
+    params = write_params(tmp_path / "params.yaml", tiny_llama, tmp_path / "data", batch_size=BATCH,
+                          start_token=START, rows_in_flight=BATCH)
+    decode, calls = GenerationEngine._decode_step, []
+
+    def failing(engine: GenerationEngine) -> None:
+        calls.append(1)
+        if len(calls) == 60:  # after the first batch's rows are done and written
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        decode(engine)
+
+    monkeypatch.setattr(GenerationEngine, "_decode_step", failing)
+    assert run_job(params, tmp_path / "run") == 2
+    [line] = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error: ")]
+    assert line == ("error: out of memory on cpu while generating (CUDA out of memory. Tried to allocate 2.00 GiB); "
+                    "lower runconfig.rows_in_flight (this run: 3) or the data's max_seq_len, then rerun: it resumes "
+                    "after the files already written")
+    expected = with_dummies(expected_rows(prompts, reference, MAX_SEQ_LEN, START), BATCH, START)
+    written = load_predictions(tmp_path / "run")
+    assert 1 <= len(written) < 3
+    for step, arrays in written.items():
+        np.testing.assert_array_equal(arrays["predictions"], expected[(step - 1) * BATCH: step * BATCH])
+    summary = json.loads((tmp_path / "run" / "artifacts" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["batches_done"] == len(written)
+    monkeypatch.setattr(GenerationEngine, "_decode_step", decode)
+    assert run_job(params, tmp_path / "run") == 0
+    np.testing.assert_array_equal(stacked_predictions(tmp_path / "run"), expected)
