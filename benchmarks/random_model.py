@@ -1,6 +1,6 @@
 """Random-weight checkpoints built from a config, for measuring larger models without a download.
 
-`tinyllama`: the shape of TinyLlama-1.1B (22 layers, hidden 2048, MLP 5632, 32 query and 4 kv heads)
+`smollm2`: the default model's shape (SmolLM2-135M), random. `tinyllama`: the shape of TinyLlama-1.1B (22 layers, hidden 2048, MLP 5632, 32 query and 4 kv heads)
 with the default model's tokenizer and vocabulary (49152 entries, 1.2B parameters in all), so the
 benchmark's prompts tokenize as for SmolLM2. Weights are drawn as transformers initialises them
 (seeded), saved once as a normal Hugging Face folder, and reused.
@@ -12,6 +12,9 @@ from pathlib import Path
 
 RANDOM_PREFIX = "random:"
 SHAPES = {
+    "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+                    tie_word_embeddings=True),
     "tinyllama": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                       num_key_value_heads=4, max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-5,
                       tie_word_embeddings=False),

@@ -9,6 +9,7 @@ the tools print and write.
 from __future__ import annotations
 
 import csv
+import json
 import importlib.util
 import platform
 import tempfile
@@ -156,3 +157,25 @@ def test_peak_rate_instructions_and_measurement(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("CC", "/nonexistent/cc")  # no compiler: said, not raised
     peaks, why_not = peak_rate.measure_peaks(2, ["float32"])
     assert peaks == {"float32": None} and why_not.startswith("not measured (")
+
+
+def test_gpu_throughput_runs_its_comparison_on_the_cpu(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """benchmarks/gpu_throughput.py with --device cpu on a tiny Llama: zoo-infer and generate() side by side,
+    the table printed, every ratio and the roofline share set, float32 rows equal to generate()'s."""
+    from tiny_configs import tiny_llama_config
+
+    checkpoint = save_tiny_model(tiny_llama_config(), tmp_path / "checkpoint")
+    script = load_script("benchmarks/gpu_throughput.py")
+    out = tmp_path / "results"
+    code = script.main(["--models", str(checkpoint), "--rows", "3", "--dtypes", "float32", "--ways", "default",
+                        "--max_tokens", "5", "--prompt_lengths", "4,20", "--device", "cpu", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "| model | rows | dtype | engine | tokens/s |" in printed
+    rows = json.loads((out / "results.json").read_text())
+    assert [row["engine"] for row in rows] == ["zoo-infer", "generate default"]
+    for row in rows:
+        assert row["status"] == "ok" and row["tokens_per_s"] > 0, row
+        assert 0 < row["of_roofline"] < 1 and row["vs_default_generate"] > 0
+        assert row["rows_equal_to_default_generate"] == 3
+    assert rows[1]["vs_default_generate"] == 1.0 and rows[0]["setup_seconds"] > 0

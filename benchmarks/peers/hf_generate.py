@@ -15,6 +15,10 @@ continuous batching (a batch lasts as long as its longest row).
 
 What is timed: the generation loop only, from the first batch to the last (model loading,
 imports and reading the input are excluded; the parent measures the whole process separately).
+On a GPU (--device cuda, benchmarks/gpu_throughput.py) --way picks one of three: `default`, `no_cudnn`
+(cuDNN attention off: it builds a plan per key length) and `static` (a static cache, compiled by
+transformers into CUDA graphs; one untimed batch first, so compilation is not timed). A negative
+--eos_id means no stop token: every row generates --max_tokens.
 Each row's generated tokens are cut right after the first EOS (the EOS stays in, as zoo-infer's
 stop sequences do); rows are counted the same way zoo-infer counts `generated_tokens`.
 The output JSON has `tokens` (one list per prompt, in input order), `generated_tokens`,
@@ -31,7 +35,11 @@ from _common import base_parser, normalize, read_token_ids, threads, write_resul
 
 def main(argv: list[str] | None = None) -> int:
     """Loads the model, generates batch by batch, writes the tokens and the timing."""
-    args = base_parser(__doc__).parse_args(argv)
+    parser = base_parser(__doc__)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    parser.add_argument("--way", choices=("default", "no_cudnn", "static"), default="default",
+                        help="how generate() runs (default: default)")
+    args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     import transformers
@@ -41,8 +49,31 @@ def main(argv: list[str] | None = None) -> int:
     token_ids = read_token_ids(args.tokens_json)
 
     load_start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval().to(args.device)
     load_seconds = time.perf_counter() - load_start
+    if args.way == "no_cudnn":
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    pad_id = max(args.eos_id, 0)
+    eos_id = args.eos_id if args.eos_id >= 0 else None
+    options = {"cache_implementation": "static"} if args.way == "static" else {}
+
+    def generate(batch: list[list[int]]) -> torch.Tensor:
+        """Greedy continuations of one batch, left-padded: (rows, width + new tokens)."""
+        width = max(len(ids) for ids in batch)
+        # Left padding: every row's last prompt token sits in the last column, so the new
+        # tokens of all rows are appended in the same columns.
+        input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, ids in enumerate(batch):
+            input_ids[row, width - len(ids):] = torch.tensor(ids)
+            attention_mask[row, width - len(ids):] = 1
+        return model.generate(input_ids=input_ids.to(args.device), attention_mask=attention_mask.to(args.device),
+                              do_sample=False, max_new_tokens=args.max_tokens, eos_token_id=eos_id,
+                              pad_token_id=pad_id, **options)
+
+    if args.way == "static":  # compiles on its first call: not timed
+        with torch.inference_mode():
+            generate(token_ids[: args.batch_size])
 
     outputs: list[list[int]] = []
     start = time.perf_counter()  # --- timed: the generation loop only ---
@@ -50,18 +81,10 @@ def main(argv: list[str] | None = None) -> int:
         for first in range(0, len(token_ids), args.batch_size):
             batch = token_ids[first: first + args.batch_size]
             width = max(len(ids) for ids in batch)
-            # Left padding: every row's last prompt token sits in the last column, so the new
-            # tokens of all rows are appended in the same columns.
-            input_ids = torch.full((len(batch), width), args.eos_id, dtype=torch.long)
-            attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
-            for row, ids in enumerate(batch):
-                input_ids[row, width - len(ids):] = torch.tensor(ids)
-                attention_mask[row, width - len(ids):] = 1
-            generated = model.generate(
-                input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
-                max_new_tokens=args.max_tokens, eos_token_id=args.eos_id, pad_token_id=args.eos_id,
-            )
+            generated = generate(batch)
             outputs += [normalize(row, args.eos_id, stopped_at_eos=False) for row in generated[:, width:].tolist()]
+    if args.device.startswith("cuda"):
+        torch.cuda.synchronize()
     generation_seconds = time.perf_counter() - start  # --- end of timed part ---
 
     write_result(args, "transformers", outputs, generation_seconds, load_seconds=load_seconds,
