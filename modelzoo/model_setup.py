@@ -161,9 +161,12 @@ class ModelSetup:
         seconds = engine.warm_up()
         lengths = sorted({length for _, length in shapes})
         rows = sorted({self.rows_in_flight if slots is None else len(slots) for slots, _ in shapes}, reverse=True)
-        log.info("decode step: %s, rows %s, cache length buckets %s; warmed up in %.1fs", mode,
-                 "/".join(map(str, rows)), lengths, seconds)
-        self.decode_step = {"mode": mode, "rows": rows, "length_buckets": lengths, "warm_up_seconds": round(seconds, 3)}
+        with torch.inference_mode():
+            attention = engine.model.decode_attention(engine.cache, compiled=mode != "eager")
+        log.info("decode step: %s, attention %s, rows %s, cache length buckets %s; warmed up in %.1fs", mode,
+                 attention, "/".join(map(str, rows)), lengths, seconds)
+        self.decode_step = {"mode": mode, "attention": attention, "rows": rows, "length_buckets": lengths,
+                            "warm_up_seconds": round(seconds, 3)}
 
     def memory_estimate(self, model: torch.nn.Module) -> tuple[int, int]:
         """(weight bytes: a tied weight once, prepacked copies counted; KV cache bytes of the rows in flight)."""

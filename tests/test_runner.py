@@ -77,6 +77,8 @@ def test_predictions_match_transformers_and_file_format(tmp_path, tiny_llama, pr
     assert summary["samples_done"] == 7 and summary["batches_done"] == 3 and summary["batches_remaining"] == 0
     assert summary["generated_tokens"] == sum(MAX_SEQ_LEN - n for n in PROMPT_LENGTHS)
     assert summary["decode_step"]["mode"] == "eager" and summary["decode_step"]["length_buckets"] == [MAX_SEQ_LEN]
+    from modelzoo.kernels import cpu_kernels  # the tiny Llama (head_dim 16, 2 query heads a kv head) takes the kernel
+    assert summary["decode_step"]["attention"] == ("cpu_kernel" if cpu_kernels() else "sdpa_grouped_queries")
     assert summary["setup_seconds"] > summary["decode_step"]["warm_up_seconds"] > 0
     assert (model_dir / "artifacts" / "params_inference.yaml").is_file()
 
@@ -89,6 +91,7 @@ def test_compiled_decode_step_matches_transformers(tmp_path, tiny_llama, prompts
     np.testing.assert_array_equal(stacked_predictions(model_dir), expected)
     summary = json.loads((model_dir / "artifacts" / "summary.json").read_text())
     assert summary["decode_step"]["mode"] == "compiled"
+    assert summary["decode_step"]["attention"] == "sdpa_grouped_queries"
     assert summary["setup_seconds"] > summary["decode_step"]["warm_up_seconds"] > 0
 
 

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from modelzoo.generation.kv_cache import KVCache
-from modelzoo.models.layers import ForwardContext, last_token_states
+from modelzoo.models.layers import ForwardContext, attention_kernel, last_token_states
 
 
 class CausalLM(nn.Module):
@@ -75,6 +75,19 @@ class CausalLM(nn.Module):
     def finish(self, x: torch.Tensor) -> torch.Tensor:
         """The chosen positions' states (B, hidden) -> the head's input: the final norm."""
         raise NotImplementedError
+
+    def decode_attention(self, cache: KVCache, compiled: bool) -> str:
+        """Which attention a decode step runs over `cache`, for the log and summary.json: `cpu_kernel` (the C++
+        kernel), or SDPA, over grouped queries where query heads share kv heads; `compiled`: under torch.compile,
+        which takes PyTorch's ops. Decided as the step decides it, on a one-token context of the first layer."""
+        c = self.config
+        if not compiled:
+            token = torch.zeros((1, 1), dtype=torch.long, device=cache.keys[0].device)
+            _, contexts, _ = self.prepare(token, token, cache, None, None, 1)
+            q = torch.empty((1, c.num_heads, 1, c.head_dim), dtype=cache.keys[0].dtype, device=token.device)
+            if attention_kernel(q, contexts[0]) is not None:
+                return "cpu_kernel"
+        return "sdpa_grouped_queries" if c.num_kv_heads < c.num_heads else "sdpa"
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 slots: torch.Tensor | None, last: torch.Tensor | None = None, length: int | None = None) -> torch.Tensor:
