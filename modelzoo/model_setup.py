@@ -72,6 +72,10 @@ class ModelSetup:
         self.gemm: GemmPlan | None = None
         self.rows_in_flight = params.inference_input.batch_size  # sized by build()
         self.decode_step_mode = self._decode_step_mode()  # checked before anything is loaded or written
+        if self.decode_step_mode in ("compiled", "cuda_graph"):
+            # Inductor's compiled code beside the C++ kernels' builds (unless TORCHINDUCTOR_CACHE_DIR says where), so
+            # the next job on this machine type reuses it; set before torch first asks for it (importing dynamo does).
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(machine_dir() / "inductor"))
         self.decode_step: dict[str, object] | None = None  # how the decode step ran: summary.json's, once built
 
     def dtype_name(self) -> str:
@@ -148,11 +152,8 @@ class ModelSetup:
     def _prepare_decode_step(self, engine: GenerationEngine) -> None:
         """Compiles or captures the decode step as runconfig.decode_step says, and runs it once per shape it can
         take, all before the generation clock starts (kernel builds and GEMM primitives included); logged and kept
-        for summary.json. Inductor's compiled code is cached beside the C++ kernels' builds (unless
-        TORCHINDUCTOR_CACHE_DIR says where), so the next job on this machine type reuses it."""
+        for summary.json."""
         mode = self.decode_step_mode
-        if mode in ("compiled", "cuda_graph"):
-            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(machine_dir() / "inductor"))
         if mode == "compiled":
             engine.decode.compile()
         elif mode == "cuda_graph":

@@ -198,3 +198,25 @@ def test_grouped_query_attention_equals_expanded_heads(bias):
     want = torch.nn.functional.scaled_dot_product_attention(q, *expanded, attn_mask=mask, scale=0.3)[:, :, 0]
     got = grouped_query_attention(q, keys, values, mask, 0.3)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_compiled_code_is_cached_beside_the_kernels(tmp_path, tiny_llama):
+    """A compiled job keeps inductor's code in the kernel root's machine folder (where TORCHINDUCTOR_CACHE_DIR
+    is unset), so the next job on this machine type finds it: a process of its own, as torch fixes the folder
+    the first time it is asked."""
+    import os
+    import subprocess
+    import sys
+
+    from harness import REPO_ROOT, prompt_rows, write_h5, write_params
+
+    write_h5(tmp_path / "data", prompt_rows([[5, 6, 7], [8, 9]], 24, VOCAB))
+    params = write_params(tmp_path / "params.yaml", tiny_llama, tmp_path / "data", batch_size=2, start_token=VOCAB,
+                          max_tokens=3, decode_step="compiled")
+    env = {key: value for key, value in os.environ.items() if key != "TORCHINDUCTOR_CACHE_DIR"}
+    env["ZOO_INFER_KERNEL_DIR"] = str(tmp_path / "kernels")
+    done = subprocess.run([sys.executable, str(REPO_ROOT / "run_inference.py"), "--params", str(params),
+                           "--model_dir", str(tmp_path / "run")], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    [machine] = list((tmp_path / "kernels").iterdir())
+    assert any((machine / "inductor").rglob("*.py")), sorted(p.name for p in machine.iterdir())
