@@ -84,8 +84,8 @@ def roofline_tokens_per_s(config: dict, dtype: str, prep: Prepared, max_tokens: 
     kv_heads, head_dim = config.get("num_key_value_heads", heads), config.get("head_dim") or hidden // heads
     per_layer = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * config[
         "intermediate_size"]
-    head = 0 if config.get("tie_word_embeddings") else vocab * hidden
-    weights = (layers * per_layer + vocab * hidden + head) * DTYPE_BYTES[dtype]
+    # The vocabulary head is read whole every step (tied or not); the input embedding only at the rows' tokens.
+    weights = (layers * per_layer + vocab * hidden) * DTYPE_BYTES[dtype]
     mean_length = float(np.mean([len(ids) for ids in prep.token_ids])) + max_tokens / 2
     kv = len(prep.token_ids) * mean_length * layers * 2 * kv_heads * head_dim * DTYPE_BYTES[dtype]
     return len(prep.token_ids) / ((weights + kv) / bandwidth)

@@ -6,8 +6,8 @@
  * kind 0: vfmadd231ps on zmm  (float32, AVX-512F):      16 lanes x 2 FLOPs = 32 per instruction
  * kind 1: vfmadd231ps on ymm  (float32, AVX2 + FMA):     8 lanes x 2 FLOPs = 16 per instruction
  * kind 2: vdpbf16ps on zmm    (bfloat16, AVX512-BF16):  16 lanes x 2 pairs x 2 FLOPs = 64 per instruction
- * kind 3: tdpbf16ps on tiles  (bfloat16, AMX-BF16):     16 x 16 outputs x 32 pairs x 2 FLOPs = 16384
- * kind 4: tdpbssd on tiles    (int8, AMX-INT8):         16 x 16 outputs x 64 pairs x 2 ops = 32768
+ * kind 3: tdpbf16ps on tiles  (bfloat16, AMX-BF16):     16 x 16 outputs x 32 products x 2 FLOPs = 16384
+ * kind 4: tdpbssd on tiles    (int8, AMX-INT8):         16 x 16 outputs x 64 products x 2 ops = 32768
  *
  * Twelve chains for the vector instructions: more than latency (4 cycles) x FMA ports (2) on current
  * x86-64 cores, so every port issues every cycle. Four accumulator tiles for AMX, each fed by two of

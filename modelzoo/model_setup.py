@@ -154,11 +154,11 @@ class ModelSetup:
         take, all before the generation clock starts (kernel builds and GEMM primitives included); logged and kept
         for summary.json."""
         mode = self.decode_step_mode
-        if mode == "compiled":
-            engine.decode.compile()
-        elif mode == "cuda_graph":
-            engine.decode.capture()
         shapes = engine.step_shapes()
+        if mode == "compiled":
+            engine.decode.compile(len(shapes))
+        elif mode == "cuda_graph":
+            engine.decode.capture(len(shapes))
         seconds = engine.warm_up()
         lengths = sorted({length for _, length in shapes})
         rows = sorted({self.rows_in_flight if slots is None else len(slots) for slots, _ in shapes}, reverse=True)

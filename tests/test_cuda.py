@@ -62,7 +62,7 @@ def test_captured_step_equals_eager_without_recapture(tmp_path):
         model, _ = load_model(checkpoint, torch.float32, device)
         engine = GenerationEngine(model, 2, MAX_SEQ_LEN + 8, [], MAX_TOKENS, device, torch.float32)
         if mode == "cuda_graph":
-            engine.decode.capture()
+            engine.decode.capture(len(engine.step_shapes()))
         engine.warm_up()
         out = {c.index: c.tokens.tolist() for c in engine.generate(Request(i, np.array(p))
                                                                    for i, p in enumerate(prompts))}
@@ -72,6 +72,7 @@ def test_captured_step_equals_eager_without_recapture(tmp_path):
     captured, engine = generate("cuda_graph")
     assert captured == eager and len(captured) == len(prompts)
     assert sorted(engine.decode._graphs) == sorted((-1, length) for _, length in engine.step_shapes())
+    assert engine.decode.uncaptured_steps == 0  # every step replayed a graph
 
 
 @pytest.mark.parametrize("options", [

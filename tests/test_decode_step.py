@@ -96,9 +96,7 @@ def test_compiled_step_runs_without_break_recompile_or_sync(tiny_llama, options)
 
     engine = engine_for(tiny_llama, choice, logprobs)
     recorder = GraphRecorder()
-    engine.decode._compiled = torch.compile(engine.decode.run, backend=recorder.backend, fullgraph=True,
-                                            dynamic=False)
-    engine.decode.mode = "compiled"
+    engine.decode.compile(len(engine.step_shapes()), backend=recorder.backend)
     engine.warm_up()
     assert len(recorder.graphs) == len(engine.step_shapes()) == 1  # one length bucket of 96, every slot
     addresses = buffer_addresses(engine)
@@ -133,7 +131,7 @@ def test_inductor_compiled_step_gives_the_eager_tokens(tiny_llama):
     eager step's tokens."""
     eager = outputs(engine_for(tiny_llama))
     engine = engine_for(tiny_llama)
-    engine.decode.compile()
+    engine.decode.compile(len(engine.step_shapes()))
     engine.warm_up()
     assert outputs(engine) == eager
 
@@ -178,7 +176,21 @@ def test_length_buckets():
 
 def test_capture_needs_cuda(tiny_llama):
     with pytest.raises(ValueError, match="CUDA"):
-        engine_for(tiny_llama).decode.capture()
+        engine_for(tiny_llama).decode.capture(1)
+
+
+def test_more_length_buckets_than_dynamos_recompile_limit(tiny_llama):
+    """A long max_seq_len has more length buckets (11 here) than dynamo's default recompile limit (8): every one
+    compiles in the warm-up, with fullgraph, and none after."""
+    model, _ = load_model(tiny_llama, torch.float32, torch.device("cpu"))  # rows stay within its 128 positions
+    engine = GenerationEngine(model, 2, 1300, [], 3, torch.device("cpu"), torch.float32)
+    recorder = GraphRecorder()
+    engine.decode.compile(len(engine.step_shapes()), backend=recorder.backend)
+    engine.warm_up()
+    assert len(recorder.graphs) == len(engine.step_shapes()) == 11
+    with torch.compiler.set_stance("fail_on_recompile"):
+        done = list(engine.generate([Request(0, np.arange(3, 9)), Request(1, np.arange(4, 7))]))
+    assert len(done) == 2 and len(recorder.graphs) == 11
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["bool_mask", "additive_bias"])

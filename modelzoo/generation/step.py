@@ -95,7 +95,8 @@ class SlotState:
         self.active[rows] = self.active[rows] & (reason == CONTINUE)
 
     def finished_slots(self) -> list[tuple[int, int]]:
-        """(slot, reason) of every slot whose row has stopped and not been released; one host sync."""
+        """(slot, reason) of every slot whose row has stopped and not been released (reads the device: the
+        host's one wait of a step)."""
         stopped = (self.reason != CONTINUE).nonzero().flatten()
         if stopped.numel() == 0:
             return []
@@ -132,6 +133,8 @@ class DecodeStep:
         self._compiled: Callable[[torch.Tensor | None, int], None] | None = None
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (rows, length) -> captured step
         self._graph_slots: dict[int, torch.Tensor] = {}  # rows -> the captured step's slot buffer
+        self._graph_pool = None  # one memory pool for every captured graph: they replay one after another
+        self.uncaptured_steps = 0  # steps of a shape warm_up did not capture, run compiled instead
 
     def run(self, slots: torch.Tensor | None, length: int) -> None:
         """tokens (R, 1) fed from each row's last token at its position; the chosen token appended in place.
@@ -152,18 +155,24 @@ class DecodeStep:
         else:
             self._replay(slots, length)
 
-    def compile(self) -> None:
-        """From now on the step runs compiled: one graph, no graph break (fullgraph), per rows and length."""
-        self._compiled = torch.compile(self.run, fullgraph=True, dynamic=False)
+    def compile(self, graphs: int, backend: str | Callable = "inductor") -> None:
+        """From now on the step runs compiled: one graph, no graph break (fullgraph), per rows and length, for
+        `graphs` shapes. Dynamo limits the graphs of one code object (8 by default; past it, fullgraph fails), and
+        every DecodeStep of a process shares `run`'s: each one raises the limit by its own graphs."""
+        import torch._dynamo.config as dynamo_config
+
+        dynamo_config.recompile_limit += graphs
+        dynamo_config.accumulated_recompile_limit += graphs
+        self._compiled = torch.compile(self.run, backend=backend, fullgraph=True, dynamic=False)
         self.mode = "compiled"
 
-    def capture(self) -> None:
-        """From now on (CUDA only) the step replays a CUDA graph per (rows, length) bucket, captured from the
-        compiled step by `warm_up` (capturing runs the step, so only while every slot is idle)."""
+    def capture(self, graphs: int) -> None:
+        """From now on (CUDA only) the step replays a CUDA graph per (rows, length) bucket, `graphs` of them,
+        captured from the compiled step by `warm_up` (capturing runs the step, so only while every slot is idle)."""
         if self.state.sequences.device.type != "cuda":
             raise ValueError("CUDA graphs need the model on a CUDA device")
-        if self._compiled is None:
-            self.compile()
+        self.compile(graphs)
+        self._graph_pool = torch.cuda.graph_pool_handle()
         self.mode = "cuda_graph"
 
     def _replay(self, slots: torch.Tensor | None, length: int) -> None:
@@ -174,6 +183,9 @@ class DecodeStep:
             if not bool(self.state.active.any()):
                 self._capture(slots, length, key)
             else:
+                if not self.uncaptured_steps:
+                    log.warning("decode step of %d rows over %d positions was not captured; it runs compiled", *key)
+                self.uncaptured_steps += 1
                 self._compiled(slots, length)
                 return
         if slots is not None:
@@ -191,7 +203,7 @@ class DecodeStep:
                 self._compiled(slots, length)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, pool=self._graph_pool):
             self._compiled(slots, length)
         self._graphs[key] = graph
 
