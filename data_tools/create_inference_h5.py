@@ -259,7 +259,8 @@ def check_args(args: argparse.Namespace) -> None:
 def openai_rows(args: argparse.Namespace, tokenizer: Any) -> tuple[PromptFile, list[list[int]], dict[str, Any],
                                                                  list[str], list[BatchRequest]]:
     """An OpenAI batch file's runnable requests as prompts with ids, their token ids, their per-row datasets
-    (max_tokens, 0 = none; stop_sequences, JSON token-id lists), the `requests` table (every request, runnable
+    (max_tokens, 0 = none; stop_sequences, JSON token-id lists; temperature, top_p and seed where a request
+    has its own), the `requests` table (every request, runnable
     or not, in input order: what decode_predictions.py --format openai_batch answers) and the rejected ones."""
     run_wide = {}
     if args.params is not None:
@@ -286,6 +287,13 @@ def openai_rows(args: argparse.Namespace, tokenizer: Any) -> tuple[PromptFile, l
              for r in requests]
     per_row = {"max_tokens": np.array([r.max_tokens for r in runnable], dtype=np.int32),
                "stop_sequences": [json.dumps(s) for s in stops]}
+    # Each request's own sampling options, where some request has one: NaN / -1 = the params'.
+    if any(r.temperature is not None or r.top_p is not None for r in runnable):
+        for name in ("temperature", "top_p"):
+            per_row[name] = np.array([np.nan if getattr(r, name) is None else getattr(r, name) for r in runnable],
+                                     dtype=np.float32)
+    if any(r.seed is not None for r in runnable):
+        per_row["seed"] = np.array([-1 if r.seed is None else r.seed for r in runnable], dtype=np.int64)
     rejected = [request for request in requests if not request.runs]
     return PromptFile(texts, [r.custom_id for r in runnable]), token_lists, per_row, table, rejected
 

@@ -4,9 +4,10 @@ Input, one request per line:
     {"custom_id": "q1", "method": "POST", "url": "/v1/chat/completions",
      "body": {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 64, "stop": ["\\n\\n"]}}
 `/v1/chat/completions` bodies go through the tokenizer's chat template; `/v1/completions` bodies are raw
-prompts. Per request: `max_tokens` (or `max_completion_tokens`) and `stop` strings, honoured by the runner.
-An option the runner cannot honour for one request (a `temperature` other than the params', `n` > 1,
-`logit_bias`, tools, ...) makes that request an error record of the output, not a failed job; so does a
+prompts. Per request: `max_tokens` (or `max_completion_tokens`), `stop` strings, and `temperature`, `top_p`
+and `seed` (greedy and sampled requests side by side, each drawn from its own seed's streams), honoured by
+the runner. An option the runner cannot honour for one request (`n` > 1, `logit_bias`, tools, `logprobs`
+other than the params', ...) makes that request an error record of the output, not a failed job; so does a
 stop string that does not map to token ids. A malformed line or a repeated `custom_id` is an error for
 the whole file (the OpenAI Batch API rejects such a file too).
 
@@ -29,11 +30,11 @@ CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 KINDS = {CHAT_URL: "chat", COMPLETIONS_URL: "completion"}
 # Body keys read or allowed as they are.
 READ_KEYS = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "stop"}
+SAMPLING_KEYS = ("temperature", "top_p", "seed")  # each request's own, honoured row by row
 IGNORED_KEYS = {"user", "metadata", "store", "service_tier"}
 # Body keys the runner applies to every row alike: allowed where the request asks for the run's value.
 # name -> (the params' model key it must equal, or None for a fixed value, that value's default).
-RUN_WIDE = {"temperature": ("temperature", 0.0), "top_p": ("top_p", 1.0), "seed": ("seed", 0),
-            "n": (None, 1), "stream": (None, False), "presence_penalty": (None, 0.0),
+RUN_WIDE = {"n": (None, 1), "stream": (None, False), "presence_penalty": (None, 0.0),
             "frequency_penalty": (None, 0.0), "logprobs": ("logprobs", False)}
 # What a request asks that no run here does (e.g. logit_bias, tools, response_format): its error record.
 
@@ -51,6 +52,9 @@ class BatchRequest:
     max_tokens: int = 0  # 0: the params' model.max_tokens alone
     stop: list[str] = field(default_factory=list)
     logprobs: bool = False  # the answer carries each token's log-probability (the run's model.logprobs)
+    temperature: float | None = None  # the request's own sampling options; None: the params'
+    top_p: float | None = None
+    seed: int | None = None
     error: str = ""  # non-empty: the request's error record, nothing is generated for it
 
     @property
@@ -68,10 +72,31 @@ def _text_content(content: Any) -> str | None:
     return None
 
 
+def _sampling_option(key: str, value: Any) -> tuple[float | int | None, str]:
+    """A request's temperature, top_p or seed, checked: (value, "") or (None, why it cannot run)."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if key == "seed":
+        ok = number and float(value).is_integer() and value >= 0
+        return (int(value), "") if ok else (None, f"seed must be an integer >= 0, got {value!r}")
+    if key == "temperature":
+        ok = number and value >= 0
+        return (float(value), "") if ok else (None, f"temperature must be a number >= 0, got {value!r}")
+    ok = number and 0 < value <= 1
+    return (float(value), "") if ok else (None, f"top_p must be a number in (0, 1], got {value!r}")
+
+
 def _read_body(request: BatchRequest, body: dict[str, Any], run_wide: dict[str, Any]) -> None:
     """Fills `request` from its body, or sets its error."""
     for key, value in body.items():
         if key in READ_KEYS or key in IGNORED_KEYS:
+            continue
+        if key in SAMPLING_KEYS:
+            if value is not None:
+                own, why = _sampling_option(key, value)
+                if why:
+                    request.error = why
+                    return
+                setattr(request, key, own)
             continue
         if key in RUN_WIDE:
             params_key, default = RUN_WIDE[key]

@@ -3,7 +3,9 @@
 Files are read in sorted name order and concatenated. Each holds an integer dataset `data` of shape
 (num_samples, max_seq_len), or (max_seq_len, num_samples) when loop_dim is 0, and may hold per-row
 datasets (data_tools/create_inference_h5.py writes them): `sample_id` (the user's ids, strings),
-`max_tokens` (each row's own limit, 0 = none) and `stop_sequences` (each row's own, JSON token-id lists).
+`max_tokens` (each row's own limit, 0 = none), `stop_sequences` (each row's own, JSON token-id lists),
+and each row's own sampling options `temperature`, `top_p` (floats, NaN = the params') and `seed`
+(integers, -1 = the params').
 Batches are read slice by slice, never the whole file, so memory stays flat in the number of samples.
 """
 from __future__ import annotations
@@ -19,7 +21,8 @@ import numpy as np
 from modelzoo.errors import UserError
 
 
-PER_ROW_DATASETS = ("sample_id", "max_tokens", "stop_sequences")
+PER_ROW_DATASETS = ("sample_id", "max_tokens", "stop_sequences", "temperature", "top_p", "seed")
+SAMPLING_DATASETS = ("temperature", "top_p", "seed")  # NaN (seed: -1) where the row takes the params' value
 
 
 @dataclass
@@ -33,6 +36,7 @@ class Batch:
     sample_id: np.ndarray | None = None
     max_tokens: np.ndarray | None = None
     stop_sequences: list[tuple[tuple[int, ...], ...]] | None = None
+    sampling: dict[str, np.ndarray] | None = None  # SAMPLING_DATASETS the data has: NaN / -1 = the params'
 
 
 def start_positions(rows: np.ndarray, start_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -155,6 +159,26 @@ class GptHDF5MapDataProcessor:
                 found.update(dict.fromkeys(self._stops(text)))
         return list(found)
 
+    def row_sampling(self) -> tuple[bool, bool]:
+        """(some row samples: a temperature > 0, some row keeps a top-p set: a top_p < 1), after checking every
+        row's own sampling options (read in slices)."""
+        checks = {"temperature": (lambda v: np.isnan(v) | (v >= 0), "a number >= 0"),
+                  "top_p": (lambda v: np.isnan(v) | ((v > 0) & (v <= 1)), "a number in (0, 1]"),
+                  "seed": (lambda v: v >= -1, "an integer >= 0 (-1: the params' seed)")}
+        samples = top_p = False
+        for name in SAMPLING_DATASETS:
+            if name not in self.per_row:
+                continue
+            for start in range(0, self.num_samples, 65536):
+                values = np.asarray(self.read_per_row(name, start, min(start + 65536, self.num_samples)))
+                ok, wanted = checks[name]
+                if values.dtype.kind not in "fiu" or not ok(values).all():
+                    bad = values[0] if values.dtype.kind not in "fiu" else values[~ok(values)][0].item()
+                    raise UserError(f"the data in {self.data_dir}: a row's {name} must be {wanted}, got {bad!r}")
+                samples |= name == "temperature" and bool((values > 0).any())
+                top_p |= name == "top_p" and bool((values < 1).any())
+        return samples, top_p
+
     def _stops(self, text: str) -> tuple[tuple[int, ...], ...]:
         """One `stop_sequences` entry: a JSON list of non-empty token-id lists."""
         try:
@@ -186,6 +210,12 @@ class GptHDF5MapDataProcessor:
         if "stop_sequences" in self.per_row:
             batch.stop_sequences = [self._stops(t) for t in self.read_per_row("stop_sequences", start, stop)]
             batch.stop_sequences += [()] * (self.batch_size - real)
+        for name in SAMPLING_DATASETS:
+            if name in self.per_row:
+                batch.sampling = batch.sampling or {}
+                column = np.full(self.batch_size, -1 if name == "seed" else np.nan)
+                column[:real] = self.read_per_row(name, start, stop)
+                batch.sampling[name] = column
         return batch
 
     def check_against_model(self, start_tokens: np.ndarray, vocab_size: int) -> None:

@@ -84,10 +84,15 @@ class ModelSetup:
         return weights if weights == arithmetic else f"{weights} weights, {arithmetic} arithmetic"
 
     def build(self, tp: TensorParallelGroup, row_stop_sequences: list[tuple[int, ...]] = (),
-              rows_to_do: int = 0) -> tuple[torch.nn.Module, GenerationEngine]:
+              rows_to_do: int = 0, row_sampling: tuple[bool, bool] = (False, False)
+              ) -> tuple[torch.nn.Module, GenerationEngine]:
         """Loads the model (and drafter), sizes the rows in flight, checks the KV cache fits, chooses the GEMM
         path, builds the engine (row_stop_sequences: every stop sequence a row of the data asks for besides
-        the job's; rows_to_do: the real rows this run will generate)."""
+        the job's; rows_to_do: the real rows this run will generate; row_sampling: whether some row samples
+        and whether some row keeps a top-p set, with options of its own)."""
+        if self.params.model.speculative and row_sampling[0]:
+            raise UserError("some rows of the data sample (their own temperature > 0) but model.speculative decodes "
+                            "greedily; drop model.speculative or the rows' temperatures")
         load_start = time.perf_counter()
         weight_dtype = self.params.model.weight_dtype
         model = self.load(self.params.model.checkpoint_path, tp, weight_dtype)
@@ -120,7 +125,8 @@ class ModelSetup:
         small_step_rows = self._choose_gemm(model, weight_dtype, spare_bytes=(free - cache) // 2)
         engine = GenerationEngine(model, self.rows_in_flight, self.max_seq_len,
                                   [list(s) for s in self.params.model.stop_sequences], self.params.model.max_tokens,
-                                  self.device, self.dtype, choice=TokenChoice.from_params(self.params.model),
+                                  self.device, self.dtype, choice=TokenChoice.from_params(self.params.model,
+                                                                                          *row_sampling),
                                   drafter=self._drafter(), small_step_rows=small_step_rows,
                                   row_stop_sequences=row_stop_sequences, logprobs=self.params.model.logprobs)
         self._prepare_decode_step(engine)

@@ -99,7 +99,8 @@ class InferenceJob:
                     setup_start = time.perf_counter()
                     with self._out_of_memory_named("setting up"):
                         model, engine = self.setup.build(self.tp, self.data.row_stop_sequences(),
-                                                         sum(self._real_samples(step) for step in todo))
+                                                         sum(self._real_samples(step) for step in todo),
+                                                         self.data.row_sampling())
                     self.stats.setup_seconds = time.perf_counter() - setup_start
                     if self.params.runconfig.compile_only:
                         self._check_forward(model, engine)
@@ -218,7 +219,8 @@ class InferenceJob:
             predictions[row, starts[row]:] = self.pad_token
             own_limit = int(batch.max_tokens[row]) if batch.max_tokens is not None else 0
             own_stops = batch.stop_sequences[row] if batch.stop_sequences is not None else ()
-            requests.append(Request(int(batch.sample_index[row]), prompt, own_limit, own_stops))
+            requests.append(Request(int(batch.sample_index[row]), prompt, own_limit, own_stops,
+                                    **row_sampling(batch, row)))
         assembly = StepAssembly(predictions, batch.sample_index, prompt_length, np.zeros(size, dtype=np.int32),
                                 reason, remaining=len(requests), sample_id=batch.sample_id,
                                 logprobs=np.zeros(rows.shape, np.float32) if self.params.model.logprobs else None)
@@ -304,6 +306,18 @@ class InferenceJob:
             self._finish()
         except WriteError as error:
             log.warning("the failure could not be recorded in summary.json either: %s", error)
+
+
+def row_sampling(batch: Batch, row: int) -> dict[str, Any]:
+    """A row's own temperature, top_p and seed (Request's keywords), where the data gives them."""
+    own: dict[str, Any] = {}
+    for name, values in (batch.sampling or {}).items():
+        value = values[row]
+        if name == "seed" and value >= 0:
+            own["seed"] = int(value)
+        elif name != "seed" and not np.isnan(value):
+            own[name] = float(value)
+    return own
 
 
 def signal_name(signum: int) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import h5py
 import numpy as np
 import pytest
 import torch
@@ -192,3 +193,44 @@ def test_speculation_equals_greedy_in_other_families(tmp_path, prompts, family):
                                   speculative={"method": "prompt_lookup", "num_tokens": 3}))
     expected = expected_rows(prompts, hf_greedy(checkpoint, prompts, MAX_SEQ_LEN), MAX_SEQ_LEN, START)
     np.testing.assert_array_equal(got[: len(prompts)], expected)
+
+
+# --- each row's own temperature, top_p and seed ----------------------------------------------------------
+
+ROW_OPTIONS = [  # (temperature, top_p, seed) of each prompt; NaN / -1: the params' (greedy, 1.0, 0)
+    (np.nan, np.nan, -1), (0.8, np.nan, 3), (1.3, 0.9, 3), (0.0, 0.5, 7), (0.8, np.nan, 11), (np.nan, 0.7, 4),
+    (2.0, 0.95, -1),
+]
+
+
+def test_rows_sample_with_their_own_options_side_by_side(tmp_path, checkpoint, prompts):
+    """Greedy rows and rows sampled at their own temperature, top_p and seed share batches; each row equals
+    the same sample in a job whose params give every row that row's options, at batch sizes 1, 3 and 7."""
+    columns = np.array(ROW_OPTIONS, dtype=np.float64).T
+    write_h5(tmp_path / "data", prompt_rows(prompts, MAX_SEQ_LEN, START))
+    with h5py.File(tmp_path / "data" / "data.h5", "a") as h5:
+        h5["temperature"], h5["top_p"] = columns[0].astype(np.float32), columns[1].astype(np.float32)
+        h5["seed"] = columns[2].astype(np.int64)
+    mixed = {size: rows_by_sample(run(tmp_path, checkpoint, prompts, f"mixed_{size}", batch_size=size, max_tokens=12,
+                                      repetition_penalty=1.2))
+             for size in (1, 3, 7)}
+    assert mixed[1] == mixed[3] == mixed[7]
+    for index, (temperature, top_p, seed) in enumerate(ROW_OPTIONS):
+        greedy = np.isnan(temperature) or temperature == 0  # the params take top_p only when sampling
+        own = {"temperature": 0.0 if greedy else temperature,
+               "top_p": 1.0 if np.isnan(top_p) or greedy else top_p, "seed": 0 if seed < 0 else int(seed)}
+        alone = tmp_path / f"alone_{index}"
+        write_h5(alone / "data", prompt_rows(prompts, MAX_SEQ_LEN, START))
+        reference = rows_by_sample(run(alone, checkpoint, prompts, "run", max_tokens=12, repetition_penalty=1.2,
+                                       **own))
+        assert mixed[3][index] == reference[index], (index, own)
+
+
+def test_bad_row_sampling_options_are_named(tmp_path, checkpoint, prompts, capsys):
+    write_h5(tmp_path / "data", prompt_rows(prompts[:2], MAX_SEQ_LEN, START))
+    with h5py.File(tmp_path / "data" / "data.h5", "a") as h5:
+        h5["top_p"] = np.float32([0.5, 1.5])
+    path = write_params(tmp_path / "params.yaml", checkpoint, tmp_path / "data", 2, START, max_tokens=4)
+    assert run_job(path, tmp_path / "run") == 2
+    assert "a row's top_p must be a number in (0, 1], got 1.5" in capsys.readouterr().err
+    assert not list((tmp_path / "run" / "artifacts" / "predictions").glob("*.npz"))

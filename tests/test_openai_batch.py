@@ -34,7 +34,7 @@ REQUESTS = [
     request("capital", CHAT, messages=[{"role": "system", "content": "Answer in one sentence."},
                                        {"role": "user", "content": "What is the capital of France?"}], max_tokens=30),
     request("colors", COMPLETIONS, prompt="The three primary colors are", max_tokens=12, stop=[","]),
-    request("hot", CHAT, messages=[{"role": "user", "content": "Hi"}], temperature=0.9),
+    request("hot", CHAT, messages=[{"role": "user", "content": "Hi"}], temperature=0.9, seed=5),  # sampled
     request("count", CHAT, messages=[{"role": "user", "content": [{"type": "text", "text": "Count to five."}]}],
             max_completion_tokens=6, temperature=0, n=1),
     request("tools", CHAT, messages=[{"role": "user", "content": "Weather?"}], tools=[{"type": "function"}]),
@@ -74,19 +74,24 @@ def batch_run(tmp_path_factory) -> dict:
 
 def test_the_data_holds_the_runnable_requests_and_every_request(batch_run):
     with h5py.File(batch_run["root"] / "data" / "data.h5") as h5:
-        assert [s.decode() for s in h5["sample_id"][:]] == ["capital", "colors", "count", "free"]
-        assert h5["max_tokens"][:].tolist() == [30, 12, 6, 0]
-        assert [json.loads(s) for s in h5["stop_sequences"][:]][1:] == [[[28]], [], []]  # "," is token 28
+        assert [s.decode() for s in h5["sample_id"][:]] == ["capital", "colors", "hot", "count", "free"]
+        assert h5["max_tokens"][:].tolist() == [30, 12, 0, 6, 0]
+        assert [json.loads(s) for s in h5["stop_sequences"][:]][1:] == [[[28]], [], [], []]  # "," is token 28
+        # Each request's own sampling options; NaN / -1: the params'.
+        np.testing.assert_array_equal(h5["temperature"][:], np.float32([np.nan, np.nan, 0.9, 0.0, np.nan]))
+        np.testing.assert_array_equal(h5["top_p"][:], np.full(5, np.nan, np.float32))
+        assert h5["seed"][:].tolist() == [-1, -1, 5, -1, -1]
         table = [json.loads(s) for s in h5["requests"][:]]
     assert [(r["custom_id"], r["row"], r["kind"]) for r in table] == [
-        ("capital", 0, "chat"), ("colors", 1, "completion"), ("hot", -1, "chat"), ("count", 2, "chat"),
-        ("tools", -1, "chat"), ("odd-stop", -1, "completion"), ("free", 3, "completion")]
+        ("capital", 0, "chat"), ("colors", 1, "completion"), ("hot", 2, "chat"), ("count", 3, "chat"),
+        ("tools", -1, "chat"), ("odd-stop", -1, "completion"), ("free", 4, "completion")]
 
 
 def test_predictions_carry_the_ids(batch_run):
     files = load_predictions(batch_run["root"] / "run")
     assert files[1]["sample_id"].tolist() == ["capital", "colors"]
-    assert files[2]["sample_id"].tolist() == ["count", "free"]
+    assert files[2]["sample_id"].tolist() == ["hot", "count"]
+    assert files[3]["sample_id"].tolist() == ["free", ""]
 
 
 def expected_continuation(prompt_ids: list[int], limit: int, stops: list[list[int]]) -> tuple[list[int], str]:
@@ -134,8 +139,6 @@ def test_responses_follow_the_input_order_with_error_records(batch_run):
     assert [line["id"] for line in lines] == [f"batch_req_{i}" for i in range(1, 8)]
     errors = {line["custom_id"]: line["error"] for line in lines if line["error"]}
     assert errors == {
-        "hot": {"code": "invalid_request", "message": "temperature 0.9 is not supported per request: this run uses "
-                                                      "0.0 for every request (model.temperature in the params)"},
         "tools": {"code": "invalid_request", "message": "tools is not supported by zoo-infer"},
         "odd-stop": {"code": "invalid_request",
                      "message": "stop string '\\ud800' does not map to token ids of this tokenizer"},
@@ -143,24 +146,50 @@ def test_responses_follow_the_input_order_with_error_records(batch_run):
     assert all(line["response"] is None for line in lines if line["error"])
 
 
-def test_params_values_are_accepted_per_request(tmp_path):
-    params = tmp_path / "params.yaml"
-    params.write_text(yaml.safe_dump({"model": {"start_token": START, "temperature": 0.9, "seed": 3},
-                                      "inference_input": {"data_dir": "d", "batch_size": 1}}))
-    source = write_jsonl(tmp_path / "r.jsonl", [REQUESTS[2], request("cold", CHAT, messages=[
-        {"role": "user", "content": "Hi"}], temperature=0.5)])
+def test_a_sampled_request_is_the_row_of_a_job_sampling_alike(batch_run, tmp_path):
+    """The request with its own temperature and seed, among greedy ones, answers what it answers when the
+    params give every row that temperature and seed (same place in the file: same random streams)."""
+    plain = [dict(r, body={k: v for k, v in r["body"].items() if k not in ("temperature", "seed")})
+             if r["custom_id"] == "hot" else r for r in REQUESTS]
+    source = write_jsonl(tmp_path / "requests.jsonl", plain)
     assert create.main(["--input", str(source), "--format", "openai_batch", "--tokenizer", str(MODEL),
-                        "--max_seq_len", "40", "--output_dir", str(tmp_path / "data"), "--params", str(params)]) == 0
+                        "--max_seq_len", str(MAX_SEQ_LEN), "--output_dir", str(tmp_path / "data")]) == 0
+    params = write_run_params(tmp_path / "params.yaml", tmp_path / "data")
+    raw = yaml.safe_load(params.read_text())
+    raw["model"].update(temperature=0.9, seed=5)
+    params.write_text(yaml.safe_dump(raw))
+    assert run_job(params, tmp_path / "run") == 0
+    out = tmp_path / "responses.jsonl"
+    assert decode.main(["--model_dir", str(tmp_path / "run"), "--tokenizer", str(MODEL), "--format", "openai_batch",
+                        "--output", str(out)]) == 0
+    job_wide = {line["custom_id"]: line for line in map(json.loads, out.read_text().splitlines())}
+    own = {line["custom_id"]: line for line in batch_run["lines"]}
+    hot = own["hot"]["response"]["body"]["choices"][0]
+    assert hot == job_wide["hot"]["response"]["body"]["choices"][0]
+    assert hot["message"]["content"]  # something was generated (the greedy rows beside it: the test above)
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("temperature", -1, "temperature must be a number >= 0, got -1"),
+    ("top_p", 0, "top_p must be a number in (0, 1], got 0"),
+    ("seed", 1.5, "seed must be an integer >= 0, got 1.5"),
+    ("seed", "7", "seed must be an integer >= 0, got '7'"),
+])
+def test_bad_sampling_options_are_error_records(tmp_path, option, value, message):
+    source = write_jsonl(tmp_path / "r.jsonl", [REQUESTS[0], request("bad", CHAT, messages=[
+        {"role": "user", "content": "Hi"}], **{option: value})])
+    assert create.main(["--input", str(source), "--format", "openai_batch", "--tokenizer", str(MODEL),
+                        "--max_seq_len", "40", "--output_dir", str(tmp_path / "data")]) == 0
     with h5py.File(tmp_path / "data" / "data.h5") as h5:
-        assert [s.decode() for s in h5["sample_id"][:]] == ["hot"]
-        assert json.loads(h5["requests"][1])["error"].startswith("temperature 0.5 is not supported per request")
+        assert [s.decode() for s in h5["sample_id"][:]] == ["capital"]
+        assert json.loads(h5["requests"][1])["error"] == message
 
 
 @pytest.mark.parametrize("lines, message", [
     ([REQUESTS[0], REQUESTS[0]], "custom_id 'capital' is used on lines 1 and 2; each request needs its own"),
     (["not json"], "line 1 is not valid JSON"),
     ([{"method": "POST"}], "line 1 is not a batch request: it needs a non-empty string custom_id"),
-    ([REQUESTS[2]], "no request can run here: hot: temperature 0.9 is not supported per request"),
+    ([REQUESTS[4]], "no request can run here: tools: tools is not supported by zoo-infer"),
 ])
 def test_bad_batch_files_are_one_line_errors(tmp_path, capsys, lines, message):
     source = tmp_path / "r.jsonl"
@@ -279,7 +308,8 @@ def test_shards_give_the_unsharded_answers(batch_run):
     for index in ("0", "1"):
         assert run_job(root / "params.yaml", root / "sharded", "--num_shards", "2", "--shard_index", index) == 0
     files = load_predictions(root / "sharded")
-    assert files[1]["sample_id"].tolist() == ["capital", "colors"] and files[2]["sample_id"].tolist() == ["count", "free"]
+    assert [files[step]["sample_id"].tolist() for step in (1, 2, 3)] == [["capital", "colors"], ["hot", "count"],
+                                                                         ["free", ""]]
     out = root / "sharded.jsonl"
     assert decode.main(["--model_dir", str(root / "sharded"), "--tokenizer", str(MODEL), "--format", "openai_batch",
                         "--output", str(out)]) == 0

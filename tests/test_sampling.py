@@ -365,3 +365,29 @@ def test_cuda_draws_what_cpu_draws():
     assert torch.equal(uniforms(5, index.to(cuda), lengths.to(cuda)).cpu(), uniforms(5, index, lengths))
     on_gpu = choice.choose(logits.to(cuda), sequences.to(cuda), lengths.to(cuda), index.to(cuda)).cpu()
     assert torch.equal(on_gpu, choice.choose(logits, sequences, lengths, index))
+
+
+def test_choose_rows_equals_each_rows_own_token_choice():
+    """Rows with their own temperature, top_p and seed (greedy ones among them), chosen together: each row's
+    token and scores are those of a TokenChoice holding that row's options alone (same job-wide top-k and
+    repetition penalty)."""
+    from modelzoo.generation.sampling import RowSampling, seed_key
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50) * 3
+    sequences, lengths = torch.randint(0, 50, (6, 12)), torch.full((6,), 12)
+    index = torch.arange(6) + 100
+    options = [(0.0, 1.0, 0), (0.7, 1.0, 3), (1.3, 0.9, 3), (0.7, 0.5, 9), (0.0, 1.0, 5), (2.0, 0.8, 1)]
+    job = TokenChoice(temperature=0.7, top_k=20, seed=3, repetition_penalty=1.2, rows_sample=True, rows_top_p=True)
+    rows = RowSampling(torch.tensor([t for t, _, _ in options], dtype=torch.float32),
+                       torch.tensor([RowSampling.cut(p) for _, p, _ in options], dtype=torch.float32),
+                       torch.tensor([seed_key(s) for _, _, s in options]))
+    tokens, scores = job.choose_rows(logits, sequences, lengths, index, rows)
+    for b, (temperature, top_p, seed) in enumerate(options):
+        sampled = temperature > 0
+        own = TokenChoice(temperature=temperature, top_k=20 if sampled else 0, top_p=top_p if sampled else 1.0,
+                          seed=seed, repetition_penalty=1.2)
+        row = slice(b, b + 1)
+        want_scores = own.process(logits[row], sequences[row], lengths[row])
+        assert torch.equal(scores[b], want_scores[0]), b
+        assert tokens[b] == own.choose_from_scores(want_scores, lengths[row], index[row])[0], b

@@ -30,6 +30,7 @@ from torch import nn
 
 from modelzoo.errors import past_learned_positions
 from modelzoo.generation.kv_cache import KVCache
+from modelzoo.generation.sampling import RowSampling, seed_key
 from modelzoo.generation.shared_prefix import SharedPrefix
 from modelzoo.generation.step import DecodeStep, SlotState, choose_tokens, length_bucket, length_buckets
 from modelzoo.generation.stopping import REASON_NAMES, StopChecker
@@ -52,6 +53,9 @@ class Request:
     prompt: np.ndarray
     max_tokens: int = 0  # the row's own limit, 0: the job's alone (the smaller one holds)
     stop_sequences: tuple[tuple[int, ...], ...] = ()  # the row's own, besides the job's
+    temperature: float | None = None  # the row's own sampling options; None: the job's
+    top_p: float | None = None
+    seed: int | None = None
 
 
 @dataclass
@@ -189,6 +193,8 @@ class GenerationEngine:
             state.sequences[slots, : prompts.shape[1]] = torch.from_numpy(prompts).to(self.device)  # zeros past each prompt
             state.seq_len[slots] = state.prompt_len[slots] = prompt_len
             state.sample_index[slots] = torch.tensor([r.index for _, r, _ in group], device=self.device)
+            if self.choice is not None:
+                self._set_sampling(slots, [request for _, request, _ in group])
             prefixed = [slot for slot, _, offset in group if offset]
             if prefixed:
                 self.shared_prefix.copy_into(self.cache, torch.tensor(prefixed, device=self.device))
@@ -203,6 +209,17 @@ class GenerationEngine:
             state.append(first, torch.ones_like(first, dtype=torch.bool), self.stops, slots, logprob)
             for slot, request, _ in group:
                 self.length_bound[slot] = len(request.prompt) + 1
+
+    def _set_sampling(self, slots: torch.Tensor, requests: list[Request]) -> None:
+        """Each slot's temperature, top-p cut and seed key: the request's own where it has them, else the job's."""
+        job, sampling = self.choice, self.state.sampling
+        own = lambda value, default: default if value is None else value  # noqa: E731
+        sampling.temperature[slots] = torch.tensor([own(r.temperature, job.temperature) for r in requests],
+                                                   dtype=torch.float32, device=self.device)
+        sampling.top_p_cut[slots] = torch.tensor([RowSampling.cut(own(r.top_p, job.top_p)) for r in requests],
+                                                 dtype=torch.float32, device=self.device)
+        sampling.seed_key[slots] = torch.tensor([seed_key(own(r.seed, job.seed)) for r in requests],
+                                                dtype=torch.long, device=self.device)
 
     def _prefill_groups(self, admitted: list[tuple[int, Request]]) -> list[list[tuple[int, Request, int]]]:
         """Splits admitted requests into groups of (slot, request, offset) run by one forward each:

@@ -60,13 +60,22 @@ def _mix64(x: Tensor) -> Tensor:
     return x ^ ((x >> 31) & ((1 << 33) - 1))
 
 
+def seed_key(seed: int) -> int:
+    """The int64 key a seed's random streams start from (the seed is a Python int of any size: hashed once)."""
+    return _signed(splitmix64(seed + _GOLDEN))
+
+
 def uniforms(seed: int, sample_index: Tensor, position: Tensor) -> Tensor:
     """One uniform number in [0, 1) per row, a pure function of (seed, sample_index, position).
 
     sample_index, position: (B,) long, the key of the row's random stream and the step along it (the row's
     length before the new token). Returns (B,) float64 on their device, a multiple of 2**-53.
     """
-    key = _signed(splitmix64(seed + _GOLDEN))  # the seed is a Python int of any size: hashed here, once
+    return keyed_uniforms(seed_key(seed), sample_index, position)
+
+
+def keyed_uniforms(key: int | Tensor, sample_index: Tensor, position: Tensor) -> Tensor:
+    """`uniforms` from the seed's key (`seed_key`), one for every row or (B,) long, one per row."""
     h = _mix64(sample_index.long() * _signed(_GOLDEN) + key)
     h = _mix64(position.long() * _signed(_STEP) + h)
     bits = (h >> (64 - _UNIFORM_BITS)) & ((1 << _UNIFORM_BITS) - 1)  # the top 53 bits, as a non-negative int64
@@ -153,31 +162,61 @@ def keep_top_k(scores: Tensor, top_k: int) -> Tensor:
 
 
 def keep_top_p(scores: Tensor, top_p: float) -> Tensor:
+    """`keep_top_p_cut` at transformers' cut, 1 - top_p."""
+    return keep_top_p_cut(scores, 1 - top_p)
+
+
+def keep_top_p_cut(scores: Tensor, cut: float | Tensor) -> Tensor:
     """transformers' TopPLogitsWarper (min_tokens_to_keep 1): the smallest set of most probable tokens whose
     probability adds up to top_p or more, the rest -inf.
 
     Same operations as transformers, so the same float32 boundary: in ascending order, a token goes when the
-    cumulative probability up to it is <= 1 - top_p; the most probable token always stays. Ties at the cut are
+    cumulative probability up to it is <= cut = 1 - top_p (a float, or (B, 1) float32 per row holding
+    float32(1 - top_p), which compares as transformers' Python float does; -1 keeps every token); the most
+    probable token always stays. Ties at the cut are
     broken by token id (a stable sort: the lower id goes first), so the result is the same on every device and
     batch; transformers' default sort is unstable on CPU and may keep another one of the tied tokens there, always
     as many of them.
     """
     sorted_scores, order = torch.sort(scores, dim=-1, descending=False, stable=True)  # (B, V)
     cumulative = sorted_scores.softmax(-1).cumsum(-1)
-    remove = cumulative <= (1 - top_p)
+    remove = cumulative <= cut
     remove[:, -1] = False
     remove = remove.scatter(1, order, remove)  # back to vocabulary order
     return scores.masked_fill(remove, -float("inf"))
 
 
+@dataclass
+class RowSampling:
+    """Each row's own sampling options, (B,) each, where rows of one step differ."""
+
+    temperature: Tensor  # float32; 0: the row is greedy
+    top_p_cut: Tensor  # float32: float32(1 - top_p), -1 where the row keeps every token
+    seed_key: Tensor  # long: seed_key(the row's seed)
+
+    @staticmethod
+    def cut(top_p: float) -> float:
+        """A row's top_p as `top_p_cut` holds it."""
+        return 1 - top_p if top_p < 1.0 else -1.0
+
+
 @dataclass(frozen=True)
 class TokenChoice(TokenChoiceParams):
-    """The arithmetic of a token choice (modelzoo/params.py's TokenChoiceParams: the six `model:` options)."""
+    """The arithmetic of a token choice (modelzoo/params.py's TokenChoiceParams: the six `model:` options).
+
+    The job's temperature, top_p and seed are every row's unless the row brings its own (`RowSampling`):
+    `rows_sample` says some row may sample though the job's temperature is 0, `rows_top_p` that some row
+    may keep a top-p set though the job's top_p is 1."""
+
+    rows_sample: bool = False
+    rows_top_p: bool = False
 
     @classmethod
-    def from_params(cls, options: TokenChoiceParams) -> TokenChoice:
+    def from_params(cls, options: TokenChoiceParams, rows_sample: bool = False, rows_top_p: bool = False
+                    ) -> TokenChoice:
         """The token choice of a validated `model:` section (or any TokenChoiceParams)."""
-        return cls(**{field.name: getattr(options, field.name) for field in fields(TokenChoiceParams)})
+        return cls(**{field.name: getattr(options, field.name) for field in fields(TokenChoiceParams)},
+                   rows_sample=rows_sample, rows_top_p=rows_top_p)
 
     @property
     def needs_history(self) -> bool:
@@ -187,14 +226,10 @@ class TokenChoice(TokenChoiceParams):
     @property
     def is_plain_greedy(self) -> bool:
         """Whether the token is the argmax of the raw logits: the engine's fast path."""
-        return self.greedy and not self.needs_history
+        return self.greedy and not self.needs_history and not self.rows_sample
 
-    def process(self, logits: Tensor, sequences: Tensor | None, lengths: Tensor) -> Tensor:
-        """The scores a token is chosen from, float32 (B, V), as transformers' processors leave them.
-
-        logits: (B, V); sequences: (B, L) long, row b's tokens so far valid in [:lengths[b]] (may be None when
-        not `needs_history`); lengths: (B,) long. Penalties always; temperature, top-k, top-p only when sampling.
-        """
+    def penalize(self, logits: Tensor, sequences: Tensor | None, lengths: Tensor) -> Tensor:
+        """`process`'s first part, the repetition rules, on every row: float32 (B, V)."""
         scores = logits.float()
         if self.needs_history and sequences is None:
             raise ValueError("repetition_penalty and no_repeat_ngram_size need each row's tokens (sequences)")
@@ -202,6 +237,15 @@ class TokenChoice(TokenChoiceParams):
             scores = apply_repetition_penalty(scores, sequences, lengths, self.repetition_penalty)
         if self.no_repeat_ngram_size > 0:
             scores = ban_repeated_ngrams(scores, sequences, lengths, self.no_repeat_ngram_size)
+        return scores
+
+    def process(self, logits: Tensor, sequences: Tensor | None, lengths: Tensor) -> Tensor:
+        """The scores a token is chosen from, float32 (B, V), as transformers' processors leave them.
+
+        logits: (B, V); sequences: (B, L) long, row b's tokens so far valid in [:lengths[b]] (may be None when
+        not `needs_history`); lengths: (B,) long. Penalties always; temperature, top-k, top-p only when sampling.
+        """
+        scores = self.penalize(logits, sequences, lengths)
         if not self.greedy:
             if self.temperature != 1.0:
                 scores = apply_temperature(scores, self.temperature)
@@ -223,6 +267,24 @@ class TokenChoice(TokenChoiceParams):
         if self.is_plain_greedy:
             return logits.argmax(-1)
         return self.choose_from_scores(self.process(logits, sequences, lengths), lengths, sample_index)
+
+    def choose_rows(self, logits: Tensor, sequences: Tensor | None, lengths: Tensor, sample_index: Tensor,
+                    rows: RowSampling) -> tuple[Tensor, Tensor]:
+        """`choose` with each row's own temperature, top_p and seed (`rows`): (tokens (B,) long, the scores
+        (B, V) float32 each token was chosen from). Greedy rows and sampled rows side by side; a row's result
+        equals a job's whose options are that row's. No host sync."""
+        scores = self.penalize(logits, sequences, lengths)  # the rest is per row, below
+        if self.greedy and not self.rows_sample:
+            return scores.argmax(-1), scores
+        sampled = rows.temperature > 0  # (B,)
+        warped = apply_temperature(scores, torch.where(sampled, rows.temperature, 1.0)[:, None])
+        if self.top_k > 0:
+            warped = keep_top_k(warped, self.top_k)
+        if self.rows_top_p or self.top_p < 1.0:
+            warped = keep_top_p_cut(warped, rows.top_p_cut[:, None])
+        scores = torch.where(sampled[:, None], warped, scores)
+        drawn = draw(scores.softmax(-1), keyed_uniforms(rows.seed_key, sample_index, lengths))
+        return torch.where(sampled, drawn, scores.argmax(-1)), scores
 
     def choose_from_scores(self, scores: Tensor, lengths: Tensor, sample_index: Tensor) -> Tensor:
         """`choose` after `process`: the token of each row (B,) from its processed scores (B, V) float32."""

@@ -27,6 +27,8 @@ from torch import nn
 from modelzoo.generation.kv_cache import KVCache
 from modelzoo.generation.stopping import CONTINUE, StopChecker
 
+from modelzoo.generation.sampling import RowSampling
+
 if TYPE_CHECKING:
     from modelzoo.generation.sampling import TokenChoice
 
@@ -61,6 +63,7 @@ class SlotState:
     active: torch.Tensor  # (S,) bool: the slot generates
     reason: torch.Tensor  # (S,) long: why the slot's row stopped (stopping.py's codes), CONTINUE until then
     logprobs: torch.Tensor | None  # (S, L) float32 with logprobs: each generated token's, where it sits
+    sampling: RowSampling  # each slot's temperature, top-p cut and seed key (S,), read when the job samples
 
     @classmethod
     def allocate(cls, num_slots: int, max_len: int, device: torch.device, logprobs: bool) -> SlotState:
@@ -70,7 +73,9 @@ class SlotState:
 
         return cls(zeros(num_slots, max_len), zeros(num_slots), zeros(num_slots), zeros(num_slots), zeros(num_slots),
                    zeros(num_slots, dtype=torch.bool), zeros(num_slots),
-                   zeros(num_slots, max_len, dtype=torch.float32) if logprobs else None)
+                   zeros(num_slots, max_len, dtype=torch.float32) if logprobs else None,
+                   RowSampling(zeros(num_slots, dtype=torch.float32), zeros(num_slots, dtype=torch.float32),
+                               zeros(num_slots)))
 
     @property
     def num_slots(self) -> int:
@@ -112,9 +117,10 @@ def choose_tokens(logits: torch.Tensor, state: SlotState, slots: torch.Tensor | 
     if choice is None:
         tokens, scores = logits.argmax(-1), logits
     else:
-        seq_len = state.seq_len[rows]
-        scores = choice.process(logits, state.sequences[rows], seq_len)  # (R, V) float32
-        tokens = choice.choose_from_scores(scores, seq_len, state.sample_index[rows])
+        sampling = state.sampling
+        own = RowSampling(sampling.temperature[rows], sampling.top_p_cut[rows], sampling.seed_key[rows])
+        tokens, scores = choice.choose_rows(logits, state.sequences[rows], state.seq_len[rows],
+                                            state.sample_index[rows], own)  # (R,), (R, V) float32
     if not want_logprobs:
         return tokens, None
     return tokens, torch.log_softmax(scores.float(), dim=-1).gather(1, tokens[:, None])[:, 0]
