@@ -172,8 +172,9 @@ class GptHDF5MapDataProcessor:
             for start in range(0, self.num_samples, 65536):
                 values = np.asarray(self.read_per_row(name, start, min(start + 65536, self.num_samples)))
                 ok, wanted = checks[name]
-                if values.dtype.kind not in "fiu" or not ok(values).all():
-                    bad = values[0] if values.dtype.kind not in "fiu" else values[~ok(values)][0].item()
+                kinds = "iu" if name == "seed" else "fiu"
+                if values.dtype.kind not in kinds or not ok(values).all():
+                    bad = values[0].item() if values.dtype.kind not in kinds else values[~ok(values)][0].item()
                     raise UserError(f"the data in {self.data_dir}: a row's {name} must be {wanted}, got {bad!r}")
                 samples |= name == "temperature" and bool((values > 0).any())
                 top_p |= name == "top_p" and bool((values < 1).any())

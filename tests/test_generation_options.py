@@ -226,11 +226,28 @@ def test_rows_sample_with_their_own_options_side_by_side(tmp_path, checkpoint, p
         assert mixed[3][index] == reference[index], (index, own)
 
 
-def test_bad_row_sampling_options_are_named(tmp_path, checkpoint, prompts, capsys):
+@pytest.mark.parametrize("name, values, message", [
+    ("top_p", np.float32([0.5, 1.5]), "a row's top_p must be a number in (0, 1], got 1.5"),
+    ("temperature", np.float32([-0.5, 1.0]), "a row's temperature must be a number >= 0, got -0.5"),
+    ("seed", np.float64([1.5, 2.0]), "a row's seed must be an integer >= 0 (-1: the params' seed), got 1.5"),
+    ("seed", np.int64([3, -2]), "a row's seed must be an integer >= 0 (-1: the params' seed), got -2"),
+])
+def test_bad_row_sampling_options_are_named(tmp_path, checkpoint, prompts, capsys, name, values, message):
     write_h5(tmp_path / "data", prompt_rows(prompts[:2], MAX_SEQ_LEN, START))
     with h5py.File(tmp_path / "data" / "data.h5", "a") as h5:
-        h5["top_p"] = np.float32([0.5, 1.5])
+        h5[name] = values
     path = write_params(tmp_path / "params.yaml", checkpoint, tmp_path / "data", 2, START, max_tokens=4)
     assert run_job(path, tmp_path / "run") == 2
-    assert "a row's top_p must be a number in (0, 1], got 1.5" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
+    assert not list((tmp_path / "run" / "artifacts" / "predictions").glob("*.npz"))
+
+
+def test_sampled_rows_refuse_speculative_decoding(tmp_path, checkpoint, prompts, capsys):
+    write_h5(tmp_path / "data", prompt_rows(prompts[:2], MAX_SEQ_LEN, START))
+    with h5py.File(tmp_path / "data" / "data.h5", "a") as h5:
+        h5["temperature"] = np.float32([0.8, np.nan])
+    path = write_params(tmp_path / "params.yaml", checkpoint, tmp_path / "data", 2, START, max_tokens=4,
+                        model_keys={"speculative": {"method": "prompt_lookup", "num_tokens": 2}})
+    assert run_job(path, tmp_path / "run") == 2
+    assert "some rows of the data sample (their own temperature > 0) but model.speculative" in capsys.readouterr().err
     assert not list((tmp_path / "run" / "artifacts" / "predictions").glob("*.npz"))

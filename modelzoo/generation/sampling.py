@@ -173,10 +173,9 @@ def keep_top_p_cut(scores: Tensor, cut: float | Tensor) -> Tensor:
     Same operations as transformers, so the same float32 boundary: in ascending order, a token goes when the
     cumulative probability up to it is <= cut = 1 - top_p (a float, or (B, 1) float32 per row holding
     float32(1 - top_p), which compares as transformers' Python float does; -1 keeps every token); the most
-    probable token always stays. Ties at the cut are
-    broken by token id (a stable sort: the lower id goes first), so the result is the same on every device and
-    batch; transformers' default sort is unstable on CPU and may keep another one of the tied tokens there, always
-    as many of them.
+    probable token always stays. Ties at the cut are broken by token id (a stable sort: the lower id goes
+    first), so the result is the same on every device and batch; transformers' default sort is unstable on CPU
+    and may keep another one of the tied tokens there, always as many of them.
     """
     sorted_scores, order = torch.sort(scores, dim=-1, descending=False, stable=True)  # (B, V)
     cumulative = sorted_scores.softmax(-1).cumsum(-1)

@@ -25,9 +25,8 @@ import torch
 from torch import nn
 
 from modelzoo.generation.kv_cache import KVCache
-from modelzoo.generation.stopping import CONTINUE, StopChecker
-
 from modelzoo.generation.sampling import RowSampling
+from modelzoo.generation.stopping import CONTINUE, StopChecker
 
 if TYPE_CHECKING:
     from modelzoo.generation.sampling import TokenChoice
@@ -37,7 +36,6 @@ log = logging.getLogger("zoo-infer")
 # Granularity of the cache length a decode step attends over: one compiled graph per bucket, and at most
 # LENGTH_BUCKET - 1 masked keys read beyond the longest row.
 LENGTH_BUCKET = 128
-MODES = ("eager", "compiled", "cuda_graph")
 
 
 def length_bucket(longest: int, max_len: int) -> int:
