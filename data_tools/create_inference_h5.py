@@ -265,8 +265,7 @@ def openai_rows(args: argparse.Namespace, tokenizer: Any) -> tuple[PromptFile, l
     run_wide = {}
     if args.params is not None:
         model = load_params(args.params).model
-        run_wide = {"temperature": model.temperature, "top_p": model.top_p, "seed": model.seed,
-                    "logprobs": model.logprobs}
+        run_wide = {"logprobs": model.logprobs, "top_logprobs": model.top_logprobs}
     requests = read_batch_file(args.input, read_text(args.input), run_wide)
     runnable: list[BatchRequest] = []
     stops: list[list[list[int]]] = []
@@ -283,7 +282,8 @@ def openai_rows(args: argparse.Namespace, tokenizer: Any) -> tuple[PromptFile, l
                    for text, request in zip(texts, runnable)]
     rows = {request.custom_id: row for row, request in enumerate(runnable)}
     table = [json.dumps({"line": r.line, "custom_id": r.custom_id, "kind": r.kind, "model": r.model, "stop": r.stop,
-                         "logprobs": r.logprobs, "error": r.error, "row": rows.get(r.custom_id, -1)})
+                         "logprobs": r.logprobs, "top_logprobs": r.top_logprobs, "error": r.error,
+                         "row": rows.get(r.custom_id, -1)})
              for r in requests]
     per_row = {"max_tokens": np.array([r.max_tokens for r in runnable], dtype=np.int32),
                "stop_sequences": [json.dumps(s) for s in stops]}

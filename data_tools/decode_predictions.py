@@ -60,6 +60,8 @@ class PredictionBatch:
     stop_reason: np.ndarray
     sample_id: np.ndarray | None = None  # where the data has ids
     logprobs: np.ndarray | None = None  # (batch_size, max_seq_len) float32, where the run has them
+    top_logprob_ids: np.ndarray | None = None  # (batch_size, max_seq_len, K) int32, with model.top_logprobs K
+    top_logprobs: np.ndarray | None = None  # (batch_size, max_seq_len, K) float32
 
 
 def find_prediction_files(model_dir: Path | str) -> list[Path]:
@@ -93,9 +95,12 @@ def load_batch(path: Path) -> PredictionBatch:
         raise UserError(f"{path}: loop_dim must be 0 or 1, got {loop_dim}")
     if arrays["predictions"].ndim != 2:
         raise UserError(f"{path}: predictions must be 2-D, got shape {arrays['predictions'].shape}")
-    sequences = {key: arrays[key].T if loop_dim == 0 else arrays[key] for key in SEQUENCE_KEYS if key in arrays}
-    if "logprobs" in sequences and sequences["logprobs"].shape != sequences["predictions"].shape:
-        raise UserError(f"{path}: logprobs has shape {arrays['logprobs'].shape}, expected {arrays['predictions'].shape}")
+    sequences = {key: np.swapaxes(arrays[key], 0, 1) if loop_dim == 0 else arrays[key]
+                 for key in SEQUENCE_KEYS if key in arrays}
+    for key, array in sequences.items():
+        if array.shape[:2] != sequences["predictions"].shape or array.ndim != (3 if key.startswith("top_") else 2):
+            raise UserError(f"{path}: {key} has shape {arrays[key].shape}, expected {arrays['predictions'].shape}"
+                            + (" plus the top_logprobs count" if key.startswith("top_") else ""))
     batch = PredictionBatch(
         path=path,
         global_step=int(arrays["global_step"]),
@@ -148,10 +153,17 @@ def as_text(value: Any) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
+def top_pieces(batch: PredictionBatch, row: int, start: int, end: int, tokenizer: Any) -> list[list[tuple[str, float]]]:
+    """Each generated position's likeliest tokens as (text, log-probability), descending (model.top_logprobs)."""
+    return [[(tokenizer.decode([int(i)]), float(v)) for i, v in zip(ids, values)]
+            for ids, values in zip(batch.top_logprob_ids[row, start:end], batch.top_logprobs[row, start:end])]
+
+
 def decode_batch(batch: PredictionBatch, tokenizer: Any, skip_special_tokens: bool,
                  logprobs: bool = False) -> list[dict]:
     """Returns one record per real row of a batch (dummy rows skipped); with `logprobs`, each generated
-    token's log-probability too (the run must have written them)."""
+    token's log-probability too (the run must have written them), and where the run kept them
+    (model.top_logprobs) the likeliest tokens at each position, as {"token", "token_id", "logprob"} lists."""
     if logprobs and batch.logprobs is None:
         raise UserError(f"{batch.path}: no logprobs in this run's files (set model.logprobs: true in the params)")
     records = []
@@ -173,6 +185,11 @@ def decode_batch(batch: PredictionBatch, tokenizer: Any, skip_special_tokens: bo
                 **({"logprobs": batch.logprobs[row, start:end].tolist()} if logprobs else {}),
             }
         )
+        if logprobs and batch.top_logprob_ids is not None:
+            records[-1]["top_logprobs"] = [
+                [{"token": text, "token_id": int(i), "logprob": value}
+                 for (text, value), i in zip(pieces, batch.top_logprob_ids[row, position])]
+                for position, pieces in zip(range(start, end), top_pieces(batch, row, start, end, tokenizer))]
     return records
 
 
@@ -265,6 +282,8 @@ def openai_records(batches: Sequence[PredictionBatch], requests: Sequence[dict],
                 ids = batch.predictions[row, start:start + count].tolist()
                 completion["token_logprobs"] = [(tokenizer.decode([i]), float(v))
                                                 for i, v in zip(ids, batch.logprobs[row, start:start + count])]
+            if batch.top_logprob_ids is not None:
+                completion["top_logprobs"] = top_pieces(batch, row, start, start + count, tokenizer)
         lines.append(response_line(number, request, completion, created))
     return lines
 
@@ -289,8 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="leave special tokens (e.g. <|im_start|>, <|im_end|>) out of the decoded text",
     )
     parser.add_argument("--logprobs", action="store_true", help="jsonl: add each generated token's log-probability "
-                        "(`logprobs`, a list); the run needs model.logprobs: true. openai_batch answers carry them for "
-                        "the requests that asked (logprobs: true)")
+                        "(`logprobs`, a list), and with model.top_logprobs the likeliest tokens at each position "
+                        "(`top_logprobs`); the run needs model.logprobs: true. openai_batch answers carry them for "
+                        "the requests that asked (logprobs: true, top_logprobs: N)")
     parser.add_argument("--format", choices=("jsonl", "openai_batch"), default="jsonl",
                         help="jsonl: one record per sample; openai_batch: the OpenAI batch output of the requests the "
                         "data was made from (default: jsonl)")

@@ -52,6 +52,7 @@ class BatchRequest:
     max_tokens: int = 0  # 0: the params' model.max_tokens alone
     stop: list[str] = field(default_factory=list)
     logprobs: bool = False  # the answer carries each token's log-probability (the run's model.logprobs)
+    top_logprobs: int = 0  # ... and the likeliest tokens at each position (at most the run's model.top_logprobs)
     temperature: float | None = None  # the request's own sampling options; None: the params'
     top_p: float | None = None
     seed: int | None = None
@@ -89,6 +90,14 @@ def _read_body(request: BatchRequest, body: dict[str, Any], run_wide: dict[str, 
     """Fills `request` from its body, or sets its error."""
     for key, value in body.items():
         if key in READ_KEYS or key in IGNORED_KEYS:
+            continue
+        if key == "top_logprobs":
+            most = run_wide.get("top_logprobs", 0)
+            if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= most):
+                request.error = (f"top_logprobs {value!r} is more than this run keeps: at most {most} "
+                                 f"(model.top_logprobs in the params)")
+                return
+            request.top_logprobs = value or 0
             continue
         if key in SAMPLING_KEYS:
             if value is not None:
@@ -209,18 +218,23 @@ def response_line(number: int, request: dict[str, Any], completion: dict[str, An
         return {**base, "response": None, "error": {"code": code, "message": message}}
     choice: dict[str, Any] = {"index": 0, "finish_reason": completion["finish_reason"], "logprobs": None}
     pieces = completion.get("token_logprobs") if request.get("logprobs") else None  # [(token text, logprob)]
+    most = request.get("top_logprobs", 0) if pieces is not None else 0
+    tops = [position[:most] for position in completion.get("top_logprobs", [])] if most else [[]] * len(pieces or [])
     if request["kind"] == "chat":
         choice["message"] = {"role": "assistant", "content": completion["text"]}
         kind = "chat.completion"
         if pieces is not None:
-            choice["logprobs"] = {"content": [{"token": text, "logprob": value, "bytes": list(text.encode()),
-                                               "top_logprobs": []} for text, value in pieces]}
+            choice["logprobs"] = {"content": [
+                {"token": text, "logprob": value, "bytes": list(text.encode()),
+                 "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in top]}
+                for (text, value), top in zip(pieces, tops)]}
     else:
         choice["text"] = completion["text"]
         kind = "text_completion"
         if pieces is not None:
             choice["logprobs"] = {"tokens": [text for text, _ in pieces],
-                                  "token_logprobs": [value for _, value in pieces], "top_logprobs": None}
+                                  "token_logprobs": [value for _, value in pieces],
+                                  "top_logprobs": [dict(top) for top in tops] if most else None}
     usage = {"prompt_tokens": completion["prompt_tokens"], "completion_tokens": completion["completion_tokens"],
              "total_tokens": completion["prompt_tokens"] + completion["completion_tokens"]}
     body = {"id": f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{request['custom_id']}", "object": kind,

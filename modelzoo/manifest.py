@@ -55,6 +55,8 @@ def build_manifest(params: InferenceParams, data_files: list[Path]) -> dict[str,
         model.pop("int8_group_size")  # shapes nothing without int8
     if not model["logprobs"]:
         model.pop("logprobs")
+    if not model["top_logprobs"]:
+        model.pop("top_logprobs")
     inputs = params.to_dict()["inference_input"]
     inputs.pop("data_dir")
     return {

@@ -128,7 +128,8 @@ class ModelSetup:
                                   self.device, self.dtype, choice=TokenChoice.from_params(self.params.model,
                                                                                           *row_sampling),
                                   drafter=self._drafter(), small_step_rows=small_step_rows,
-                                  row_stop_sequences=row_stop_sequences, logprobs=self.params.model.logprobs)
+                                  row_stop_sequences=row_stop_sequences, logprobs=self.params.model.logprobs,
+                                  top_logprobs=self.params.model.top_logprobs)
         self._prepare_decode_step(engine)
         return model, engine
 

@@ -13,6 +13,7 @@ from modelzoo.errors import UserError
 DATA_PROCESSOR = "GptHDF5MapDataProcessor"
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+MAX_TOP_LOGPROBS = 20  # as the OpenAI API
 GEMM_BACKENDS = ("auto", "mkl", "onednn", "torch", "onednn_blocks", "torch_blocks")  # modelzoo/gemm.py
 INT8_BACKENDS = ("auto", "vnni16", "vnni8", "float")  # modelzoo/int8_compute.py
 DECODE_STEPS = ("auto", "eager", "compiled", "cuda_graph")  # modelzoo/generation/step.py
@@ -39,6 +40,14 @@ def _choice(options: tuple, kind: Callable[[Any], bool] = lambda v: True) -> Cal
     def check(key: str, value: Any) -> Any:
         if not kind(value) or value not in options:
             raise UserError(f"{key} must be one of {', '.join(map(str, options))}, got {value!r}")
+        return value
+    return check
+
+
+def _int_range(minimum: int, maximum: int) -> Callable[[str, Any], Any]:
+    def check(key: str, value: Any) -> int:
+        if not _is_int(value) or not minimum <= value <= maximum:
+            raise UserError(f"{key} must be an integer from {minimum} to {maximum}, got {value!r}")
         return value
     return check
 
@@ -177,6 +186,7 @@ class ModelParams(TokenChoiceParams):
     max_tokens: int | None = None
     loop_dim: int = 1
     logprobs: bool = False  # each generated token's log-probability in the predictions files
+    top_logprobs: int = 0  # with logprobs: the most likely tokens at each generated position, and theirs (<= 20)
     speculative: SpeculativeParams | None = None
 
     def check_combinations(self) -> None:
@@ -187,6 +197,8 @@ class ModelParams(TokenChoiceParams):
         if self.speculative is not None and not self.greedy:
             raise UserError("model.speculative needs greedy decoding (model.temperature 0): it reproduces greedy "
                             "outputs exactly, which sampling has no counterpart for here")
+        if self.top_logprobs and not self.logprobs:
+            raise UserError("model.top_logprobs needs model.logprobs: true")
         if self.speculative is not None and self.logprobs:
             raise UserError("model.logprobs cannot be combined with model.speculative yet")
         if self.speculative is not None and (self.repetition_penalty != 1.0 or self.no_repeat_ngram_size):
@@ -252,6 +264,7 @@ SCHEMA: dict[str, tuple[type, dict[str, Callable[[str, Any], Any]]]] = {
         "max_tokens": _int(1, nullable=True),
         "loop_dim": _choice((0, 1), _is_int),
         "logprobs": _bool,
+        "top_logprobs": _int_range(0, MAX_TOP_LOGPROBS),
         "temperature": _float(0.0),
         "top_k": _int(0),
         "top_p": _float(0.0, 1.0, above_minimum=True),

@@ -20,11 +20,13 @@ from modelzoo.files import write_atomic
 
 # The file's keys: global_step (0-d), predictions (2-D), one value per row of each PER_ROW_KEYS, loop_dim
 # (0-d), inputs_sha256 (0-d); readers need REQUIRED_KEYS (files of older versions lack the last two). Where
-# the run has them: sample_id (per row) and logprobs (float32, shaped like predictions, 0 but where a token
-# was generated).
+# the run has them: sample_id (per row), logprobs (float32, shaped like predictions, 0 but where a token
+# was generated), top_logprob_ids and top_logprobs (int32 / float32, shaped like predictions plus K: the K
+# likeliest tokens at each generated position and their log-probabilities, descending).
 PER_ROW_KEYS = ("sample_index", "prompt_length", "num_generated", "stop_reason")
 OPTIONAL_PER_ROW_KEYS = ("sample_id",)  # where the data has ids: unicode, "" for dummy rows
-SEQUENCE_KEYS = ("predictions", "logprobs")  # (batch_size, max_seq_len), stored transposed when loop_dim is 0
+# (batch_size, max_seq_len[, K]), stored with the first two axes swapped when loop_dim is 0
+SEQUENCE_KEYS = ("predictions", "logprobs", "top_logprob_ids", "top_logprobs")
 REQUIRED_KEYS = ("global_step", "predictions", *PER_ROW_KEYS)
 _ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)  # the earliest zip timestamp: no wall-clock time in the file
 
@@ -50,14 +52,16 @@ class StepAssembly:
     remaining: int  # rows still generating
     sample_id: np.ndarray | None = None  # (batch_size,) unicode, where the data has ids
     logprobs: np.ndarray | None = None  # (batch_size, max_seq_len) float32, with model.logprobs
+    top_logprob_ids: np.ndarray | None = None  # (batch_size, max_seq_len, K) int32, with model.top_logprobs K
+    top_logprobs: np.ndarray | None = None  # (batch_size, max_seq_len, K) float32
 
     def arrays(self, loop_dim: int) -> dict[str, np.ndarray]:
-        """The npz payload; SEQUENCE_KEYS transposed to (max_seq_len, batch_size) when loop_dim is 0."""
+        """The npz payload; SEQUENCE_KEYS as (max_seq_len, batch_size[, K]) when loop_dim is 0."""
         keys = SEQUENCE_KEYS + PER_ROW_KEYS + OPTIONAL_PER_ROW_KEYS
         arrays = {key: getattr(self, key) for key in keys if getattr(self, key) is not None}
         for key in SEQUENCE_KEYS:
             if loop_dim == 0 and key in arrays:
-                arrays[key] = np.ascontiguousarray(arrays[key].T)
+                arrays[key] = np.ascontiguousarray(np.swapaxes(arrays[key], 0, 1))
         return {**arrays, "loop_dim": np.array(loop_dim, dtype=np.int64)}
 
 

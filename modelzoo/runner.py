@@ -224,6 +224,9 @@ class InferenceJob:
         assembly = StepAssembly(predictions, batch.sample_index, prompt_length, np.zeros(size, dtype=np.int32),
                                 reason, remaining=len(requests), sample_id=batch.sample_id,
                                 logprobs=np.zeros(rows.shape, np.float32) if self.params.model.logprobs else None)
+        if self.params.model.top_logprobs:
+            assembly.top_logprob_ids = np.zeros((*rows.shape, self.params.model.top_logprobs), np.int32)
+            assembly.top_logprobs = np.zeros((*rows.shape, self.params.model.top_logprobs), np.float32)
         return assembly, requests
 
     def _generate(self, engine: GenerationEngine, steps: list[int], stop: Callable[[], bool]) -> None:
@@ -251,6 +254,9 @@ class InferenceJob:
             assembly.num_generated[row] = len(completion.tokens)
             if completion.logprobs is not None:
                 assembly.logprobs[row, begin: begin + len(completion.tokens)] = completion.logprobs
+            if completion.top_ids is not None:
+                assembly.top_logprob_ids[row, begin: begin + len(completion.tokens)] = completion.top_ids
+                assembly.top_logprobs[row, begin: begin + len(completion.tokens)] = completion.top_logprobs
             assembly.stop_reason[row] = completion.reason
             assembly.remaining -= 1
             if assembly.remaining == 0:

@@ -119,6 +119,8 @@ def test_decode_writes_logprobs_and_refuses_a_run_without(checkpoint, tmp_path, 
     ({"logprobs": "yes"}, "model.logprobs must be true or false"),
     ({"speculative": {"method": "prompt_lookup", "num_tokens": 2}},
      "model.logprobs cannot be combined with model.speculative yet"),
+    ({"top_logprobs": 21}, "model.top_logprobs must be an integer from 0 to 20, got 21"),
+    ({"logprobs": False, "top_logprobs": 3}, "model.top_logprobs needs model.logprobs: true"),
 ])
 def test_bad_logprobs_params_are_one_line_errors(checkpoint, tmp_path, capsys, keys, message):
     write_h5(tmp_path / "data", prompt_rows([[5, 6, 7]], 16, VOCAB))
@@ -127,3 +129,65 @@ def test_bad_logprobs_params_are_one_line_errors(checkpoint, tmp_path, capsys, k
     assert run_job(params, tmp_path / "run") == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def top_of(model_dir: Path) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """sample -> (generated tokens' logprobs, top ids (n, K), top logprobs (n, K)), read back in the row layout."""
+    out = {}
+    for arrays in load_predictions(model_dir).values():
+        swap = (lambda a: np.swapaxes(a, 0, 1)) if int(arrays["loop_dim"]) == 0 else (lambda a: a)
+        ids, values, logprobs = swap(arrays["top_logprob_ids"]), swap(arrays["top_logprobs"]), swap(arrays["logprobs"])
+        assert ids.dtype == np.int32 and values.dtype == np.float32 and ids.shape == (*logprobs.shape, 4)
+        for row, index in enumerate(arrays["sample_index"].tolist()):
+            if index >= 0:
+                begin, count = int(arrays["prompt_length"][row]), int(arrays["num_generated"][row])
+                assert not values[row, :begin].any() and not values[row, begin + count:].any()
+                out[index] = (logprobs[row, begin:begin + count], ids[row, begin:begin + count],
+                              values[row, begin:begin + count])
+    return out
+
+
+@pytest.mark.parametrize("loop_dim", [1, 0])
+def test_top_logprobs_equal_transformers_top_k_of_the_distribution(checkpoint, tmp_path, loop_dim):
+    """model.top_logprobs 4 (sampled, temperature 0.7 and top-k 20): at each generated position the 4 likeliest
+    tokens of the distribution the token was picked from and their log-probabilities, as transformers' scores
+    give them; the file holds them in both layouts."""
+    model_dir = run(tmp_path, checkpoint, f"top{loop_dim}", loop_dim=loop_dim, top_logprobs=4, temperature=0.7,
+                    top_k=20, seed=4)
+    processors = LogitsProcessorList([TemperatureLogitsWarper(0.7), TopKLogitsWarper(20)])
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    rows = rows_of(model_dir)
+    for index, (logprobs, ids, values) in top_of(model_dir).items():
+        prompt, generated = rows[index][0], rows[index][1]
+        sequence = torch.tensor([prompt + generated])
+        with torch.inference_mode():
+            logits = model(sequence).logits[0].float()
+        for step, token in enumerate(generated):
+            position = len(prompt) + step - 1
+            want = torch.log_softmax(processors(sequence[:, : position + 1], logits[position][None].clone()), -1)[0]
+            np.testing.assert_allclose(values[step], want.topk(4).values.numpy(), atol=1e-4, rtol=1e-4)
+            np.testing.assert_allclose(want[torch.from_numpy(ids[step]).long()].numpy(), values[step], atol=1e-4)
+            assert (np.diff(values[step]) <= 0).all()
+        assert np.allclose(logprobs, [v[list(i).index(t)] if t in i else lp for v, i, t, lp in
+                                      zip(values, ids, generated, logprobs)])
+
+
+def test_decode_writes_top_logprobs(checkpoint, tmp_path):
+    model_dir = run(tmp_path, checkpoint, "top", top_logprobs=4)
+    out = tmp_path / "out.jsonl"
+    assert decode.main(["--model_dir", str(model_dir), "--tokenizer", str(TOKENIZER), "--logprobs",
+                        "--output", str(out)]) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    tops = top_of(model_dir)
+    for index, record in enumerate(records):
+        _, ids, values = tops[index]
+        assert [[entry["token_id"] for entry in position] for position in record["top_logprobs"]] == ids.tolist()
+        assert [[entry["logprob"] for entry in position] for position in record["top_logprobs"]] == values.tolist()
+        assert record["top_logprobs"][0][0]["token"] == decode_token(ids[0][0])
+        assert [position[0]["token_id"] for position in record["top_logprobs"]] == tops[index][1][:, 0].tolist()
+
+
+def decode_token(token_id: int) -> str:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(TOKENIZER).decode([int(token_id)])

@@ -272,12 +272,14 @@ def test_sample_id_column_is_unicode_in_npz(batch_run):
 def test_logprobs_reach_the_answers_that_ask(tmp_path):
     params = write_run_params(tmp_path / "params.yaml", tmp_path / "data")
     raw = yaml.safe_load(params.read_text())
-    raw["model"]["logprobs"] = True
+    raw["model"].update(logprobs=True, top_logprobs=3)
     params.write_text(yaml.safe_dump(raw))
     source = write_jsonl(tmp_path / "r.jsonl", [
-        request("chat", CHAT, messages=[{"role": "user", "content": "Hi"}], max_tokens=5, logprobs=True),
-        request("text", COMPLETIONS, prompt="Once upon a time", max_tokens=5, logprobs=True),
-        request("none", COMPLETIONS, prompt="Hello", max_tokens=3)])
+        request("chat", CHAT, messages=[{"role": "user", "content": "Hi"}], max_tokens=5, logprobs=True,
+                top_logprobs=2),
+        request("text", COMPLETIONS, prompt="Once upon a time", max_tokens=5, logprobs=True, top_logprobs=3),
+        request("none", COMPLETIONS, prompt="Hello", max_tokens=3),
+        request("many", CHAT, messages=[{"role": "user", "content": "Hi"}], logprobs=True, top_logprobs=4)])
     assert create.main(["--input", str(source), "--format", "openai_batch", "--tokenizer", str(MODEL),
                         "--max_seq_len", "40", "--output_dir", str(tmp_path / "data"), "--params", str(params)]) == 0
     assert run_job(params, tmp_path / "run") == 0
@@ -299,6 +301,22 @@ def test_logprobs_reach_the_answers_that_ask(tmp_path):
     text = lines["text"]["response"]["body"]["choices"][0]["logprobs"]
     assert text["token_logprobs"] == stored("text") and len(text["tokens"]) == 5
     assert lines["none"]["response"]["body"]["choices"][0]["logprobs"] is None  # it did not ask
+    # top_logprobs: the request's count of the run's likeliest tokens, descending; greedy: the first is the token.
+    for entry, top_values in zip(chat, stored_top("chat", rows)):
+        assert [top["logprob"] for top in entry["top_logprobs"]] == top_values[:2]
+        assert entry["top_logprobs"][0]["token"] == entry["token"] and entry["top_logprobs"][0]["logprob"] == entry["logprob"]
+    assert len(text["top_logprobs"]) == 5
+    for top, value, top_values in zip(text["top_logprobs"], text["token_logprobs"], stored_top("text", rows)):
+        assert 1 <= len(top) <= 3 and max(top.values()) == value == top_values[0]
+    assert lines["many"]["error"] == {"code": "invalid_request", "message": "top_logprobs 4 is more than this run "
+                                      "keeps: at most 3 (model.top_logprobs in the params)"}
+
+
+def stored_top(custom_id: str, rows: dict) -> list[list[float]]:
+    """The top log-probabilities of each generated position of a request's row, as the predictions file holds them."""
+    arrays, row = rows[custom_id]
+    begin = int(arrays["prompt_length"][row])
+    return arrays["top_logprobs"][row, begin: begin + int(arrays["num_generated"][row])].tolist()
 
 
 def test_shards_give_the_unsharded_answers(batch_run):

@@ -66,6 +66,8 @@ class Completion:
     tokens: np.ndarray
     reason: str
     logprobs: np.ndarray | None = None  # (n,) float32 with `logprobs`: each token's under what it was picked from
+    top_ids: np.ndarray | None = None  # (n, K) int32 with top_logprobs K: the K likeliest tokens at each position
+    top_logprobs: np.ndarray | None = None  # (n, K) float32: theirs, descending
 
 
 class GenerationEngine:
@@ -75,7 +77,8 @@ class GenerationEngine:
                  max_tokens: int | None, device: torch.device, dtype: torch.dtype,
                  prefill_token_budget: int = 1024, choice: TokenChoice | None = None,
                  drafter: Drafter | None = None, small_step_rows: int | None = None,
-                 row_stop_sequences: Sequence[Sequence[int]] = (), logprobs: bool = False) -> None:
+                 row_stop_sequences: Sequence[Sequence[int]] = (), logprobs: bool = False,
+                 top_logprobs: int = 0) -> None:
         config = model.config
         self.model = model
         self.num_slots = num_slots
@@ -93,7 +96,7 @@ class GenerationEngine:
         self.cache = KVCache(config.num_layers, num_slots, config.num_kv_heads, max_seq_len, config.head_dim,
                              dtype, device)
         self.stops = StopChecker(stop_sequences, max_tokens, max_seq_len, num_slots, device, row_stop_sequences)
-        self.state = SlotState.allocate(num_slots, max_seq_len, device, logprobs)
+        self.state = SlotState.allocate(num_slots, max_seq_len, device, logprobs, top_logprobs)
         self.decode = DecodeStep(model, self.cache, self.state, self.stops, self.choice)
         self.owner: list[int | None] = [None] * num_slots  # request index held by each slot
         # An upper bound of each slot's length, known on the host without reading the device: it sizes the
@@ -204,9 +207,9 @@ class GenerationEngine:
                 logits = logits[0]  # (1, B, vocab) -> (B, vocab)
             if self.drafter is not None:  # never with packed prompts
                 self.drafter.prefill(tokens, positions, slots, last)
-            first, logprob = choose_tokens(logits, state, slots, self.choice, state.logprobs is not None)  # (B,)
+            first, logprob, top = choose_tokens(logits, state, slots, self.choice)  # (B,), (B,), (B, K) pair
             self.stops.reset(slots, [r.max_tokens for _, r, _ in group], [r.stop_sequences for _, r, _ in group])
-            state.append(first, torch.ones_like(first, dtype=torch.bool), self.stops, slots, logprob)
+            state.append(first, torch.ones_like(first, dtype=torch.bool), self.stops, slots, logprob, top)
             for slot, request, _ in group:
                 self.length_bound[slot] = len(request.prompt) + 1
 
@@ -322,10 +325,13 @@ class GenerationEngine:
             begin, end = int(state.prompt_len[slot]), int(state.seq_len[slot])
             tokens = state.sequences[slot, begin:end].cpu().numpy().astype(np.int32)
             logprobs = None if state.logprobs is None else state.logprobs[slot, begin:end].cpu().numpy()
+            top_ids, top_logprobs = (None, None) if state.top_ids is None else (
+                state.top_ids[slot, begin:end].cpu().numpy().astype(np.int32), state.top_values[slot, begin:end].cpu().numpy())
             index = self.owner[slot]
             self.owner[slot] = None
             state.active[slot] = False
             state.reason[slot] = 0
             free.append(slot)
             self.generated_tokens += len(tokens)
-            yield Completion(index=index, tokens=tokens, reason=REASON_NAMES[reason], logprobs=logprobs)
+            yield Completion(index=index, tokens=tokens, reason=REASON_NAMES[reason], logprobs=logprobs,
+                             top_ids=top_ids, top_logprobs=top_logprobs)

@@ -62,9 +62,12 @@ class SlotState:
     reason: torch.Tensor  # (S,) long: why the slot's row stopped (stopping.py's codes), CONTINUE until then
     logprobs: torch.Tensor | None  # (S, L) float32 with logprobs: each generated token's, where it sits
     sampling: RowSampling  # each slot's temperature, top-p cut and seed key (S,), read when the job samples
+    top_ids: torch.Tensor | None = None  # (S, L, K) long with top_logprobs K: the K likeliest tokens, where it sits
+    top_values: torch.Tensor | None = None  # (S, L, K) float32: their log-probabilities, in descending order
 
     @classmethod
-    def allocate(cls, num_slots: int, max_len: int, device: torch.device, logprobs: bool) -> SlotState:
+    def allocate(cls, num_slots: int, max_len: int, device: torch.device, logprobs: bool,
+                 top_logprobs: int = 0) -> SlotState:
         """Zeroed state for `num_slots` slots of `max_len` positions."""
         def zeros(*shape: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, device=device)
@@ -73,16 +76,19 @@ class SlotState:
                    zeros(num_slots, dtype=torch.bool), zeros(num_slots),
                    zeros(num_slots, max_len, dtype=torch.float32) if logprobs else None,
                    RowSampling(zeros(num_slots, dtype=torch.float32), zeros(num_slots, dtype=torch.float32),
-                               zeros(num_slots)))
+                               zeros(num_slots)),
+                   zeros(num_slots, max_len, top_logprobs) if top_logprobs else None,
+                   zeros(num_slots, max_len, top_logprobs, dtype=torch.float32) if top_logprobs else None)
 
     @property
     def num_slots(self) -> int:
         return self.sequences.shape[0]
 
     def append(self, token: torch.Tensor, taken: torch.Tensor, stops: StopChecker, slots: torch.Tensor | None = None,
-               logprob: torch.Tensor | None = None) -> None:
+               logprob: torch.Tensor | None = None, top: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Appends `token` (R,) to the rows of `slots` (R,) (None = every slot, in order) where `taken` (R,) is
-        true, with its `logprob` (R,) if kept; records the reason of each row that stops and makes it inactive."""
+        true, with its `logprob` (R,) and `top` (ids, log-probabilities (R, K)) if kept; records the reason of
+        each row that stops and makes it inactive."""
         rows = slice(None) if slots is None else slots
         index = torch.arange(self.num_slots, device=token.device)[rows]  # (R,) the slots of these rows
         seq_len = self.seq_len[rows]  # (R,)
@@ -90,6 +96,9 @@ class SlotState:
         self.sequences[index, column] = torch.where(taken, token, self.sequences[index, column])
         if logprob is not None and self.logprobs is not None:
             self.logprobs[index, column] = torch.where(taken, logprob, self.logprobs[index, column])
+        if top is not None and self.top_ids is not None:
+            self.top_ids[index, column] = torch.where(taken[:, None], top[0], self.top_ids[index, column])
+            self.top_values[index, column] = torch.where(taken[:, None], top[1], self.top_values[index, column])
         seq_len = seq_len + taken
         self.seq_len[rows] = seq_len
         self.last_token[rows] = torch.where(taken, token, self.last_token[rows])
@@ -106,11 +115,12 @@ class SlotState:
         return list(zip(stopped.tolist(), self.reason[stopped].tolist()))
 
 
-def choose_tokens(logits: torch.Tensor, state: SlotState, slots: torch.Tensor | None, choice: TokenChoice | None,
-                  want_logprobs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Next token (R,) from logits (R, vocab) of `slots` (None = every slot, in order), and with
-    `want_logprobs` its log-probability (R,) under the distribution it was picked from (after repetition
-    control and temperature, top-k, top-p: the scores transformers' processors leave). No host sync."""
+def choose_tokens(logits: torch.Tensor, state: SlotState, slots: torch.Tensor | None, choice: TokenChoice | None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+    """Next token (R,) from logits (R, vocab) of `slots` (None = every slot, in order); where the state keeps
+    them, its log-probability (R,) under the distribution it was picked from (after repetition control and
+    temperature, top-k, top-p: the scores transformers' processors leave), and the K likeliest tokens of that
+    distribution with theirs, ((R, K) long, (R, K) float32, descending). No host sync."""
     rows = slice(None) if slots is None else slots
     if choice is None:
         tokens, scores = logits.argmax(-1), logits
@@ -119,9 +129,14 @@ def choose_tokens(logits: torch.Tensor, state: SlotState, slots: torch.Tensor | 
         own = RowSampling(sampling.temperature[rows], sampling.top_p_cut[rows], sampling.seed_key[rows])
         tokens, scores = choice.choose_rows(logits, state.sequences[rows], state.seq_len[rows],
                                             state.sample_index[rows], own)  # (R,), (R, V) float32
-    if not want_logprobs:
-        return tokens, None
-    return tokens, torch.log_softmax(scores.float(), dim=-1).gather(1, tokens[:, None])[:, 0]
+    if state.logprobs is None:
+        return tokens, None, None
+    logprobs = torch.log_softmax(scores.float(), dim=-1)  # (R, V)
+    top = None
+    if state.top_ids is not None:
+        values, ids = logprobs.topk(state.top_ids.shape[-1], dim=-1)  # (R, K) each
+        top = (ids, values)
+    return tokens, logprobs.gather(1, tokens[:, None])[:, 0], top
 
 
 class DecodeStep:
@@ -148,8 +163,8 @@ class DecodeStep:
         tokens = state.last_token[rows][:, None]  # (R, 1)
         positions = torch.where(active, state.seq_len[rows] - 1, 0)[:, None]  # (R, 1): where the fed token sits
         logits = self.model(tokens, positions, self.cache, slots, length=length)  # (R, vocab)
-        token, logprob = choose_tokens(logits, state, slots, self.choice, state.logprobs is not None)
-        state.append(token, active, self.stops, slots, logprob)
+        token, logprob, top = choose_tokens(logits, state, slots, self.choice)
+        state.append(token, active, self.stops, slots, logprob, top)
 
     def __call__(self, slots: torch.Tensor | None, length: int) -> None:
         if self.mode == "eager":
