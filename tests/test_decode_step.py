@@ -39,11 +39,15 @@ def requests() -> list[Request]:
 def engine_for(path: Path, choice: TokenChoice | None = None, logprobs: bool = False) -> GenerationEngine:
     model, _ = load_model(path, torch.float32, torch.device("cpu"))
     return GenerationEngine(model, SLOTS, MAX_SEQ_LEN, [[7, 8]], MAX_TOKENS, torch.device("cpu"), torch.float32,
-                            choice=choice, logprobs=logprobs)
+                            choice=choice, logprobs=logprobs, top_logprobs=3 if logprobs else 0)
 
 
-def outputs(engine: GenerationEngine) -> dict[int, tuple[list[int], str, list[float] | None]]:
-    return {c.index: (c.tokens.tolist(), c.reason, None if c.logprobs is None else c.logprobs.tolist())
+def outputs(engine: GenerationEngine) -> dict[int, tuple]:
+    """index -> (tokens, reason, logprobs, top ids, top logprobs), None where not kept."""
+    def listed(array: np.ndarray | None) -> list | None:
+        return None if array is None else array.tolist()
+
+    return {c.index: (c.tokens.tolist(), c.reason, listed(c.logprobs), listed(c.top_ids), listed(c.top_logprobs))
             for c in engine.generate(requests())}
 
 
@@ -52,8 +56,9 @@ def buffer_addresses(engine: GenerationEngine) -> list[int]:
     state, stops = engine.state, engine.stops
     tensors = [*engine.cache.keys, *engine.cache.values, state.sequences, state.seq_len, state.prompt_len,
                state.last_token, state.sample_index, state.active, state.reason, stops.history, stops.limit,
-               stops.enabled]
-    return [t.data_ptr() for t in tensors + ([state.logprobs] if state.logprobs is not None else [])]
+               stops.enabled, state.sampling.temperature, state.sampling.top_p_cut, state.sampling.seed_key]
+    kept = [t for t in (state.logprobs, state.top_ids, state.top_values) if t is not None]
+    return [t.data_ptr() for t in tensors + kept]
 
 
 class GraphRecorder:
@@ -116,12 +121,15 @@ def test_compiled_step_runs_without_break_recompile_or_sync(tiny_llama, options)
     assert buffer_addresses(engine) == addresses
     # Compiled, attention and the small ops are PyTorch's rather than our C++ kernels: log-probabilities agree
     # to float32 rounding, tokens and reasons exactly.
-    assert {i: out[:2] for i, out in compiled.items()} == {i: out[:2] for i, out in eager.items()}
+    exact = (0, 1, 3)  # tokens, reasons, top ids
+    assert {i: [out[k] for k in exact] for i, out in compiled.items()} == {
+        i: [out[k] for k in exact] for i, out in eager.items()}
     assert len(compiled) == NUM_PROMPTS
     if logprobs:
-        for index, (_, _, values) in compiled.items():
-            np.testing.assert_allclose(values, eager[index][2], rtol=0, atol=1e-5)
-    assert {reason for _, reason, _ in compiled.values()} >= {"max_tokens"}
+        for index, out in compiled.items():
+            np.testing.assert_allclose(out[2], eager[index][2], rtol=0, atol=1e-5)
+            np.testing.assert_allclose(out[4], eager[index][4], rtol=0, atol=1e-5)
+    assert {out[1] for out in compiled.values()} >= {"max_tokens"}
     assert not [t for t in recorder.targets() if t.startswith(HOST_SYNC_OPS)], recorder.targets()
     assert not recorder.unbacked_symbols()
 
