@@ -57,6 +57,8 @@ def build_manifest(params: InferenceParams, data_files: list[Path]) -> dict[str,
         model.pop("logprobs")
     if not model["top_logprobs"]:
         model.pop("top_logprobs")
+    if not model["min_p"]:
+        model.pop("min_p")
     inputs = params.to_dict()["inference_input"]
     inputs.pop("data_dir")
     return {

@@ -148,8 +148,9 @@ def _speculative(key: str, value: Any) -> SpeculativeParams | None:
 
 @dataclass(frozen=True)
 class TokenChoiceParams:
-    """How the next token is chosen: the `model:` keys temperature, top_k, top_p, seed, repetition_penalty and
-    no_repeat_ngram_size. temperature 0 is greedy (argmax of the penalised scores); top_k 0 and top_p 1.0 are off.
+    """How the next token is chosen: the `model:` keys temperature, top_k, top_p, seed, repetition_penalty,
+    no_repeat_ngram_size and min_p. temperature 0 is greedy (argmax of the penalised scores); top_k 0, top_p 1.0
+    and min_p 0 are off.
     Defined once here; modelzoo/generation/sampling.py's TokenChoice adds the arithmetic."""
 
     temperature: float = 0.0
@@ -158,11 +159,12 @@ class TokenChoiceParams:
     seed: int = 0
     repetition_penalty: float = 1.0
     no_repeat_ngram_size: int = 0
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         checks = {"temperature": self.temperature >= 0, "top_k": self.top_k >= 0, "top_p": 0 < self.top_p <= 1,
                   "seed": self.seed >= 0, "repetition_penalty": self.repetition_penalty > 0,
-                  "no_repeat_ngram_size": self.no_repeat_ngram_size >= 0}
+                  "no_repeat_ngram_size": self.no_repeat_ngram_size >= 0, "min_p": 0 <= self.min_p <= 1}
         for name, ok in checks.items():
             if not ok:
                 raise ValueError(f"{type(self).__name__}.{name} out of range: {getattr(self, name)!r}")
@@ -191,8 +193,9 @@ class ModelParams(TokenChoiceParams):
 
     def check_combinations(self) -> None:
         """Keys that are valid alone but not together."""
-        if self.greedy and (self.top_k or self.top_p < 1.0):
-            raise UserError("model.top_k and model.top_p only apply when sampling; set model.temperature > 0 "
+        if self.greedy and (self.top_k or self.top_p < 1.0 or self.min_p):
+            raise UserError("model.top_k, model.top_p and model.min_p only apply when sampling; set "
+                            "model.temperature > 0 "
                             "(temperature 0 is greedy decoding)")
         if self.speculative is not None and not self.greedy:
             raise UserError("model.speculative needs greedy decoding (model.temperature 0): it reproduces greedy "
@@ -271,6 +274,7 @@ SCHEMA: dict[str, tuple[type, dict[str, Callable[[str, Any], Any]]]] = {
         "seed": _int(0),
         "repetition_penalty": _float(0.0, above_minimum=True),
         "no_repeat_ngram_size": _int(0),
+        "min_p": _float(0.0, 1.0),
         "speculative": _speculative,
     }),
     "inference_input": (InputParams, {

@@ -5,9 +5,9 @@ import math
 
 import pytest
 import torch
-from transformers.generation.logits_process import (LogitsProcessorList, NoRepeatNGramLogitsProcessor,
-                                                    RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
-                                                    TopKLogitsWarper, TopPLogitsWarper)
+from transformers.generation.logits_process import (LogitsProcessorList, MinPLogitsWarper,
+                                                    NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor,
+                                                    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 from modelzoo.generation.sampling import (TokenChoice, apply_repetition_penalty, apply_temperature,
                                           ban_repeated_ngrams, draw, keep_top_k, keep_top_p, splitmix64, uniforms)
@@ -142,9 +142,10 @@ def test_top_p_matches_transformers(top_p):
     assert (mass >= top_p - 1e-6).all() and ((mass - smallest < top_p + 1e-6) | (kept == 1)).all()
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p, penalty, ngram", [
-    (1.0, 0, 1.0, 1.0, 0), (0.7, 5, 0.8, 1.2, 2), (1.5, 0, 0.9, 0.8, 1), (0.4, 20, 1.0, 1.0, 3), (1.0, 3, 0.3, 1.5, 0)])
-def test_pipeline_matches_transformers_chain(temperature, top_k, top_p, penalty, ngram):
+@pytest.mark.parametrize("temperature, top_k, top_p, penalty, ngram, min_p", [
+    (1.0, 0, 1.0, 1.0, 0, 0.0), (0.7, 5, 0.8, 1.2, 2, 0.0), (1.5, 0, 0.9, 0.8, 1, 0.0), (0.4, 20, 1.0, 1.0, 3, 0.0),
+    (1.0, 3, 0.3, 1.5, 0, 0.0), (1.2, 0, 1.0, 1.0, 0, 0.1), (0.8, 10, 0.9, 1.3, 2, 0.3)])
+def test_pipeline_matches_transformers_chain(temperature, top_k, top_p, penalty, ngram, min_p):
     logits, sequences, lengths = batch(10, 25, 30, seed=4)
     logits[2, :4] = NEG_INF
     chain = [RepetitionPenaltyLogitsProcessor(penalty)] if penalty != 1.0 else []
@@ -152,8 +153,9 @@ def test_pipeline_matches_transformers_chain(temperature, top_k, top_p, penalty,
     chain += [TemperatureLogitsWarper(temperature)] if temperature != 1.0 else []
     chain += [TopKLogitsWarper(top_k)] if top_k else []
     chain += [TopPLogitsWarper(top_p)] if top_p < 1.0 else []
+    chain += [MinPLogitsWarper(min_p)] if min_p else []
     choice = TokenChoice(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=penalty,
-                         no_repeat_ngram_size=ngram)
+                         no_repeat_ngram_size=ngram, min_p=min_p)
     ours = choice.process(logits, sequences, lengths)
     theirs = per_row(LogitsProcessorList(chain), logits, sequences, lengths)
     assert same(ours, theirs)
@@ -378,7 +380,8 @@ def test_choose_rows_equals_each_rows_own_token_choice():
     sequences, lengths = torch.randint(0, 50, (6, 12)), torch.full((6,), 12)
     index = torch.arange(6) + 100
     options = [(0.0, 1.0, 0), (0.7, 1.0, 3), (1.3, 0.9, 3), (0.7, 0.5, 9), (0.0, 1.0, 5), (2.0, 0.8, 1)]
-    job = TokenChoice(temperature=0.7, top_k=20, seed=3, repetition_penalty=1.2, rows_sample=True, rows_top_p=True)
+    job = TokenChoice(temperature=0.7, top_k=20, seed=3, repetition_penalty=1.2, min_p=0.05, rows_sample=True,
+                      rows_top_p=True)
     rows = RowSampling(torch.tensor([t for t, _, _ in options], dtype=torch.float32),
                        torch.tensor([RowSampling.cut(p) for _, p, _ in options], dtype=torch.float32),
                        torch.tensor([seed_key(s) for _, _, s in options]))
@@ -386,7 +389,7 @@ def test_choose_rows_equals_each_rows_own_token_choice():
     for b, (temperature, top_p, seed) in enumerate(options):
         sampled = temperature > 0
         own = TokenChoice(temperature=temperature, top_k=20 if sampled else 0, top_p=top_p if sampled else 1.0,
-                          seed=seed, repetition_penalty=1.2)
+                          seed=seed, repetition_penalty=1.2, min_p=0.05 if sampled else 0.0)
         row = slice(b, b + 1)
         want_scores = own.process(logits[row], sequences[row], lengths[row])
         assert torch.equal(scores[b], want_scores[0]), b

@@ -1,9 +1,9 @@
 """Choosing the next token: repetition control, then greedy or seeded sampling, as `transformers` does it.
 
 The order is that of transformers' `generate()`: the repetition penalty, then the n-gram ban, on the whole row
-(prompt included); then, only when sampling, temperature, top-k and top-p; then softmax and a draw. Everything is
-vectorised over rows and stateless, so the engine can call it for any subset of slots, and speculative decoding
-can pass hypothetical histories.
+(prompt included); then, only when sampling, temperature, top-k, top-p and min-p; then softmax and a draw.
+Everything is vectorised over rows and stateless, so the engine can call it for any subset of slots, and
+speculative decoding can pass hypothetical histories.
 
 Randomness is counter-based: the uniform number behind a row's draw is a hash of (seed, sample index, row length),
 never of the row's batch position or of how many draws came before. The same seed therefore gives the same
@@ -185,6 +185,13 @@ def keep_top_p_cut(scores: Tensor, cut: float | Tensor) -> Tensor:
     return scores.masked_fill(remove, -float("inf"))
 
 
+def keep_min_p(scores: Tensor, min_p: float) -> Tensor:
+    """transformers' MinPLogitsWarper (min_tokens_to_keep 1): -inf where a token's probability is below min_p times
+    the most probable token's (which always stays: min_p <= 1). Same operations, so the same float32 cut."""
+    probs = scores.softmax(-1)  # (B, V)
+    return scores.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), -float("inf"))
+
+
 @dataclass
 class RowSampling:
     """Each row's own sampling options, (B,) each, where rows of one step differ."""
@@ -201,7 +208,7 @@ class RowSampling:
 
 @dataclass(frozen=True)
 class TokenChoice(TokenChoiceParams):
-    """The arithmetic of a token choice (modelzoo/params.py's TokenChoiceParams: the six `model:` options).
+    """The arithmetic of a token choice (modelzoo/params.py's TokenChoiceParams: the seven `model:` options).
 
     The job's temperature, top_p and seed are every row's unless the row brings its own (`RowSampling`):
     `rows_sample` says some row may sample though the job's temperature is 0, `rows_top_p` that some row
@@ -252,6 +259,8 @@ class TokenChoice(TokenChoiceParams):
                 scores = keep_top_k(scores, self.top_k)
             if self.top_p < 1.0:
                 scores = keep_top_p(scores, self.top_p)
+            if self.min_p > 0:
+                scores = keep_min_p(scores, self.min_p)
         return scores
 
     def choose(self, logits: Tensor, sequences: Tensor | None, lengths: Tensor, sample_index: Tensor) -> Tensor:
@@ -281,6 +290,8 @@ class TokenChoice(TokenChoiceParams):
             warped = keep_top_k(warped, self.top_k)
         if self.rows_top_p or self.top_p < 1.0:
             warped = keep_top_p_cut(warped, rows.top_p_cut[:, None])
+        if self.min_p > 0:
+            warped = keep_min_p(warped, self.min_p)
         scores = torch.where(sampled[:, None], warped, scores)
         drawn = draw(scores.softmax(-1), keyed_uniforms(rows.seed_key, sample_index, lengths))
         return torch.where(sampled, drawn, scores.argmax(-1)), scores
