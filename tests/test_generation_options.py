@@ -162,7 +162,7 @@ def test_draft_model_speculation_equals_greedy(tmp_path, checkpoint, prompts, pl
 @pytest.mark.parametrize("model_keys, message", [
     ({"temperature": 0.5, "speculative": {"method": "prompt_lookup"}}, "model.speculative needs greedy decoding"),
     ({"repetition_penalty": 1.2, "speculative": {"method": "prompt_lookup"}}, "cannot be combined"),
-    ({"top_p": 0.9}, "model.top_k and model.top_p only apply when sampling"),
+    ({"top_p": 0.9}, "model.top_k, model.top_p and model.min_p only apply when sampling"),
     ({"speculative": {"method": "draft_model"}}, "model.speculative.checkpoint_path is required"),
     ({"speculative": {"method": "draft_model", "checkpoint_path": "/nonexistent"}},
      "checkpoint folder /nonexistent does not exist"),
