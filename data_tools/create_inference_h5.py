@@ -265,7 +265,8 @@ def openai_rows(args: argparse.Namespace, tokenizer: Any) -> tuple[PromptFile, l
     run_wide = {}
     if args.params is not None:
         model = load_params(args.params).model
-        run_wide = {"logprobs": model.logprobs, "top_logprobs": model.top_logprobs}
+        run_wide = {"logprobs": model.logprobs, "top_logprobs": model.top_logprobs,
+                    "presence_penalty": model.presence_penalty, "frequency_penalty": model.frequency_penalty}
     requests = read_batch_file(args.input, read_text(args.input), run_wide)
     runnable: list[BatchRequest] = []
     stops: list[list[list[int]]] = []

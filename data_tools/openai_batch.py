@@ -34,8 +34,8 @@ SAMPLING_KEYS = ("temperature", "top_p", "seed")  # each request's own, honoured
 IGNORED_KEYS = {"user", "metadata", "store", "service_tier"}
 # Body keys the runner applies to every row alike: allowed where the request asks for the run's value.
 # name -> (the params' model key it must equal, or None for a fixed value, that value's default).
-RUN_WIDE = {"n": (None, 1), "stream": (None, False), "presence_penalty": (None, 0.0),
-            "frequency_penalty": (None, 0.0), "logprobs": ("logprobs", False)}
+RUN_WIDE = {"n": (None, 1), "stream": (None, False), "presence_penalty": ("presence_penalty", 0.0),
+            "frequency_penalty": ("frequency_penalty", 0.0), "logprobs": ("logprobs", False)}
 # What a request asks that no run here does (e.g. logit_bias, tools, response_format): its error record.
 
 

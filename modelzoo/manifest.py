@@ -57,8 +57,9 @@ def build_manifest(params: InferenceParams, data_files: list[Path]) -> dict[str,
         model.pop("logprobs")
     if not model["top_logprobs"]:
         model.pop("top_logprobs")
-    if not model["min_p"]:
-        model.pop("min_p")
+    for key in ("min_p", "presence_penalty", "frequency_penalty"):
+        if not model[key]:
+            model.pop(key)
     inputs = params.to_dict()["inference_input"]
     inputs.pop("data_dir")
     return {

@@ -149,8 +149,8 @@ def _speculative(key: str, value: Any) -> SpeculativeParams | None:
 @dataclass(frozen=True)
 class TokenChoiceParams:
     """How the next token is chosen: the `model:` keys temperature, top_k, top_p, seed, repetition_penalty,
-    no_repeat_ngram_size and min_p. temperature 0 is greedy (argmax of the penalised scores); top_k 0, top_p 1.0
-    and min_p 0 are off.
+    no_repeat_ngram_size, min_p, presence_penalty and frequency_penalty. temperature 0 is greedy (argmax of the
+    penalised scores); top_k 0, top_p 1.0, min_p 0 and both penalties 0 are off.
     Defined once here; modelzoo/generation/sampling.py's TokenChoice adds the arithmetic."""
 
     temperature: float = 0.0
@@ -160,11 +160,15 @@ class TokenChoiceParams:
     repetition_penalty: float = 1.0
     no_repeat_ngram_size: int = 0
     min_p: float = 0.0
+    presence_penalty: float = 0.0  # the OpenAI API's, over generated tokens
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         checks = {"temperature": self.temperature >= 0, "top_k": self.top_k >= 0, "top_p": 0 < self.top_p <= 1,
                   "seed": self.seed >= 0, "repetition_penalty": self.repetition_penalty > 0,
-                  "no_repeat_ngram_size": self.no_repeat_ngram_size >= 0, "min_p": 0 <= self.min_p <= 1}
+                  "no_repeat_ngram_size": self.no_repeat_ngram_size >= 0, "min_p": 0 <= self.min_p <= 1,
+                  "presence_penalty": -2 <= self.presence_penalty <= 2,
+                  "frequency_penalty": -2 <= self.frequency_penalty <= 2}
         for name, ok in checks.items():
             if not ok:
                 raise ValueError(f"{type(self).__name__}.{name} out of range: {getattr(self, name)!r}")
@@ -204,9 +208,10 @@ class ModelParams(TokenChoiceParams):
             raise UserError("model.top_logprobs needs model.logprobs: true")
         if self.speculative is not None and self.logprobs:
             raise UserError("model.logprobs cannot be combined with model.speculative yet")
-        if self.speculative is not None and (self.repetition_penalty != 1.0 or self.no_repeat_ngram_size):
-            raise UserError("model.speculative cannot be combined with model.repetition_penalty or "
-                            "model.no_repeat_ngram_size")
+        if self.speculative is not None and (self.repetition_penalty != 1.0 or self.no_repeat_ngram_size
+                                             or self.presence_penalty or self.frequency_penalty):
+            raise UserError("model.speculative cannot be combined with model.repetition_penalty, "
+                            "model.no_repeat_ngram_size, model.presence_penalty or model.frequency_penalty")
 
 
 @dataclass(frozen=True)
@@ -275,6 +280,8 @@ SCHEMA: dict[str, tuple[type, dict[str, Callable[[str, Any], Any]]]] = {
         "repetition_penalty": _float(0.0, above_minimum=True),
         "no_repeat_ngram_size": _int(0),
         "min_p": _float(0.0, 1.0),
+        "presence_penalty": _float(-2.0, 2.0),
+        "frequency_penalty": _float(-2.0, 2.0),
         "speculative": _speculative,
     }),
     "inference_input": (InputParams, {

@@ -251,3 +251,28 @@ def test_sampled_rows_refuse_speculative_decoding(tmp_path, checkpoint, prompts,
     assert run_job(path, tmp_path / "run") == 2
     assert "some rows of the data sample (their own temperature > 0) but model.speculative" in capsys.readouterr().err
     assert not list((tmp_path / "run" / "artifacts" / "predictions").glob("*.npz"))
+
+
+def test_presence_and_frequency_penalties_follow_their_definition(tmp_path, checkpoint, prompts):
+    """Greedy with the OpenAI API's presence and frequency penalties: every generated token is the argmax of
+    transformers' logits less the penalties of the tokens generated before it; batch sizes 1 and 3 agree."""
+    from transformers import AutoModelForCausalLM
+
+    keys = {"max_tokens": 10, "presence_penalty": 0.6, "frequency_penalty": 0.8}
+    runs = [rows_by_sample(run(tmp_path, checkpoint, prompts, f"penalised_{size}", batch_size=size, **keys))
+            for size in (1, 3)]
+    assert runs[0] == runs[1]
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    for index, prompt in enumerate(prompts):
+        row = runs[1][index]
+        generated = row[len(prompt): len(prompt) + 10]
+        with torch.inference_mode():
+            logits = model(torch.tensor([prompt + generated])).logits[0]
+        for step, token in enumerate(generated):
+            scores = logits[len(prompt) + step - 1].clone()
+            before = generated[:step]
+            for seen in set(before):
+                scores[seen] -= 0.8 * before.count(seen) + 0.6
+            assert int(scores.argmax()) == token, (index, step)
+    plain = rows_by_sample(run(tmp_path, checkpoint, prompts, "plain", max_tokens=10))
+    assert plain != runs[1]  # the penalties changed some row: the check above can fail

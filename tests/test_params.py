@@ -50,6 +50,7 @@ def test_valid_params_and_defaults():
     (changed("runconfig", "compile_only", "yes"), "runconfig.compile_only must be true or false, got 'yes'"),
     (changed("runconfig", "device", "tpu"), "runconfig.device must be one of auto, cpu, cuda, got 'tpu'"),
     (changed("model", "min_p", 1.5), "model.min_p must be a number >= 0.0 and <= 1.0, got 1.5"),
+    (changed("model", "frequency_penalty", 2.5), "model.frequency_penalty must be a number >= -2.0 and <= 2.0, got 2.5"),
     (changed("model", "min_p", 0.1), "model.top_k, model.top_p and model.min_p only apply when sampling"),
     (changed("runconfig", "decode_step", "graphs"),
      "runconfig.decode_step must be one of auto, eager, compiled, cuda_graph, got 'graphs'"),

@@ -394,3 +394,23 @@ def test_choose_rows_equals_each_rows_own_token_choice():
         want_scores = own.process(logits[row], sequences[row], lengths[row])
         assert torch.equal(scores[b], want_scores[0]), b
         assert tokens[b] == own.choose_from_scores(want_scores, lengths[row], index[row])[0], b
+
+
+def test_output_penalties_count_generated_tokens_only():
+    """presence / frequency penalties (the OpenAI API's): each generated token's count, never the prompt's."""
+    from modelzoo.generation.sampling import apply_output_penalties
+
+    logits, sequences, lengths = batch(5, 30, 16, seed=8)
+    prompt_lengths = torch.tensor([3, 10, 16, 0, 7])
+    got = apply_output_penalties(logits, sequences, lengths, prompt_lengths, presence=0.4, frequency=0.3)
+    want = logits.clone()
+    for row in range(5):
+        generated = sequences[row, int(prompt_lengths[row]): int(lengths[row])].tolist()
+        for token in set(generated):
+            want[row, token] -= 0.3 * generated.count(token)
+            want[row, token] -= 0.4
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    choice = TokenChoice(presence_penalty=0.4, frequency_penalty=0.3)
+    assert choice.needs_history and not choice.is_plain_greedy
+    with pytest.raises(ValueError, match="prompt length"):
+        choice.process(logits, sequences, lengths)

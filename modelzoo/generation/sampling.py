@@ -141,6 +141,22 @@ def ban_repeated_ngrams(scores: Tensor, sequences: Tensor, lengths: Tensor, ngra
     return scores.masked_fill(banned[:, :vocab_size], -float("inf"))
 
 
+def apply_output_penalties(scores: Tensor, sequences: Tensor, lengths: Tensor, prompt_lengths: Tensor,
+                           presence: float, frequency: float) -> Tensor:
+    """The OpenAI API's (and vLLM's) presence and frequency penalties over each row's generated tokens only:
+    scores - frequency * count - presence * (count > 0), count being how often the token was generated so far.
+
+    scores: (B, V) float; sequences: (B, L) long; lengths, prompt_lengths: (B,) long (generated: [prompt, length)).
+    """
+    vocab_size = scores.shape[-1]
+    positions = torch.arange(sequences.shape[1], device=sequences.device)
+    generated = (positions[None, :] >= prompt_lengths[:, None]) & (positions[None, :] < lengths[:, None])
+    ids = torch.where(generated & (sequences >= 0) & (sequences < vocab_size), sequences, vocab_size)  # (B, L)
+    counts = torch.zeros((scores.shape[0], vocab_size + 1), dtype=scores.dtype, device=scores.device)
+    counts = counts.scatter_add(1, ids, torch.ones_like(ids, dtype=scores.dtype))[:, :vocab_size]  # (B, V)
+    return scores - frequency * counts - presence * (counts > 0).to(scores.dtype)
+
+
 def apply_temperature(scores: Tensor, temperature: float) -> Tensor:
     """transformers' TemperatureLogitsWarper: scores / temperature (B, V).
 
@@ -227,31 +243,41 @@ class TokenChoice(TokenChoiceParams):
     @property
     def needs_history(self) -> bool:
         """Whether `choose` reads `sequences` (the repetition rules); otherwise only lengths and sample indices."""
-        return self.repetition_penalty != 1.0 or self.no_repeat_ngram_size > 0
+        return (self.repetition_penalty != 1.0 or self.no_repeat_ngram_size > 0 or self.presence_penalty != 0
+                or self.frequency_penalty != 0)
 
     @property
     def is_plain_greedy(self) -> bool:
         """Whether the token is the argmax of the raw logits: the engine's fast path."""
         return self.greedy and not self.needs_history and not self.rows_sample
 
-    def penalize(self, logits: Tensor, sequences: Tensor | None, lengths: Tensor) -> Tensor:
-        """`process`'s first part, the repetition rules, on every row: float32 (B, V)."""
+    def penalize(self, logits: Tensor, sequences: Tensor | None, lengths: Tensor,
+                 prompt_lengths: Tensor | None = None) -> Tensor:
+        """`process`'s first part, the repetition rules, on every row: float32 (B, V). The presence and frequency
+        penalties, after transformers' two, count the generated tokens only: [prompt_lengths, lengths)."""
         scores = logits.float()
         if self.needs_history and sequences is None:
-            raise ValueError("repetition_penalty and no_repeat_ngram_size need each row's tokens (sequences)")
+            raise ValueError("the repetition options need each row's tokens (sequences)")
         if self.repetition_penalty != 1.0:
             scores = apply_repetition_penalty(scores, sequences, lengths, self.repetition_penalty)
         if self.no_repeat_ngram_size > 0:
             scores = ban_repeated_ngrams(scores, sequences, lengths, self.no_repeat_ngram_size)
+        if self.presence_penalty != 0 or self.frequency_penalty != 0:
+            if prompt_lengths is None:
+                raise ValueError("presence_penalty and frequency_penalty need each row's prompt length")
+            scores = apply_output_penalties(scores, sequences, lengths, prompt_lengths, self.presence_penalty,
+                                            self.frequency_penalty)
         return scores
 
-    def process(self, logits: Tensor, sequences: Tensor | None, lengths: Tensor) -> Tensor:
+    def process(self, logits: Tensor, sequences: Tensor | None, lengths: Tensor,
+                prompt_lengths: Tensor | None = None) -> Tensor:
         """The scores a token is chosen from, float32 (B, V), as transformers' processors leave them.
 
         logits: (B, V); sequences: (B, L) long, row b's tokens so far valid in [:lengths[b]] (may be None when
-        not `needs_history`); lengths: (B,) long. Penalties always; temperature, top-k, top-p only when sampling.
+        not `needs_history`); lengths: (B,) long; prompt_lengths: (B,) long, for the presence and frequency
+        penalties. Penalties always; temperature, top-k, top-p, min-p only when sampling.
         """
-        scores = self.penalize(logits, sequences, lengths)
+        scores = self.penalize(logits, sequences, lengths, prompt_lengths)
         if not self.greedy:
             if self.temperature != 1.0:
                 scores = apply_temperature(scores, self.temperature)
@@ -277,11 +303,11 @@ class TokenChoice(TokenChoiceParams):
         return self.choose_from_scores(self.process(logits, sequences, lengths), lengths, sample_index)
 
     def choose_rows(self, logits: Tensor, sequences: Tensor | None, lengths: Tensor, sample_index: Tensor,
-                    rows: RowSampling) -> tuple[Tensor, Tensor]:
+                    rows: RowSampling, prompt_lengths: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """`choose` with each row's own temperature, top_p and seed (`rows`): (tokens (B,) long, the scores
         (B, V) float32 each token was chosen from). Greedy rows and sampled rows side by side; a row's result
         equals a job's whose options are that row's. No host sync."""
-        scores = self.penalize(logits, sequences, lengths)  # the rest is per row, below
+        scores = self.penalize(logits, sequences, lengths, prompt_lengths)  # the rest is per row, below
         if self.greedy and not self.rows_sample:
             return scores.argmax(-1), scores
         sampled = rows.temperature > 0  # (B,)

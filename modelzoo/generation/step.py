@@ -128,7 +128,7 @@ def choose_tokens(logits: torch.Tensor, state: SlotState, slots: torch.Tensor | 
         sampling = state.sampling
         own = RowSampling(sampling.temperature[rows], sampling.top_p_cut[rows], sampling.seed_key[rows])
         tokens, scores = choice.choose_rows(logits, state.sequences[rows], state.seq_len[rows],
-                                            state.sample_index[rows], own)  # (R,), (R, V) float32
+                                            state.sample_index[rows], own, state.prompt_len[rows])  # (R,), (R, V)
     if state.logprobs is None:
         return tokens, None, None
     logprobs = torch.log_softmax(scores.float(), dim=-1)  # (R, V)
