@@ -271,8 +271,8 @@ class GenerationEngine:
 
     def _decode_step(self) -> None:
         """One token for every active slot, through the fixed-shape step over the length bucket of the longest row."""
-        slots = self._small_step_slots()
         owned = [slot for slot, owner in enumerate(self.owner) if owner is not None]
+        slots = self._small_step_slots(owned)
         longest, limit = int(self.length_bound[owned].max()), self.position_limit
         if longest > limit:  # the bound may count steps of rows already stopped: read the true lengths once
             lengths = torch.where(self.state.active, self.state.seq_len, 0).cpu().numpy()
@@ -283,10 +283,9 @@ class GenerationEngine:
         self.decode(slots, length_bucket(longest, limit))
         self.length_bound[owned] = np.minimum(self.length_bound[owned] + 1, self.max_seq_len)
 
-    def _small_step_slots(self) -> torch.Tensor | None:
-        """None: the step runs every slot. Once at most `small_step_rows` slots hold a row (a job's last
-        steps), exactly that many: those slots, then idle ones (throwaway rows, as in a full step)."""
-        owned = [slot for slot, owner in enumerate(self.owner) if owner is not None]
+    def _small_step_slots(self, owned: list[int]) -> torch.Tensor | None:
+        """None: the step runs every slot. Once at most `small_step_rows` slots hold a row (`owned`; a job's
+        last steps), exactly that many: those slots, then idle ones (throwaway rows, as in a full step)."""
         if self.small_step_rows is None or self.small_step_rows >= self.num_slots or len(owned) > self.small_step_rows:
             return None
         idle = [slot for slot, owner in enumerate(self.owner) if owner is None]
