@@ -39,7 +39,7 @@ import h5py
 import numpy as np
 import yaml
 
-from data_tools.openai_batch import BatchRequest, prompt_text, read_batch_file, stop_token_ids
+from data_tools.openai_batch import MAX_N, BatchRequest, prompt_text, read_batch_file, stop_token_ids
 from data_tools.h5_writer import RowsWriter
 from data_tools.prompts import PromptFile, iter_prompt_file, load_tokenizer, read_text, tokenize_prompts
 from modelzoo import __version__
@@ -236,6 +236,12 @@ def build_parser() -> argparse.ArgumentParser:
         "max_seq_len - min_new_tokens tokens (default: none)",
     )
     parser.add_argument(
+        "--n", type=int, default=1,
+        help=f"samples per prompt (1 to {MAX_N}): each prompt becomes N consecutive rows, numbered 0..N-1 in the "
+        "per-row dataset `sample`; the runner prefills the prompt once for them; with model.temperature > 0 "
+        "each row draws its own completion (pass@k) (default: 1; an OpenAI batch file's requests say their own n)",
+    )
+    parser.add_argument(
         "--chat_template", action="store_true",
         help="wrap each prompt as one user message in the tokenizer's chat template, with the "
         "generation prompt; without it the raw text is encoded with the tokenizer's special tokens",
@@ -252,6 +258,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise UserError(
             f"--min_new_tokens must be between 1 and max_seq_len - 1 = {args.max_seq_len - 1}, got {args.min_new_tokens}"
         )
+    if not 1 <= args.n <= MAX_N:
+        raise UserError(f"--n must be between 1 and {MAX_N}, got {args.n}")
+    if args.n > 1 and args.format == "openai_batch":
+        raise UserError("--n is for prompt files; in an OpenAI batch file each request says its own n")
     if args.start_token is not None and not 0 <= args.start_token <= INT32_MAX:
         raise UserError(f"--start_token must be between 0 and {INT32_MAX}, got {args.start_token}")
 
@@ -281,10 +291,12 @@ def openai_rows(args: argparse.Namespace, tokenizer: Any) -> tuple[PromptFile, l
     # The chat template writes the special tokens itself; a raw completion prompt gets the tokenizer's own.
     token_lists = [list(tokenizer(text, add_special_tokens=request.kind == "completion")["input_ids"])
                    for text, request in zip(texts, runnable)]
-    rows = {request.custom_id: row for row, request in enumerate(runnable)}
+    samples = np.array([r.n for r in runnable])
+    first_rows = np.cumsum(samples) - samples  # each request's first row: its n samples are consecutive rows
+    rows = {request.custom_id: int(row) for row, request in zip(first_rows, runnable)}
     table = [json.dumps({"line": r.line, "custom_id": r.custom_id, "kind": r.kind, "model": r.model, "stop": r.stop,
                          "logprobs": r.logprobs, "top_logprobs": r.top_logprobs, "error": r.error,
-                         "row": rows.get(r.custom_id, -1)})
+                         "row": rows.get(r.custom_id, -1), "n": r.n})
              for r in requests]
     per_row = {"max_tokens": np.array([r.max_tokens for r in runnable], dtype=np.int32),
                "stop_sequences": [json.dumps(s) for s in stops]}
@@ -295,8 +307,21 @@ def openai_rows(args: argparse.Namespace, tokenizer: Any) -> tuple[PromptFile, l
                                      dtype=np.float32)
     if any(r.seed is not None for r in runnable):
         per_row["seed"] = np.array([-1 if r.seed is None else r.seed for r in runnable], dtype=np.int64)
+    if (samples > 1).any():
+        per_row["sample"] = np.concatenate([np.arange(n, dtype=np.int32) for n in samples])
+        per_row = {name: values if name == "sample" else repeat_rows(values, samples) for name, values in per_row.items()}
+        texts, token_lists = repeat_rows(texts, samples), repeat_rows(token_lists, samples)
+        runnable = repeat_rows(runnable, samples)
     rejected = [request for request in requests if not request.runs]
     return PromptFile(texts, [r.custom_id for r in runnable]), token_lists, per_row, table, rejected
+
+
+def repeat_rows(values: np.ndarray | list, counts: np.ndarray | int) -> np.ndarray | list:
+    """Each value repeated counts[i] times (or `counts` times each), in order: an array or a list alike."""
+    counts = np.broadcast_to(counts, (len(values),))
+    if isinstance(values, np.ndarray):
+        return np.repeat(values, counts, axis=0)
+    return [value for value, count in zip(values, counts) for _ in range(int(count))]
 
 
 def run(args: argparse.Namespace) -> str:
@@ -328,6 +353,10 @@ def run(args: argparse.Namespace) -> str:
                                                    args.truncate, first_row=row)
             if prompts.ids is not None:
                 per_row = {**per_row, "sample_id": prompts.ids}
+            if args.n > 1:  # every prompt n times, numbered
+                data, prompt_lengths = repeat_rows(data, args.n), repeat_rows(prompt_lengths, args.n)
+                per_row = {name: repeat_rows(values, args.n) for name, values in per_row.items()}
+                per_row["sample"] = np.tile(np.arange(args.n, dtype=np.int32), len(prompts.prompts))
             writer.append(data, prompt_lengths, per_row)
             # "Empty" is judged on the text: with a chat template an empty prompt still has tokens.
             empty_rows += [row + i for i, prompt in enumerate(prompts.prompts) if not prompt.strip()]
@@ -347,7 +376,7 @@ def run(args: argparse.Namespace) -> str:
             "source": args.input.name,
             "tool": TOOL_NAME,
             "tool_version": __version__,
-            "num_samples": row - 1,
+            "num_samples": writer.rows,
         }
         target = writer.finish(attrs, tables)
     summary = summary_text(target, np.concatenate(lengths), num_truncated, empty_rows, start_token, int(eos_token_id),

@@ -10,7 +10,8 @@ JSON line per real sample (dummy padding rows are skipped), in increasing sample
     {"sample_index": 0, "sample_id": "q1", "prompt": "...", "completion": "...", "num_generated": 12,
      "stop_reason": "stop_sequence"}
 
-(`sample_id` where the data has ids; `logprobs`, one per generated token, with --logprobs). The prompt
+(`sample_id` where the data has ids; `sample`, the row's number among its prompt's samples, where the data
+has several per prompt (create_inference_h5.py --n, or an OpenAI request's n); `logprobs`, one per generated token, with --logprobs). The prompt
 and completion are decoded with the given tokenizer; --skip_special_tokens drops tokens such as
 <|im_start|> from both.
 
@@ -59,6 +60,7 @@ class PredictionBatch:
     num_generated: np.ndarray
     stop_reason: np.ndarray
     sample_id: np.ndarray | None = None  # where the data has ids
+    sample: np.ndarray | None = None  # where the data has several samples of a prompt: each row's, from 0
     logprobs: np.ndarray | None = None  # (batch_size, max_seq_len) float32, where the run has them
     top_logprob_ids: np.ndarray | None = None  # (batch_size, max_seq_len, K) int32, with model.top_logprobs K
     top_logprobs: np.ndarray | None = None  # (batch_size, max_seq_len, K) float32
@@ -178,6 +180,7 @@ def decode_batch(batch: PredictionBatch, tokenizer: Any, skip_special_tokens: bo
             {
                 "sample_index": index,
                 **({"sample_id": as_text(batch.sample_id[row])} if batch.sample_id is not None else {}),
+                **({"sample": int(batch.sample[row])} if batch.sample is not None else {}),
                 "prompt": tokenizer.decode(ids[:start].tolist(), skip_special_tokens=skip_special_tokens),
                 "completion": tokenizer.decode(ids[start:end].tolist(), skip_special_tokens=skip_special_tokens),
                 "num_generated": end - start,
@@ -267,25 +270,30 @@ def openai_records(batches: Sequence[PredictionBatch], requests: Sequence[dict],
     created = int(max((b.path.stat().st_mtime for b in batches), default=0))
     lines = []
     for number, request in enumerate(requests, start=1):
-        completion = None
-        if request["sample_index"] in rows:
-            batch, row = rows[request["sample_index"]]
-            start, count = int(batch.prompt_length[row]), int(batch.num_generated[row])
-            reason = as_text(batch.stop_reason[row])
-            text = tokenizer.decode(batch.predictions[row, start:start + count].tolist(), skip_special_tokens=True)
-            ended = next((stop for stop in request.get("stop", []) if text.endswith(stop)), "")
-            if reason == "stop_sequence" and ended:  # OpenAI leaves the stop string out (a special token is already)
-                text = text[:-len(ended)]
-            completion = {"text": text, "finish_reason": "stop" if reason == "stop_sequence" else "length",
-                          "prompt_tokens": start, "completion_tokens": count}
-            if batch.logprobs is not None:
-                ids = batch.predictions[row, start:start + count].tolist()
-                completion["token_logprobs"] = [(tokenizer.decode([i]), float(v))
-                                                for i, v in zip(ids, batch.logprobs[row, start:start + count])]
-            if batch.top_logprob_ids is not None:
-                completion["top_logprobs"] = top_pieces(batch, row, start, start + count, tokenizer)
-        lines.append(response_line(number, request, completion, created))
+        first = request["sample_index"]
+        samples = [rows.get(first + k) for k in range(request.get("n", 1))] if first >= 0 else [None]
+        completions = None if None in samples else [_completion(*sample, request, tokenizer) for sample in samples]
+        lines.append(response_line(number, request, completions, created))
     return lines
+
+
+def _completion(batch: PredictionBatch, row: int, request: dict, tokenizer: Any) -> dict:
+    """One sample of a request, decoded for `response_line`."""
+    start, count = int(batch.prompt_length[row]), int(batch.num_generated[row])
+    reason = as_text(batch.stop_reason[row])
+    text = tokenizer.decode(batch.predictions[row, start:start + count].tolist(), skip_special_tokens=True)
+    ended = next((stop for stop in request.get("stop", []) if text.endswith(stop)), "")
+    if reason == "stop_sequence" and ended:  # OpenAI leaves the stop string out (a special token is already)
+        text = text[:-len(ended)]
+    completion = {"text": text, "finish_reason": "stop" if reason == "stop_sequence" else "length",
+                  "prompt_tokens": start, "completion_tokens": count}
+    if batch.logprobs is not None:
+        ids = batch.predictions[row, start:start + count].tolist()
+        completion["token_logprobs"] = [(tokenizer.decode([i]), float(v))
+                                        for i, v in zip(ids, batch.logprobs[row, start:start + count])]
+    if batch.top_logprob_ids is not None:
+        completion["top_logprobs"] = top_pieces(batch, row, start, start + count, tokenizer)
+    return completion
 
 
 def write_jsonl(records: Sequence[dict], out: TextIO) -> None:

@@ -4,11 +4,12 @@ Input, one request per line:
     {"custom_id": "q1", "method": "POST", "url": "/v1/chat/completions",
      "body": {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 64, "stop": ["\\n\\n"]}}
 `/v1/chat/completions` bodies go through the tokenizer's chat template; `/v1/completions` bodies are raw
-prompts. Per request: `max_tokens` (or `max_completion_tokens`), `stop` strings, and `temperature`, `top_p`
-and `seed` (greedy and sampled requests side by side, each drawn from its own seed's streams), honoured by
-the runner. An option the runner cannot honour for one request (`n` > 1, `logit_bias`, tools, `logprobs`
-other than the params', ...) makes that request an error record of the output, not a failed job; so does a
-stop string that does not map to token ids. A malformed line or a repeated `custom_id` is an error for
+prompts. Per request: `max_tokens` (or `max_completion_tokens`), `stop` strings, `temperature`, `top_p`
+and `seed` (greedy and sampled requests side by side, each drawn from its own seed's streams) and `n`
+(up to MAX_N samples, n rows of the data, the prompt prefilled once), honoured by the runner. An option the
+runner cannot honour for one request (`logit_bias`, tools, `logprobs` other than the params', ...) makes
+that request an error record of the output, not a failed job; so does a stop string that does not map to
+token ids. A malformed line or a repeated `custom_id` is an error for
 the whole file (the OpenAI Batch API rejects such a file too).
 
 Output, one line per request in the input's order (`decode_predictions.py --format openai_batch`):
@@ -29,12 +30,13 @@ from modelzoo.errors import UserError
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 KINDS = {CHAT_URL: "chat", COMPLETIONS_URL: "completion"}
 # Body keys read or allowed as they are.
-READ_KEYS = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "stop"}
+READ_KEYS = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "stop", "n"}
+MAX_N = 128  # samples of one request (each one a row of the data)
 SAMPLING_KEYS = ("temperature", "top_p", "seed")  # each request's own, honoured row by row
 IGNORED_KEYS = {"user", "metadata", "store", "service_tier"}
 # Body keys the runner applies to every row alike: allowed where the request asks for the run's value.
 # name -> (the params' model key it must equal, or None for a fixed value, that value's default).
-RUN_WIDE = {"n": (None, 1), "stream": (None, False), "presence_penalty": ("presence_penalty", 0.0),
+RUN_WIDE = {"stream": (None, False), "presence_penalty": ("presence_penalty", 0.0),
             "frequency_penalty": ("frequency_penalty", 0.0), "logprobs": ("logprobs", False)}
 # What a request asks that no run here does (e.g. logit_bias, tools, response_format): its error record.
 
@@ -56,6 +58,7 @@ class BatchRequest:
     temperature: float | None = None  # the request's own sampling options; None: the params'
     top_p: float | None = None
     seed: int | None = None
+    n: int = 1  # samples: n rows of the data, each its own choice in the answer
     error: str = ""  # non-empty: the request's error record, nothing is generated for it
 
     @property
@@ -117,6 +120,12 @@ def _read_body(request: BatchRequest, body: dict[str, Any], run_wide: dict[str, 
             continue
         request.error = f"{key} is not supported by zoo-infer"
         return
+    n = body.get("n")
+    if n is not None:
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
+            request.error = f"n must be an integer from 1 to {MAX_N}, got {n!r}"
+            return
+        request.n = n
     request.model = str(body.get("model") or "")
     request.logprobs = bool(body.get("logprobs"))
     if request.kind == "chat":
@@ -206,23 +215,14 @@ def prompt_text(tokenizer: Any, request: BatchRequest) -> str:
     return tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=False)
 
 
-def response_line(number: int, request: dict[str, Any], completion: dict[str, Any] | None, created: int) -> dict:
-    """One output line. request: the row's record (custom_id, kind, model, logprobs, error); completion: the
-    decoded row (completion text without its stop sequence, finish_reason, prompt / completion token counts,
-    token_logprobs: (token text, log-probability) of each generated token where the run has them), or
-    None when the run has no prediction for it (an incomplete run)."""
-    base = {"id": f"batch_req_{number}", "custom_id": request["custom_id"]}
-    if request.get("error") or completion is None:
-        message = request.get("error") or "no prediction for this request: the run has not finished it"
-        code = "invalid_request" if request.get("error") else "not_generated"
-        return {**base, "response": None, "error": {"code": code, "message": message}}
-    choice: dict[str, Any] = {"index": 0, "finish_reason": completion["finish_reason"], "logprobs": None}
+def _choice(request: dict[str, Any], completion: dict[str, Any], index: int) -> dict[str, Any]:
+    """One choice of an answer: sample `index` of the request, decoded (see `response_line`)."""
+    choice: dict[str, Any] = {"index": index, "finish_reason": completion["finish_reason"], "logprobs": None}
     pieces = completion.get("token_logprobs") if request.get("logprobs") else None  # [(token text, logprob)]
     most = request.get("top_logprobs", 0) if pieces is not None else 0
     tops = [position[:most] for position in completion.get("top_logprobs", [])] if most else [[]] * len(pieces or [])
     if request["kind"] == "chat":
         choice["message"] = {"role": "assistant", "content": completion["text"]}
-        kind = "chat.completion"
         if pieces is not None:
             choice["logprobs"] = {"content": [
                 {"token": text, "logprob": value, "bytes": list(text.encode()),
@@ -230,13 +230,30 @@ def response_line(number: int, request: dict[str, Any], completion: dict[str, An
                 for (text, value), top in zip(pieces, tops)]}
     else:
         choice["text"] = completion["text"]
-        kind = "text_completion"
         if pieces is not None:
             choice["logprobs"] = {"tokens": [text for text, _ in pieces],
                                   "token_logprobs": [value for _, value in pieces],
                                   "top_logprobs": [dict(top) for top in tops] if most else None}
-    usage = {"prompt_tokens": completion["prompt_tokens"], "completion_tokens": completion["completion_tokens"],
-             "total_tokens": completion["prompt_tokens"] + completion["completion_tokens"]}
+    return choice
+
+
+def response_line(number: int, request: dict[str, Any], completions: Sequence[dict[str, Any]] | None,
+                  created: int) -> dict:
+    """One output line. request: the row's record (custom_id, kind, model, logprobs, error); completions: each
+    sample's decoded row, in sample order (completion text without its stop sequence, finish_reason, prompt /
+    completion token counts, token_logprobs: (token text, log-probability) of each generated token where the
+    run has them), or None when the run has no prediction for some sample (an incomplete run). The usage counts
+    the prompt once and every sample's tokens, as the OpenAI API does."""
+    base = {"id": f"batch_req_{number}", "custom_id": request["custom_id"]}
+    if request.get("error") or completions is None:
+        message = request.get("error") or "no prediction for this request: the run has not finished it"
+        code = "invalid_request" if request.get("error") else "not_generated"
+        return {**base, "response": None, "error": {"code": code, "message": message}}
+    choices = [_choice(request, completion, index) for index, completion in enumerate(completions)]
+    kind = "chat.completion" if request["kind"] == "chat" else "text_completion"
+    prompt_tokens = completions[0]["prompt_tokens"]
+    generated = sum(completion["completion_tokens"] for completion in completions)
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": generated, "total_tokens": prompt_tokens + generated}
     body = {"id": f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{request['custom_id']}", "object": kind,
-            "created": created, "model": request.get("model", ""), "choices": [choice], "usage": usage}
+            "created": created, "model": request.get("model", ""), "choices": choices, "usage": usage}
     return {**base, "response": {"status_code": 200, "request_id": f"req_{number}", "body": body}, "error": None}

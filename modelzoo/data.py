@@ -4,8 +4,9 @@ Files are read in sorted name order and concatenated. Each holds an integer data
 (num_samples, max_seq_len), or (max_seq_len, num_samples) when loop_dim is 0, and may hold per-row
 datasets (data_tools/create_inference_h5.py writes them): `sample_id` (the user's ids, strings),
 `max_tokens` (each row's own limit, 0 = none), `stop_sequences` (each row's own, JSON token-id lists),
-and each row's own sampling options `temperature`, `top_p` (floats, NaN = the params') and `seed`
-(integers, -1 = the params').
+each row's own sampling options `temperature`, `top_p` (floats, NaN = the params') and `seed`
+(integers, -1 = the params'), and `sample` (the row's number among the consecutive rows of one prompt's
+samples, from 0).
 Batches are read slice by slice, never the whole file, so memory stays flat in the number of samples.
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ import numpy as np
 from modelzoo.errors import UserError
 
 
-PER_ROW_DATASETS = ("sample_id", "max_tokens", "stop_sequences", "temperature", "top_p", "seed")
+PER_ROW_DATASETS = ("sample_id", "max_tokens", "stop_sequences", "temperature", "top_p", "seed", "sample")
 SAMPLING_DATASETS = ("temperature", "top_p", "seed")  # NaN (seed: -1) where the row takes the params' value
 
 
@@ -37,6 +38,7 @@ class Batch:
     max_tokens: np.ndarray | None = None
     stop_sequences: list[tuple[tuple[int, ...], ...]] | None = None
     sampling: dict[str, np.ndarray] | None = None  # SAMPLING_DATASETS the data has: NaN / -1 = the params'
+    sample: np.ndarray | None = None  # (batch_size,) int32: each row's number among its prompt's samples, -1 dummies
 
 
 def start_positions(rows: np.ndarray, start_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -211,6 +213,9 @@ class GptHDF5MapDataProcessor:
         if "stop_sequences" in self.per_row:
             batch.stop_sequences = [self._stops(t) for t in self.read_per_row("stop_sequences", start, stop)]
             batch.stop_sequences += [()] * (self.batch_size - real)
+        if "sample" in self.per_row:
+            batch.sample = np.full(self.batch_size, -1, dtype=np.int32)
+            batch.sample[:real] = self.read_per_row("sample", start, stop)
         for name in SAMPLING_DATASETS:
             if name in self.per_row:
                 batch.sampling = batch.sampling or {}

@@ -24,7 +24,9 @@ from modelzoo.files import write_atomic
 # was generated), top_logprob_ids and top_logprobs (int32 / float32, shaped like predictions plus K: the K
 # likeliest tokens at each generated position and their log-probabilities, descending).
 PER_ROW_KEYS = ("sample_index", "prompt_length", "num_generated", "stop_reason")
-OPTIONAL_PER_ROW_KEYS = ("sample_id",)  # where the data has ids: unicode, "" for dummy rows
+# Where the data has them: sample_id (unicode, "" for dummy rows); sample (int32, the row's number among the
+# samples of its prompt, from 0; -1 for dummy rows).
+OPTIONAL_PER_ROW_KEYS = ("sample_id", "sample")
 # (batch_size, max_seq_len[, K]), stored with the first two axes swapped when loop_dim is 0
 SEQUENCE_KEYS = ("predictions", "logprobs", "top_logprob_ids", "top_logprobs")
 REQUIRED_KEYS = ("global_step", "predictions", *PER_ROW_KEYS)
@@ -51,6 +53,7 @@ class StepAssembly:
     stop_reason: np.ndarray  # (batch_size,) unicode
     remaining: int  # rows still generating
     sample_id: np.ndarray | None = None  # (batch_size,) unicode, where the data has ids
+    sample: np.ndarray | None = None  # (batch_size,) int32, where the data has several samples per prompt
     logprobs: np.ndarray | None = None  # (batch_size, max_seq_len) float32, with model.logprobs
     top_logprob_ids: np.ndarray | None = None  # (batch_size, max_seq_len, K) int32, with model.top_logprobs K
     top_logprobs: np.ndarray | None = None  # (batch_size, max_seq_len, K) float32

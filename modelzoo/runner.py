@@ -222,7 +222,7 @@ class InferenceJob:
             requests.append(Request(int(batch.sample_index[row]), prompt, own_limit, own_stops,
                                     **row_sampling(batch, row)))
         assembly = StepAssembly(predictions, batch.sample_index, prompt_length, np.zeros(size, dtype=np.int32),
-                                reason, remaining=len(requests), sample_id=batch.sample_id,
+                                reason, remaining=len(requests), sample_id=batch.sample_id, sample=batch.sample,
                                 logprobs=np.zeros(rows.shape, np.float32) if self.params.model.logprobs else None)
         if self.params.model.top_logprobs:
             assembly.top_logprob_ids = np.zeros((*rows.shape, self.params.model.top_logprobs), np.int32)

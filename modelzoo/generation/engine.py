@@ -112,6 +112,7 @@ class GenerationEngine:
         self.shared_prefix: SharedPrefix | None = None
         self.shared_prefix_decided = drafter is not None
         self.generated_tokens = 0  # over the engine's life, for throughput reports
+        self.prefilled_tokens = 0  # prompt tokens run through the model (a shared prefix or a repeated prompt once)
         self.drafted_tokens = 0  # speculative decoding: drafts proposed for active rows
         self.accepted_tokens = 0  # ... and drafts the model agreed with
 
@@ -172,7 +173,9 @@ class GenerationEngine:
             return self.decode.warm_up(shapes)
 
     def _prefill(self, admitted: list[tuple[int, Request]]) -> None:
-        """Runs the prompts of newly admitted requests and appends each one's first token."""
+        """Runs the prompts of newly admitted requests and appends each one's first token. A prompt admitted
+        several times at once (a request's n samples) runs once: its keys and values and its last logits are
+        copied to the other slots, which then draw their own first tokens."""
         for slot, request in admitted:
             if not 1 <= len(request.prompt) < self.max_seq_len:
                 raise ValueError(f"sample {request.index}: prompt length {len(request.prompt)} leaves no room "
@@ -180,38 +183,69 @@ class GenerationEngine:
             self.owner[slot] = request.index
         state = self.state
         state.active[[slot for slot, _ in admitted]] = True
-        if not self.shared_prefix_decided and len(admitted) >= 2:
+        copies = self._repeated_prompts(admitted)  # first slot of a prompt -> the other slots given it
+        copied = {slot for repeats in copies.values() for slot, _ in repeats}
+        leading = [(slot, request) for slot, request in admitted if slot not in copied]
+        if not self.shared_prefix_decided and len(leading) >= 2:
             self.shared_prefix_decided = True
-            self.shared_prefix = SharedPrefix.compute(self.model, self.cache, [r.prompt for _, r in admitted],
-                                                      admitted[0][0], self.device)
+            self.shared_prefix = SharedPrefix.compute(self.model, self.cache, [r.prompt for _, r in leading],
+                                                      leading[0][0], self.device)
             if self.shared_prefix is not None:
+                self.prefilled_tokens += len(self.shared_prefix)
                 log.info("the first %d prompts share a %d-token prefix: prefilled once, its keys and values copied "
-                         "into every slot whose prompt starts with it", len(admitted), len(self.shared_prefix))
-        for group in self._prefill_groups(admitted):
-            slots = torch.tensor([slot for slot, _, _ in group], device=self.device)
-            prompt_len = torch.tensor([len(r.prompt) for _, r, _ in group], device=self.device)
-            prompts = np.zeros((len(group), max(len(r.prompt) for _, r, _ in group)), dtype=np.int64)
-            for row, (_, request, _) in enumerate(group):
+                         "into every slot whose prompt starts with it", len(leading), len(self.shared_prefix))
+        for group in self._prefill_groups(leading):
+            run_slots = torch.tensor([slot for slot, _, _ in group], device=self.device)
+            rows = [(slot, request) for slot, request, _ in group]  # the group's rows, then their copies
+            source = list(range(len(group)))  # the prefilled row whose logits each row takes
+            for row, (slot, _, _) in enumerate(group):
+                rows += copies.get(slot, [])
+                source += [row] * len(copies.get(slot, []))
+            requests = [request for _, request in rows]
+            slots = torch.tensor([slot for slot, _ in rows], device=self.device)
+            prompt_len = torch.tensor([len(r.prompt) for r in requests], device=self.device)
+            prompts = np.zeros((len(rows), max(len(r.prompt) for r in requests)), dtype=np.int64)
+            for row, request in enumerate(requests):
                 prompts[row, : len(request.prompt)] = request.prompt
             state.sequences[slots, : prompts.shape[1]] = torch.from_numpy(prompts).to(self.device)  # zeros past each prompt
             state.seq_len[slots] = state.prompt_len[slots] = prompt_len
-            state.sample_index[slots] = torch.tensor([r.index for _, r, _ in group], device=self.device)
+            state.sample_index[slots] = torch.tensor([r.index for r in requests], device=self.device)
             if self.choice is not None:
-                self._set_sampling(slots, [request for _, request, _ in group])
+                self._set_sampling(slots, requests)
             prefixed = [slot for slot, _, offset in group if offset]
             if prefixed:
                 self.shared_prefix.copy_into(self.cache, torch.tensor(prefixed, device=self.device))
-            tokens, positions, token_slots, last = self._prefill_inputs(group, slots)
+            tokens, positions, token_slots, last = self._prefill_inputs(group, run_slots)
+            self.prefilled_tokens += sum(len(request.prompt) - offset for _, request, offset in group)
             logits = self.model(tokens, positions, self.cache, token_slots, last)
             if self.packs_prompts:
-                logits = logits[0]  # (1, B, vocab) -> (B, vocab)
-            if self.drafter is not None:  # never with packed prompts
-                self.drafter.prefill(tokens, positions, slots, last)
+                logits = logits[0]  # (1, G, vocab) -> (G, vocab)
+            if self.drafter is not None:  # never with packed prompts or copies
+                self.drafter.prefill(tokens, positions, run_slots, last)
+            if len(rows) > len(group):
+                source_slots = run_slots[source[len(group):]]
+                self.cache.copy_slots(source_slots, slots[len(group):], int(prompt_len[len(group):].max()))
+                logits = logits[torch.tensor(source, device=self.device)]  # (G, vocab) -> (B, vocab)
             first, logprob, top = choose_tokens(logits, state, slots, self.choice)  # (B,), (B,), (B, K) pair
-            self.stops.reset(slots, [r.max_tokens for _, r, _ in group], [r.stop_sequences for _, r, _ in group])
+            self.stops.reset(slots, [r.max_tokens for r in requests], [r.stop_sequences for r in requests])
             state.append(first, torch.ones_like(first, dtype=torch.bool), self.stops, slots, logprob, top)
-            for slot, request, _ in group:
+            for slot, request in rows:
                 self.length_bound[slot] = len(request.prompt) + 1
+
+    def _repeated_prompts(self, admitted: list[tuple[int, Request]]) -> dict[int, list[tuple[int, Request]]]:
+        """For each prompt admitted more than once, its first (slot, request) -> the others (not with a drafter,
+        whose own cache would need them too)."""
+        if self.drafter is not None:
+            return {}
+        first: dict[bytes, int] = {}
+        copies: dict[int, list[tuple[int, Request]]] = {}
+        for slot, request in admitted:
+            key = np.asarray(request.prompt, dtype=np.int64).tobytes()
+            if key in first:
+                copies.setdefault(first[key], []).append((slot, request))
+            else:
+                first[key] = slot
+        return copies
 
     def _set_sampling(self, slots: torch.Tensor, requests: list[Request]) -> None:
         """Each slot's temperature, top-p cut and seed key: the request's own where it has them, else the job's."""

@@ -41,3 +41,8 @@ class KVCache:
         if slots is None:
             return k, v  # a view: no copy when every slot takes part
         return k.index_select(0, slots), v.index_select(0, slots)
+
+    def copy_slots(self, sources: torch.Tensor, targets: torch.Tensor, length: int) -> None:
+        """Copies the first `length` positions of slots `sources` (B,) into slots `targets` (B,), every layer."""
+        for cache in (*self.keys, *self.values):
+            cache[targets, :, :length] = cache[sources, :, :length]
