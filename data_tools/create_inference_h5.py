@@ -41,6 +41,7 @@ import yaml
 
 from data_tools.openai_batch import MAX_N, BatchRequest, prompt_text, read_batch_file, stop_token_ids
 from data_tools.h5_writer import RowsWriter
+from modelzoo.generation.structured import FormatCompiler, FormatError
 from data_tools.prompts import PromptFile, iter_prompt_file, load_tokenizer, read_text, tokenize_prompts
 from modelzoo import __version__
 from modelzoo.errors import UserError
@@ -278,6 +279,7 @@ def openai_rows(args: argparse.Namespace, tokenizer: Any) -> tuple[PromptFile, l
         run_wide = {"logprobs": model.logprobs, "top_logprobs": model.top_logprobs,
                     "presence_penalty": model.presence_penalty, "frequency_penalty": model.frequency_penalty}
     requests = read_batch_file(args.input, read_text(args.input), run_wide)
+    check_response_formats(tokenizer, [request for request in requests if request.runs])
     runnable: list[BatchRequest] = []
     stops: list[list[list[int]]] = []
     for request in requests:
@@ -300,6 +302,8 @@ def openai_rows(args: argparse.Namespace, tokenizer: Any) -> tuple[PromptFile, l
              for r in requests]
     per_row = {"max_tokens": np.array([r.max_tokens for r in runnable], dtype=np.int32),
                "stop_sequences": [json.dumps(s) for s in stops]}
+    if any(r.response_format for r in runnable):
+        per_row["response_format"] = [r.response_format or "" for r in runnable]
     # Each request's own sampling options, where some request has one: NaN / -1 = the params'.
     if any(r.temperature is not None or r.top_p is not None for r in runnable):
         for name in ("temperature", "top_p"):
@@ -314,6 +318,28 @@ def openai_rows(args: argparse.Namespace, tokenizer: Any) -> tuple[PromptFile, l
         runnable = repeat_rows(runnable, samples)
     rejected = [request for request in requests if not request.runs]
     return PromptFile(texts, [r.custom_id for r in runnable]), token_lists, per_row, table, rejected
+
+
+def check_response_formats(tokenizer: Any, requests: list[BatchRequest]) -> None:
+    """Compiles each distinct response format of the requests once; a request whose format does not compile becomes
+    an error record."""
+    formats = {r.response_format for r in requests if r.response_format}
+    if not formats:
+        return
+    errors: dict[str, str] = {}
+    try:
+        compiler = FormatCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id or 0])
+    except FormatError as error:
+        errors = dict.fromkeys(formats, str(error))
+    else:
+        for text in formats:
+            try:
+                compiler.compile(text)
+            except FormatError as error:
+                errors[text] = str(error)
+    for request in requests:
+        if request.response_format in errors:
+            request.error = errors[request.response_format]
 
 
 def repeat_rows(values: np.ndarray | list, counts: np.ndarray | int) -> np.ndarray | list:

@@ -5,8 +5,10 @@ Input, one request per line:
      "body": {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 64, "stop": ["\\n\\n"]}}
 `/v1/chat/completions` bodies go through the tokenizer's chat template; `/v1/completions` bodies are raw
 prompts. Per request: `max_tokens` (or `max_completion_tokens`), `stop` strings, `temperature`, `top_p`
-and `seed` (greedy and sampled requests side by side, each drawn from its own seed's streams) and `n`
-(up to MAX_N samples, n rows of the data, the prompt prefilled once), honoured by the runner. An option the
+and `seed` (greedy and sampled requests side by side, each drawn from its own seed's streams), `n`
+(up to MAX_N samples, n rows of the data, the prompt prefilled once) and `response_format` (`json_object` or
+`json_schema`: the answer follows the schema's grammar; a schema that cannot be compiled is that request's
+error record), honoured by the runner. An option the
 runner cannot honour for one request (`logit_bias`, tools, `logprobs` other than the params', ...) makes
 that request an error record of the output, not a failed job; so does a stop string that does not map to
 token ids. A malformed line or a repeated `custom_id` is an error for
@@ -26,6 +28,7 @@ from typing import Any, Sequence
 
 from data_tools.prompts import json_records
 from modelzoo.errors import UserError
+from modelzoo.generation.structured import FormatError, canonical_format
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 KINDS = {CHAT_URL: "chat", COMPLETIONS_URL: "completion"}
@@ -59,6 +62,7 @@ class BatchRequest:
     top_p: float | None = None
     seed: int | None = None
     n: int = 1  # samples: n rows of the data, each its own choice in the answer
+    response_format: str | None = None  # canonical JSON grammar text (generation/structured.py); None: free text
     error: str = ""  # non-empty: the request's error record, nothing is generated for it
 
     @property
@@ -94,6 +98,13 @@ def _read_body(request: BatchRequest, body: dict[str, Any], run_wide: dict[str, 
     for key, value in body.items():
         if key in READ_KEYS or key in IGNORED_KEYS:
             continue
+        if key == "response_format":
+            try:
+                request.response_format = None if value is None else canonical_format(value)
+            except FormatError as error:
+                request.error = str(error)
+                return
+            continue
         if key == "top_logprobs":
             most = run_wide.get("top_logprobs", 0)
             if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= most):
@@ -109,6 +120,15 @@ def _read_body(request: BatchRequest, body: dict[str, Any], run_wide: dict[str, 
                     request.error = why
                     return
                 setattr(request, key, own)
+            continue
+        if key == "logprobs" and request.kind == "completion" and isinstance(value, int) and not isinstance(value, bool):
+            # The completions API's logprobs is a count: that many likeliest tokens at each position.
+            most = run_wide.get("top_logprobs", 0)
+            if not run_wide.get("logprobs") or not 0 <= value <= most:
+                request.error = (f"logprobs {value!r} asks for more than this run keeps: model.logprobs with at most "
+                                 f"{most} top_logprobs in the params")
+                return
+            request.top_logprobs = value
             continue
         if key in RUN_WIDE:
             params_key, default = RUN_WIDE[key]
@@ -127,7 +147,7 @@ def _read_body(request: BatchRequest, body: dict[str, Any], run_wide: dict[str, 
             return
         request.n = n
     request.model = str(body.get("model") or "")
-    request.logprobs = bool(body.get("logprobs"))
+    request.logprobs = body.get("logprobs") not in (None, False)
     if request.kind == "chat":
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:

@@ -5,8 +5,9 @@ Files are read in sorted name order and concatenated. Each holds an integer data
 datasets (data_tools/create_inference_h5.py writes them): `sample_id` (the user's ids, strings),
 `max_tokens` (each row's own limit, 0 = none), `stop_sequences` (each row's own, JSON token-id lists),
 each row's own sampling options `temperature`, `top_p` (floats, NaN = the params') and `seed`
-(integers, -1 = the params'), and `sample` (the row's number among the consecutive rows of one prompt's
-samples, from 0).
+(integers, -1 = the params'), `sample` (the row's number among the consecutive rows of one prompt's
+samples, from 0) and `response_format` (the JSON grammar the row's output follows, modelzoo/generation/
+structured.py's canonical text; "" = free text).
 Batches are read slice by slice, never the whole file, so memory stays flat in the number of samples.
 """
 from __future__ import annotations
@@ -22,7 +23,8 @@ import numpy as np
 from modelzoo.errors import UserError
 
 
-PER_ROW_DATASETS = ("sample_id", "max_tokens", "stop_sequences", "temperature", "top_p", "seed", "sample")
+PER_ROW_DATASETS = ("sample_id", "max_tokens", "stop_sequences", "temperature", "top_p", "seed", "sample",
+                    "response_format")
 SAMPLING_DATASETS = ("temperature", "top_p", "seed")  # NaN (seed: -1) where the row takes the params' value
 
 
@@ -39,6 +41,7 @@ class Batch:
     stop_sequences: list[tuple[tuple[int, ...], ...]] | None = None
     sampling: dict[str, np.ndarray] | None = None  # SAMPLING_DATASETS the data has: NaN / -1 = the params'
     sample: np.ndarray | None = None  # (batch_size,) int32: each row's number among its prompt's samples, -1 dummies
+    response_format: list[str] | None = None  # each row's response format, "" for free text and dummies
 
 
 def start_positions(rows: np.ndarray, start_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -161,6 +164,17 @@ class GptHDF5MapDataProcessor:
                 found.update(dict.fromkeys(self._stops(text)))
         return list(found)
 
+    def row_response_formats(self) -> list[str]:
+        """Every response format some row asks for (the `response_format` dataset, read in slices), once each."""
+        if "response_format" not in self.per_row:
+            return []
+        found: dict[str, None] = {}
+        for start in range(0, self.num_samples, 65536):
+            found.update(dict.fromkeys(str(v) for v in self.read_per_row("response_format", start,
+                                                                           min(start + 65536, self.num_samples))))
+        found.pop("", None)
+        return list(found)
+
     def row_sampling(self) -> tuple[bool, bool]:
         """(some row samples: a temperature > 0, some row keeps a top-p set: a top_p < 1), after checking every
         row's own sampling options (read in slices)."""
@@ -213,6 +227,9 @@ class GptHDF5MapDataProcessor:
         if "stop_sequences" in self.per_row:
             batch.stop_sequences = [self._stops(t) for t in self.read_per_row("stop_sequences", start, stop)]
             batch.stop_sequences += [()] * (self.batch_size - real)
+        if "response_format" in self.per_row:
+            batch.response_format = [str(v) for v in self.read_per_row("response_format", start, stop)]
+            batch.response_format += [""] * (self.batch_size - real)
         if "sample" in self.per_row:
             batch.sample = np.full(self.batch_size, -1, dtype=np.int32)
             batch.sample[:real] = self.read_per_row("sample", start, stop)

@@ -57,7 +57,7 @@ def build_manifest(params: InferenceParams, data_files: list[Path]) -> dict[str,
         model.pop("logprobs")
     if not model["top_logprobs"]:
         model.pop("top_logprobs")
-    for key in ("min_p", "presence_penalty", "frequency_penalty"):
+    for key in ("min_p", "presence_penalty", "frequency_penalty", "json_schema"):
         if not model[key]:
             model.pop(key)
     inputs = params.to_dict()["inference_input"]

@@ -15,6 +15,7 @@ from modelzoo.generation.engine import GenerationEngine
 from modelzoo.generation.kv_cache import KVCache
 from modelzoo.generation.sampling import TokenChoice
 from modelzoo.generation.speculative import DraftModelDrafter, Drafter, PromptLookupDrafter
+from modelzoo.generation.structured import FormatCompiler, FormatError, StructuredRows
 from modelzoo.int8_compute import apply_int8_backend
 from modelzoo.kernels import machine_dir
 from modelzoo.memory import available_host_memory
@@ -84,15 +85,17 @@ class ModelSetup:
         return weights if weights == arithmetic else f"{weights} weights, {arithmetic} arithmetic"
 
     def build(self, tp: TensorParallelGroup, row_stop_sequences: list[tuple[int, ...]] = (),
-              rows_to_do: int = 0, row_sampling: tuple[bool, bool] = (False, False)
-              ) -> tuple[torch.nn.Module, GenerationEngine]:
+              rows_to_do: int = 0, row_sampling: tuple[bool, bool] = (False, False),
+              response_formats: list[str] = ()) -> tuple[torch.nn.Module, GenerationEngine]:
         """Loads the model (and drafter), sizes the rows in flight, checks the KV cache fits, chooses the GEMM
         path, builds the engine (row_stop_sequences: every stop sequence a row of the data asks for besides
         the job's; rows_to_do: the real rows this run will generate; row_sampling: whether some row samples
-        and whether some row keeps a top-p set, with options of its own)."""
+        and whether some row keeps a top-p set, with options of its own; response_formats: every response
+        format some row follows, compiled before the model loads)."""
         if self.params.model.speculative and row_sampling[0]:
             raise UserError("some rows of the data sample (their own temperature > 0) but model.speculative decodes "
                             "greedily; drop model.speculative or the rows' temperatures")
+        compiler = self._format_compiler(response_formats) if response_formats else None
         load_start = time.perf_counter()
         weight_dtype = self.params.model.weight_dtype
         model = self.load(self.params.model.checkpoint_path, tp, weight_dtype)
@@ -129,9 +132,43 @@ class ModelSetup:
                                                                                           *row_sampling),
                                   drafter=self._drafter(), small_step_rows=small_step_rows,
                                   row_stop_sequences=row_stop_sequences, logprobs=self.params.model.logprobs,
-                                  top_logprobs=self.params.model.top_logprobs)
+                                  top_logprobs=self.params.model.top_logprobs,
+                                  structured=None if compiler is None else StructuredRows(
+                                      compiler, self.rows_in_flight, model.config.vocab_size, self.device))
         self._prepare_decode_step(engine)
         return model, engine
+
+    def _format_compiler(self, formats: list[str]) -> FormatCompiler:
+        """The grammar compiler of the checkpoint's tokenizer, with every response format compiled (one error line for
+        the first that cannot be, or for a job that cannot end a row once its document is complete)."""
+        model = self.params.model
+        if model.speculative:
+            raise UserError("some rows follow a response format (model.json_schema or the data's response_format) but "
+                            "model.speculative cannot constrain its drafts; drop model.speculative")
+        stop_ids = [seq[0] for seq in model.stop_sequences if len(seq) == 1]
+        if not stop_ids:
+            raise UserError("rows that follow a response format need a one-token stop sequence (the EOS, e.g. "
+                            "model.stop_sequences: [[2]]) to end once their JSON is complete")
+        start = time.perf_counter()
+        try:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(model.checkpoint_path)
+        except (OSError, ValueError) as error:
+            raise UserError(f"rows that follow a response format need the checkpoint's tokenizer, which "
+                            f"{model.checkpoint_path} lacks ({str(error).splitlines()[0][:120]})") from None
+        try:
+            compiler = FormatCompiler(tokenizer, self.vocab_size, stop_ids)
+        except FormatError as error:
+            raise UserError(str(error)) from None
+        for text in formats:
+            try:
+                compiler.compile(text)
+            except FormatError as error:
+                raise UserError(f"response format {text[:120]}: {error}") from None
+        log.info("structured output: %d response format(s) compiled in %.1fs (xgrammar); a row's document ends on "
+                 "stop token(s) %s", len(formats), time.perf_counter() - start, stop_ids)
+        return compiler
 
     def _decode_step_mode(self) -> str:
         """runconfig.decode_step, checked against the job; auto: a CUDA graph on CUDA, eager on the CPU (its C++

@@ -112,6 +112,13 @@ class SpeculativeParams:
     max_ngram: int = 3
 
 
+def _json_schema(key: str, value: Any) -> dict[str, Any] | None:
+    if value is not None and not isinstance(value, dict):
+        raise UserError(f"{key} must be a JSON schema written as a mapping (e.g. {{type: object, properties: "
+                        f"{{answer: {{type: string}}}}}}) or null, got {value!r}")
+    return value
+
+
 def _rows_in_flight(key: str, value: Any) -> int | str:
     if value != "auto" and (not _is_int(value) or value < 1):
         raise UserError(f"{key} must be auto or an integer >= 1 (rows generated together), got {value!r}")
@@ -193,6 +200,7 @@ class ModelParams(TokenChoiceParams):
     loop_dim: int = 1
     logprobs: bool = False  # each generated token's log-probability in the predictions files
     top_logprobs: int = 0  # with logprobs: the most likely tokens at each generated position, and theirs (<= 20)
+    json_schema: dict[str, Any] | None = None  # the output of rows without a response format of their own follows it
     speculative: SpeculativeParams | None = None
 
     def check_combinations(self) -> None:
@@ -206,6 +214,8 @@ class ModelParams(TokenChoiceParams):
                             "outputs exactly, which sampling has no counterpart for here")
         if self.top_logprobs and not self.logprobs:
             raise UserError("model.top_logprobs needs model.logprobs: true")
+        if self.speculative is not None and self.json_schema is not None:
+            raise UserError("model.json_schema cannot be combined with model.speculative")
         if self.speculative is not None and self.logprobs:
             raise UserError("model.logprobs cannot be combined with model.speculative yet")
         if self.speculative is not None and (self.repetition_penalty != 1.0 or self.no_repeat_ngram_size
@@ -273,6 +283,7 @@ SCHEMA: dict[str, tuple[type, dict[str, Callable[[str, Any], Any]]]] = {
         "loop_dim": _choice((0, 1), _is_int),
         "logprobs": _bool,
         "top_logprobs": _int_range(0, MAX_TOP_LOGPROBS),
+        "json_schema": _json_schema,
         "temperature": _float(0.0),
         "top_k": _int(0),
         "top_p": _float(0.0, 1.0, above_minimum=True),

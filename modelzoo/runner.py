@@ -26,6 +26,7 @@ from modelzoo.errors import UserError
 from modelzoo.files import WriteError
 from modelzoo.generation.engine import GenerationEngine, Request
 from modelzoo.generation.stopping import DUMMY, EMPTY_PROMPT, NO_START_TOKEN
+from modelzoo.generation.structured import schema_format
 from modelzoo.manifest import build_manifest
 from modelzoo.model_setup import ModelSetup, resolve_device
 from modelzoo.output_folder import OutputFolder
@@ -69,6 +70,8 @@ class InferenceJob:
         self.setup = ModelSetup(params, self.device, weights_dtype, arithmetic_dtype(weights_dtype, self.device),
                                 self.data.max_seq_len, self.vocab_size)
         self.data.check_against_model(self.start_tokens, self.vocab_size)
+        # The response format of rows without their own (model.json_schema), in structured.py's canonical text.
+        self.job_format = schema_format(model.json_schema) if model.json_schema is not None else None
         self.stats = RunStats()
         self.written: set[int] = set()  # steps this run wrote
         self.shape = ((params.inference_input.batch_size, self.data.max_seq_len) if model.loop_dim == 1
@@ -100,7 +103,7 @@ class InferenceJob:
                     with self._out_of_memory_named("setting up"):
                         model, engine = self.setup.build(self.tp, self.data.row_stop_sequences(),
                                                          sum(self._real_samples(step) for step in todo),
-                                                         self.data.row_sampling())
+                                                         self.data.row_sampling(), self._response_formats())
                     self.stats.setup_seconds = time.perf_counter() - setup_start
                     if self.params.runconfig.compile_only:
                         self._check_forward(model, engine)
@@ -202,6 +205,10 @@ class InferenceJob:
         log.info("compile_only: params, data and checkpoint are valid; one forward pass gave logits %s; "
                  "no predictions written", tuple(logits.shape))
 
+    def _response_formats(self) -> list[str]:
+        """Every response format the job's rows follow: model.json_schema's and the rows' own."""
+        return ([self.job_format] if self.job_format else []) + self.data.row_response_formats()
+
     def _assemble(self, batch: Batch) -> tuple[StepAssembly, list[Request]]:
         """Output arrays for a batch, with pass-through rows final, and the requests of the rest."""
         rows = batch.rows
@@ -219,8 +226,9 @@ class InferenceJob:
             predictions[row, starts[row]:] = self.pad_token
             own_limit = int(batch.max_tokens[row]) if batch.max_tokens is not None else 0
             own_stops = batch.stop_sequences[row] if batch.stop_sequences is not None else ()
+            own_format = batch.response_format[row] if batch.response_format is not None else ""
             requests.append(Request(int(batch.sample_index[row]), prompt, own_limit, own_stops,
-                                    **row_sampling(batch, row)))
+                                    **row_sampling(batch, row), response_format=own_format or self.job_format))
         assembly = StepAssembly(predictions, batch.sample_index, prompt_length, np.zeros(size, dtype=np.int32),
                                 reason, remaining=len(requests), sample_id=batch.sample_id, sample=batch.sample,
                                 logprobs=np.zeros(rows.shape, np.float32) if self.params.model.logprobs else None)

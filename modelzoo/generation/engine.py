@@ -13,7 +13,8 @@ active (a job's last steps, when nothing is left to admit), steps run exactly th
 second shape the caller can prepack for.
 
 Tokens are the argmax of the logits unless a `TokenChoice` (sampling, repetition control) is
-given. With a drafter (speculative decoding, greedy only) each step feeds every slot's last token
+given; rows with a response format (`StructuredRows`) choose among the tokens their grammar allows, the
+host feeding each one's new token to its grammar after every step. With a drafter (speculative decoding, greedy only) each step feeds every slot's last token
 and K drafted tokens at once, and keeps the drafts up to the first one the model disagrees with,
 plus the model's own next token: the same tokens plain greedy decoding would produce.
 """
@@ -34,6 +35,7 @@ from modelzoo.generation.sampling import RowSampling, seed_key
 from modelzoo.generation.shared_prefix import SharedPrefix
 from modelzoo.generation.step import DecodeStep, SlotState, choose_tokens, length_bucket, length_buckets
 from modelzoo.generation.stopping import REASON_NAMES, StopChecker
+from modelzoo.generation.structured import StructuredRows, apply_token_bitmask
 
 if TYPE_CHECKING:
     from modelzoo.generation.sampling import TokenChoice
@@ -56,6 +58,7 @@ class Request:
     temperature: float | None = None  # the row's own sampling options; None: the job's
     top_p: float | None = None
     seed: int | None = None
+    response_format: str | None = None  # canonical JSON (structured.py) the output must follow; None: free text
 
 
 @dataclass
@@ -78,7 +81,7 @@ class GenerationEngine:
                  prefill_token_budget: int = 1024, choice: TokenChoice | None = None,
                  drafter: Drafter | None = None, small_step_rows: int | None = None,
                  row_stop_sequences: Sequence[Sequence[int]] = (), logprobs: bool = False,
-                 top_logprobs: int = 0) -> None:
+                 top_logprobs: int = 0, structured: StructuredRows | None = None) -> None:
         config = model.config
         self.model = model
         self.num_slots = num_slots
@@ -89,7 +92,10 @@ class GenerationEngine:
         self.choice = None if choice is None or choice.is_plain_greedy else choice
         if drafter is not None and (self.choice is not None or logprobs):
             raise ValueError("speculative decoding needs plain greedy decoding, without logprobs")
+        if drafter is not None and structured is not None:
+            raise ValueError("speculative decoding does not take response formats")
         self.drafter = drafter
+        self.structured = structured
         # Prompts prefilled side by side in one row, without padding, where the model takes that (a drafter's
         # own model would need the same inputs).
         self.packs_prompts = bool(getattr(model, "packs_prompts", False)) and drafter is None
@@ -97,14 +103,17 @@ class GenerationEngine:
                              dtype, device)
         self.stops = StopChecker(stop_sequences, max_tokens, max_seq_len, num_slots, device, row_stop_sequences)
         self.state = SlotState.allocate(num_slots, max_seq_len, device, logprobs, top_logprobs)
-        self.decode = DecodeStep(model, self.cache, self.state, self.stops, self.choice)
+        self.decode = DecodeStep(model, self.cache, self.state, self.stops, self.choice,
+                                 None if structured is None else structured.mask)
         self.owner: list[int | None] = [None] * num_slots  # request index held by each slot
         # An upper bound of each slot's length, known on the host without reading the device: it sizes the
         # cache length bucket of each step.
         self.length_bound = np.zeros(num_slots, dtype=np.int64)
         # Decode steps between two reads of which rows finished: on a GPU a read waits for the queued steps
         # to finish, so it is read every few steps (a finished row idles until then); on the CPU every step.
-        self.steps_per_read = STEPS_PER_READ_CUDA if device.type == "cuda" and drafter is None else 1
+        # With response formats every step: each grammar needs its row's new token before the next step.
+        self.steps_per_read = (STEPS_PER_READ_CUDA if device.type == "cuda" and drafter is None and structured is None
+                               else 1)
         # Lengths a row may reach: max_seq_len, or less where the model's learned position table ends.
         self.position_limit = min(max_seq_len, getattr(model, "position_limit", None) or max_seq_len)
         # The prompt prefix shared by the first admitted requests, once known (not with a drafter: a
@@ -226,9 +235,14 @@ class GenerationEngine:
                 source_slots = run_slots[source[len(group):]]
                 self.cache.copy_slots(source_slots, slots[len(group):], int(prompt_len[len(group):].max()))
                 logits = logits[torch.tensor(source, device=self.device)]  # (G, vocab) -> (B, vocab)
+            if self.structured is not None:
+                self.structured.admit([slot for slot, _ in rows], [r.response_format for r in requests])
+                logits = apply_token_bitmask(logits, self.structured.mask[slots])
             first, logprob, top = choose_tokens(logits, state, slots, self.choice)  # (B,), (B,), (B, K) pair
             self.stops.reset(slots, [r.max_tokens for r in requests], [r.stop_sequences for r in requests])
             state.append(first, torch.ones_like(first, dtype=torch.bool), self.stops, slots, logprob, top)
+            if self.structured is not None:
+                self.structured.advance(state.last_token, [slot for slot, _ in rows])
             for slot, request in rows:
                 self.length_bound[slot] = len(request.prompt) + 1
 
@@ -315,6 +329,8 @@ class GenerationEngine:
             if longest > limit:
                 raise past_learned_positions(longest - 1, limit)
         self.decode(slots, length_bucket(longest, limit))
+        if self.structured is not None:
+            self.structured.advance(self.state.last_token)
         self.length_bound[owned] = np.minimum(self.length_bound[owned] + 1, self.max_seq_len)
 
     def _small_step_slots(self, owned: list[int]) -> torch.Tensor | None:
@@ -362,6 +378,8 @@ class GenerationEngine:
                 state.top_ids[slot, begin:end].cpu().numpy().astype(np.int32), state.top_values[slot, begin:end].cpu().numpy())
             index = self.owner[slot]
             self.owner[slot] = None
+            if self.structured is not None:
+                self.structured.release(slot)
             state.active[slot] = False
             state.reason[slot] = 0
             free.append(slot)

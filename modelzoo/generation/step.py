@@ -27,6 +27,7 @@ from torch import nn
 from modelzoo.generation.kv_cache import KVCache
 from modelzoo.generation.sampling import RowSampling
 from modelzoo.generation.stopping import CONTINUE, StopChecker
+from modelzoo.generation.structured import apply_token_bitmask
 
 if TYPE_CHECKING:
     from modelzoo.generation.sampling import TokenChoice
@@ -146,8 +147,9 @@ class DecodeStep:
     """
 
     def __init__(self, model: nn.Module, cache: KVCache, state: SlotState, stops: StopChecker,
-                 choice: TokenChoice | None) -> None:
+                 choice: TokenChoice | None, token_mask: torch.Tensor | None = None) -> None:
         self.model, self.cache, self.state, self.stops, self.choice = model, cache, state, stops, choice
+        self.token_mask = token_mask  # (S, ceil(V / 32)) int32: each slot's allowed tokens (structured output)
         self.mode = "eager"
         self._compiled: Callable[[torch.Tensor | None, int], None] | None = None
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (rows, length) -> captured step
@@ -163,6 +165,8 @@ class DecodeStep:
         tokens = state.last_token[rows][:, None]  # (R, 1)
         positions = torch.where(active, state.seq_len[rows] - 1, 0)[:, None]  # (R, 1): where the fed token sits
         logits = self.model(tokens, positions, self.cache, slots, length=length)  # (R, vocab)
+        if self.token_mask is not None:
+            logits = apply_token_bitmask(logits, self.token_mask[rows])
         token, logprob, top = choose_tokens(logits, state, slots, self.choice)
         state.append(token, active, self.stops, slots, logprob, top)
 
