@@ -39,8 +39,9 @@ import h5py
 import numpy as np
 import yaml
 
-from data_tools.openai_batch import MAX_N, BatchRequest, prompt_text, read_batch_file, stop_token_ids
+from data_tools.openai_batch import BatchRequest, prompt_text, read_batch_file, stop_token_ids
 from data_tools.h5_writer import RowsWriter
+from modelzoo.generation.options import MAX_SAMPLES, GenerationOptions
 from modelzoo.generation.structured import FormatCompiler, FormatError
 from data_tools.prompts import PromptFile, iter_prompt_file, load_tokenizer, read_text, tokenize_prompts
 from modelzoo import __version__
@@ -238,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--n", type=int, default=1,
-        help=f"samples per prompt (1 to {MAX_N}): each prompt becomes N consecutive rows, numbered 0..N-1 in the "
+        help=f"samples per prompt (1 to {MAX_SAMPLES}): each prompt becomes N consecutive rows, numbered 0..N-1 in the "
         "per-row dataset `sample`; the runner prefills the prompt once for them; with model.temperature > 0 "
         "each row draws its own completion (pass@k) (default: 1; an OpenAI batch file's requests say their own n)",
     )
@@ -259,8 +260,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise UserError(
             f"--min_new_tokens must be between 1 and max_seq_len - 1 = {args.max_seq_len - 1}, got {args.min_new_tokens}"
         )
-    if not 1 <= args.n <= MAX_N:
-        raise UserError(f"--n must be between 1 and {MAX_N}, got {args.n}")
+    if not 1 <= args.n <= MAX_SAMPLES:
+        raise UserError(f"--n must be between 1 and {MAX_SAMPLES}, got {args.n}")
     if args.n > 1 and args.format == "openai_batch":
         raise UserError("--n is for prompt files; in an OpenAI batch file each request says its own n")
     if args.start_token is not None and not 0 <= args.start_token <= INT32_MAX:
@@ -273,12 +274,8 @@ def openai_rows(args: argparse.Namespace, tokenizer: Any) -> tuple[PromptFile, l
     (max_tokens, 0 = none; stop_sequences, JSON token-id lists; temperature, top_p and seed where a request
     has its own), the `requests` table (every request, runnable
     or not, in input order: what decode_predictions.py --format openai_batch answers) and the rejected ones."""
-    run_wide = {}
-    if args.params is not None:
-        model = load_params(args.params).model
-        run_wide = {"logprobs": model.logprobs, "top_logprobs": model.top_logprobs,
-                    "presence_penalty": model.presence_penalty, "frequency_penalty": model.frequency_penalty}
-    requests = read_batch_file(args.input, read_text(args.input), run_wide)
+    run = GenerationOptions() if args.params is None else load_params(args.params).model.generation_defaults()
+    requests = read_batch_file(args.input, read_text(args.input), run)
     check_response_formats(tokenizer, [request for request in requests if request.runs])
     runnable: list[BatchRequest] = []
     stops: list[list[list[int]]] = []
@@ -293,25 +290,24 @@ def openai_rows(args: argparse.Namespace, tokenizer: Any) -> tuple[PromptFile, l
     # The chat template writes the special tokens itself; a raw completion prompt gets the tokenizer's own.
     token_lists = [list(tokenizer(text, add_special_tokens=request.kind == "completion")["input_ids"])
                    for text, request in zip(texts, runnable)]
-    samples = np.array([r.n for r in runnable])
+    samples = np.array([r.option("n") for r in runnable])
     first_rows = np.cumsum(samples) - samples  # each request's first row: its n samples are consecutive rows
     rows = {request.custom_id: int(row) for row, request in zip(first_rows, runnable)}
     table = [json.dumps({"line": r.line, "custom_id": r.custom_id, "kind": r.kind, "model": r.model, "stop": r.stop,
-                         "logprobs": r.logprobs, "top_logprobs": r.top_logprobs, "error": r.error,
-                         "row": rows.get(r.custom_id, -1), "n": r.n})
+                         "logprobs": r.option("logprobs"), "top_logprobs": r.option("top_logprobs"),
+                         "error": r.error, "row": rows.get(r.custom_id, -1), "n": r.option("n")})
              for r in requests]
-    per_row = {"max_tokens": np.array([r.max_tokens for r in runnable], dtype=np.int32),
+    per_row = {"max_tokens": np.array([r.option("max_tokens") or 0 for r in runnable], dtype=np.int32),
                "stop_sequences": [json.dumps(s) for s in stops]}
-    if any(r.response_format for r in runnable):
-        per_row["response_format"] = [r.response_format or "" for r in runnable]
+    if any(r.option("response_format") for r in runnable):
+        per_row["response_format"] = [r.option("response_format") or "" for r in runnable]
     # Each request's own sampling options, where some request has one: NaN / -1 = the params'.
-    if any(r.temperature is not None or r.top_p is not None for r in runnable):
-        for name in ("temperature", "top_p"):
-            per_row[name] = np.array([np.nan if getattr(r, name) is None else getattr(r, name) for r in runnable],
-                                     dtype=np.float32)
-    if any(r.seed is not None for r in runnable):
-        per_row["seed"] = np.array([-1 if r.seed is None else r.seed for r in runnable], dtype=np.int64)
-    if (samples > 1).any():
+    for name in ("temperature", "top_p"):
+        if any(name in r.options for r in runnable):
+            per_row[name] = np.array([r.options.get(name, np.nan) for r in runnable], dtype=np.float32)
+    if any("seed" in r.options for r in runnable):
+        per_row["seed"] = np.array([r.options.get("seed", -1) for r in runnable], dtype=np.int64)
+    if (samples > 1).any():  # a request's n samples: n rows, numbered
         per_row["sample"] = np.concatenate([np.arange(n, dtype=np.int32) for n in samples])
         per_row = {name: values if name == "sample" else repeat_rows(values, samples) for name, values in per_row.items()}
         texts, token_lists = repeat_rows(texts, samples), repeat_rows(token_lists, samples)
@@ -323,7 +319,7 @@ def openai_rows(args: argparse.Namespace, tokenizer: Any) -> tuple[PromptFile, l
 def check_response_formats(tokenizer: Any, requests: list[BatchRequest]) -> None:
     """Compiles each distinct response format of the requests once; a request whose format does not compile becomes
     an error record."""
-    formats = {r.response_format for r in requests if r.response_format}
+    formats = {r.option("response_format") for r in requests if r.option("response_format")}
     if not formats:
         return
     errors: dict[str, str] = {}
@@ -338,8 +334,8 @@ def check_response_formats(tokenizer: Any, requests: list[BatchRequest]) -> None
             except FormatError as error:
                 errors[text] = str(error)
     for request in requests:
-        if request.response_format in errors:
-            request.error = errors[request.response_format]
+        if request.option("response_format") in errors:
+            request.error = errors[request.option("response_format")]
 
 
 def repeat_rows(values: np.ndarray | list, counts: np.ndarray | int) -> np.ndarray | list:

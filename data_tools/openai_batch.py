@@ -6,7 +6,7 @@ Input, one request per line:
 `/v1/chat/completions` bodies go through the tokenizer's chat template; `/v1/completions` bodies are raw
 prompts. Per request: `max_tokens` (or `max_completion_tokens`), `stop` strings, `temperature`, `top_p`
 and `seed` (greedy and sampled requests side by side, each drawn from its own seed's streams), `n`
-(up to MAX_N samples, n rows of the data, the prompt prefilled once) and `response_format` (`json_object` or
+(up to MAX_SAMPLES samples, n rows of the data, the prompt prefilled once) and `response_format` (`json_object` or
 `json_schema`: the answer follows the schema's grammar; a schema that cannot be compiled is that request's
 error record), honoured by the runner. An option the
 runner cannot honour for one request (`logit_bias`, tools, `logprobs` other than the params', ...) makes
@@ -28,19 +28,19 @@ from typing import Any, Sequence
 
 from data_tools.prompts import json_records
 from modelzoo.errors import UserError
+from modelzoo.generation.options import MAX_SAMPLES, GenerationOptions
 from modelzoo.generation.structured import FormatError, canonical_format
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 KINDS = {CHAT_URL: "chat", COMPLETIONS_URL: "completion"}
 # Body keys read or allowed as they are.
 READ_KEYS = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "stop", "n"}
-MAX_N = 128  # samples of one request (each one a row of the data)
 SAMPLING_KEYS = ("temperature", "top_p", "seed")  # each request's own, honoured row by row
 IGNORED_KEYS = {"user", "metadata", "store", "service_tier"}
 # Body keys the runner applies to every row alike: allowed where the request asks for the run's value.
-# name -> (the params' model key it must equal, or None for a fixed value, that value's default).
-RUN_WIDE = {"stream": (None, False), "presence_penalty": ("presence_penalty", 0.0),
-            "frequency_penalty": ("frequency_penalty", 0.0), "logprobs": ("logprobs", False)}
+# name -> the GenerationOptions field it must equal (None: `stream`, which must be false).
+RUN_WIDE = {"stream": None, "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+            "logprobs": "logprobs"}
 # What a request asks that no run here does (e.g. logit_bias, tools, response_format): its error record.
 
 
@@ -54,20 +54,19 @@ class BatchRequest:
     model: str = ""
     messages: list[dict[str, str]] = field(default_factory=list)
     prompt: str = ""
-    max_tokens: int = 0  # 0: the params' model.max_tokens alone
     stop: list[str] = field(default_factory=list)
-    logprobs: bool = False  # the answer carries each token's log-probability (the run's model.logprobs)
-    top_logprobs: int = 0  # ... and the likeliest tokens at each position (at most the run's model.top_logprobs)
-    temperature: float | None = None  # the request's own sampling options; None: the params'
-    top_p: float | None = None
-    seed: int | None = None
-    n: int = 1  # samples: n rows of the data, each its own choice in the answer
-    response_format: str | None = None  # canonical JSON grammar text (generation/structured.py); None: free text
+    # The request's own GenerationOptions values by field name (max_tokens, temperature, top_p, seed, n,
+    # logprobs, top_logprobs, response_format); the others are the run's.
+    options: dict[str, Any] = field(default_factory=dict)
     error: str = ""  # non-empty: the request's error record, nothing is generated for it
 
     @property
     def runs(self) -> bool:
         return not self.error
+
+    def option(self, name: str) -> Any:
+        """The request's own value of GenerationOptions field `name`, or that field's default."""
+        return self.options.get(name, GenerationOptions.__dataclass_fields__[name].default)
 
 
 def _text_content(content: Any) -> str | None:
@@ -93,25 +92,25 @@ def _sampling_option(key: str, value: Any) -> tuple[float | int | None, str]:
     return (float(value), "") if ok else (None, f"top_p must be a number in (0, 1], got {value!r}")
 
 
-def _read_body(request: BatchRequest, body: dict[str, Any], run_wide: dict[str, Any]) -> None:
-    """Fills `request` from its body, or sets its error."""
+def _read_body(request: BatchRequest, body: dict[str, Any], run: GenerationOptions) -> None:
+    """Fills `request` from its body (`run`: the run's options), or sets its error."""
     for key, value in body.items():
         if key in READ_KEYS or key in IGNORED_KEYS:
             continue
         if key == "response_format":
             try:
-                request.response_format = None if value is None else canonical_format(value)
+                request.options["response_format"] = None if value is None else canonical_format(value)
             except FormatError as error:
                 request.error = str(error)
                 return
             continue
         if key == "top_logprobs":
-            most = run_wide.get("top_logprobs", 0)
+            most = run.top_logprobs
             if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= most):
                 request.error = (f"top_logprobs {value!r} is more than this run keeps: at most {most} "
                                  f"(model.top_logprobs in the params)")
                 return
-            request.top_logprobs = value or 0
+            request.options["top_logprobs"] = value or 0
             continue
         if key in SAMPLING_KEYS:
             if value is not None:
@@ -119,35 +118,36 @@ def _read_body(request: BatchRequest, body: dict[str, Any], run_wide: dict[str, 
                 if why:
                     request.error = why
                     return
-                setattr(request, key, own)
+                request.options[key] = own
             continue
         if key == "logprobs" and request.kind == "completion" and isinstance(value, int) and not isinstance(value, bool):
             # The completions API's logprobs is a count: that many likeliest tokens at each position.
-            most = run_wide.get("top_logprobs", 0)
-            if not run_wide.get("logprobs") or not 0 <= value <= most:
+            most = run.top_logprobs
+            if not run.logprobs or not 0 <= value <= most:
                 request.error = (f"logprobs {value!r} asks for more than this run keeps: model.logprobs with at most "
                                  f"{most} top_logprobs in the params")
                 return
-            request.top_logprobs = value
+            request.options["top_logprobs"] = value
             continue
         if key in RUN_WIDE:
-            params_key, default = RUN_WIDE[key]
-            wanted = run_wide.get(params_key, default) if params_key else default
+            name = RUN_WIDE[key]
+            wanted = getattr(run, name) if name else False
             if value is not None and value != wanted:
                 request.error = (f"{key} {value!r} is not supported per request: this run uses {wanted!r} for every "
-                                 f"request" + (f" (model.{params_key} in the params)" if params_key else ""))
+                                 f"request" + (f" (model.{name} in the params)" if name else ""))
                 return
             continue
         request.error = f"{key} is not supported by zoo-infer"
         return
     n = body.get("n")
     if n is not None:
-        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
-            request.error = f"n must be an integer from 1 to {MAX_N}, got {n!r}"
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_SAMPLES:
+            request.error = f"n must be an integer from 1 to {MAX_SAMPLES}, got {n!r}"
             return
-        request.n = n
+        request.options["n"] = n
     request.model = str(body.get("model") or "")
-    request.logprobs = body.get("logprobs") not in (None, False)
+    if body.get("logprobs") not in (None, False):
+        request.options["logprobs"] = True
     if request.kind == "chat":
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -172,7 +172,7 @@ def _read_body(request: BatchRequest, body: dict[str, Any], run_wide: dict[str, 
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
             request.error = f"max_tokens must be an integer >= 1, got {limit!r}"
             return
-        request.max_tokens = limit
+        request.options["max_tokens"] = limit
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else stop
     if stops is not None and not (isinstance(stops, list) and all(isinstance(s, str) and s for s in stops)):
@@ -181,8 +181,8 @@ def _read_body(request: BatchRequest, body: dict[str, Any], run_wide: dict[str, 
     request.stop = stops or []
 
 
-def read_batch_file(path: Path, text: str, run_wide: dict[str, Any]) -> list[BatchRequest]:
-    """Every request of an OpenAI batch file, in order; `run_wide`: the params' model section (or {})."""
+def read_batch_file(path: Path, text: str, run: GenerationOptions = GenerationOptions()) -> list[BatchRequest]:
+    """Every request of an OpenAI batch file, in order; `run`: the run's options (its params' model section)."""
     requests: list[BatchRequest] = []
     seen: dict[str, int] = {}
     for line_no, record in json_records(path, text):
@@ -204,7 +204,7 @@ def read_batch_file(path: Path, text: str, run_wide: dict[str, Any]) -> list[Bat
             request.error = "body must be a JSON object"
         else:
             request.kind = KINDS[url]
-            _read_body(request, body, run_wide)
+            _read_body(request, body, run)
         requests.append(request)
     if not requests:
         raise UserError(f"{path}: no requests found")

@@ -21,6 +21,7 @@ import h5py
 import numpy as np
 
 from modelzoo.errors import UserError
+from modelzoo.generation.options import GenerationOptions, RequestVariety
 
 
 PER_ROW_DATASETS = ("sample_id", "max_tokens", "stop_sequences", "temperature", "top_p", "seed", "sample",
@@ -42,6 +43,26 @@ class Batch:
     sampling: dict[str, np.ndarray] | None = None  # SAMPLING_DATASETS the data has: NaN / -1 = the params'
     sample: np.ndarray | None = None  # (batch_size,) int32: each row's number among its prompt's samples, -1 dummies
     response_format: list[str] | None = None  # each row's response format, "" for free text and dummies
+
+
+    def options(self, row: int, defaults: GenerationOptions) -> GenerationOptions:
+        """Row `row`'s GenerationOptions: `defaults` with what the data gives the row (its max_tokens, the smaller
+        of its own and the defaults' holding; its stop sequences besides the defaults'; its temperature, top_p,
+        seed and response format). The defaults themselves where the row brings nothing."""
+        own: dict[str, Any] = {}
+        if self.max_tokens is not None and self.max_tokens[row] > 0:
+            own["max_tokens"] = min(int(self.max_tokens[row]), defaults.max_tokens or int(self.max_tokens[row]))
+        if self.stop_sequences is not None and self.stop_sequences[row]:
+            own["stop_sequences"] = defaults.stop_sequences + tuple(self.stop_sequences[row])
+        for name, values in (self.sampling or {}).items():
+            value = values[row]
+            if name == "seed" and value >= 0:
+                own["seed"] = int(value)
+            elif name != "seed" and not np.isnan(value):
+                own[name] = float(value)
+        if self.response_format is not None and self.response_format[row]:
+            own["response_format"] = self.response_format[row]
+        return defaults.overridden(**own) if own else defaults
 
 
 def start_positions(rows: np.ndarray, start_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -163,6 +184,12 @@ class GptHDF5MapDataProcessor:
             for text in self.read_per_row("stop_sequences", start, min(start + 65536, self.num_samples)):
                 found.update(dict.fromkeys(self._stops(text)))
         return list(found)
+
+    def request_variety(self) -> RequestVariety:
+        """What the rows bring besides the job's options: their stop sequences, and whether some row samples or
+        keeps a top-p set (every row's sampling options checked)."""
+        samples, top_p = self.row_sampling()
+        return RequestVariety(tuple(self.row_stop_sequences()), samples, top_p)
 
     def row_response_formats(self) -> list[str]:
         """Every response format some row asks for (the `response_format` dataset, read in slices), once each."""

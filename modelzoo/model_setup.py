@@ -13,7 +13,7 @@ from modelzoo.errors import UserError
 from modelzoo.gemm import GemmPlan, apply_gemm_backend, weight_bytes
 from modelzoo.generation.engine import GenerationEngine
 from modelzoo.generation.kv_cache import KVCache
-from modelzoo.generation.sampling import TokenChoice
+from modelzoo.generation.options import RequestVariety
 from modelzoo.generation.speculative import DraftModelDrafter, Drafter, PromptLookupDrafter
 from modelzoo.generation.structured import FormatCompiler, FormatError, StructuredRows
 from modelzoo.int8_compute import apply_int8_backend
@@ -84,15 +84,13 @@ class ModelSetup:
         weights, arithmetic = (str(d).replace("torch.", "") for d in (self.weights_dtype, self.dtype))
         return weights if weights == arithmetic else f"{weights} weights, {arithmetic} arithmetic"
 
-    def build(self, tp: TensorParallelGroup, row_stop_sequences: list[tuple[int, ...]] = (),
-              rows_to_do: int = 0, row_sampling: tuple[bool, bool] = (False, False),
+    def build(self, tp: TensorParallelGroup, variety: RequestVariety = RequestVariety(), rows_to_do: int = 0,
               response_formats: list[str] = ()) -> tuple[torch.nn.Module, GenerationEngine]:
         """Loads the model (and drafter), sizes the rows in flight, checks the KV cache fits, chooses the GEMM
-        path, builds the engine (row_stop_sequences: every stop sequence a row of the data asks for besides
-        the job's; rows_to_do: the real rows this run will generate; row_sampling: whether some row samples
-        and whether some row keeps a top-p set, with options of its own; response_formats: every response
-        format some row follows, compiled before the model loads)."""
-        if self.params.model.speculative and row_sampling[0]:
+        path, builds the engine (variety: what the data's rows bring besides the job's options; rows_to_do: the
+        real rows this run will generate; response_formats: every response format some row follows, compiled
+        before the model loads)."""
+        if self.params.model.speculative and variety.samples:
             raise UserError("some rows of the data sample (their own temperature > 0) but model.speculative decodes "
                             "greedily; drop model.speculative or the rows' temperatures")
         compiler = self._format_compiler(response_formats) if response_formats else None
@@ -126,13 +124,9 @@ class ModelSetup:
                             f"{self.device}; lower runconfig.rows_in_flight (or inference_input.batch_size) or the "
                             f"data's max_seq_len")
         small_step_rows = self._choose_gemm(model, weight_dtype, spare_bytes=(free - cache) // 2)
-        engine = GenerationEngine(model, self.rows_in_flight, self.max_seq_len,
-                                  [list(s) for s in self.params.model.stop_sequences], self.params.model.max_tokens,
-                                  self.device, self.dtype, choice=TokenChoice.from_params(self.params.model,
-                                                                                          *row_sampling),
-                                  drafter=self._drafter(), small_step_rows=small_step_rows,
-                                  row_stop_sequences=row_stop_sequences, logprobs=self.params.model.logprobs,
-                                  top_logprobs=self.params.model.top_logprobs,
+        engine = GenerationEngine(model, self.rows_in_flight, self.max_seq_len, self.device, self.dtype,
+                                  self.params.model.generation_defaults(), variety, drafter=self._drafter(),
+                                  small_step_rows=small_step_rows,
                                   structured=None if compiler is None else StructuredRows(
                                       compiler, self.rows_in_flight, model.config.vocab_size, self.device))
         self._prepare_decode_step(engine)

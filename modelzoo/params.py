@@ -9,11 +9,12 @@ from typing import Any, Callable
 import yaml
 
 from modelzoo.errors import UserError
+from modelzoo.generation.options import MAX_TOP_LOGPROBS, GenerationOptions
+from modelzoo.generation.structured import schema_format
 
 DATA_PROCESSOR = "GptHDF5MapDataProcessor"
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-MAX_TOP_LOGPROBS = 20  # as the OpenAI API
 GEMM_BACKENDS = ("auto", "mkl", "onednn", "torch", "onednn_blocks", "torch_blocks")  # modelzoo/gemm.py
 INT8_BACKENDS = ("auto", "vnni16", "vnni8", "float")  # modelzoo/int8_compute.py
 DECODE_STEPS = ("auto", "eager", "compiled", "cuda_graph")  # modelzoo/generation/step.py
@@ -153,55 +154,23 @@ def _speculative(key: str, value: Any) -> SpeculativeParams | None:
     return SpeculativeParams(**values)
 
 
-@dataclass(frozen=True)
-class TokenChoiceParams:
-    """How the next token is chosen: the `model:` keys temperature, top_k, top_p, seed, repetition_penalty,
-    no_repeat_ngram_size, min_p, presence_penalty and frequency_penalty. temperature 0 is greedy (argmax of the
-    penalised scores); top_k 0, top_p 1.0, min_p 0 and both penalties 0 are off.
-    Defined once here; modelzoo/generation/sampling.py's TokenChoice adds the arithmetic."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    repetition_penalty: float = 1.0
-    no_repeat_ngram_size: int = 0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0  # the OpenAI API's, over generated tokens
-    frequency_penalty: float = 0.0
-
-    def __post_init__(self) -> None:
-        checks = {"temperature": self.temperature >= 0, "top_k": self.top_k >= 0, "top_p": 0 < self.top_p <= 1,
-                  "seed": self.seed >= 0, "repetition_penalty": self.repetition_penalty > 0,
-                  "no_repeat_ngram_size": self.no_repeat_ngram_size >= 0, "min_p": 0 <= self.min_p <= 1,
-                  "presence_penalty": -2 <= self.presence_penalty <= 2,
-                  "frequency_penalty": -2 <= self.frequency_penalty <= 2}
-        for name, ok in checks.items():
-            if not ok:
-                raise ValueError(f"{type(self).__name__}.{name} out of range: {getattr(self, name)!r}")
-
-    @property
-    def greedy(self) -> bool:
-        """Whether each token is the argmax of the (possibly penalised) logits; no randomness then."""
-        return self.temperature == 0.0
-
-
 @dataclass(frozen=True, kw_only=True)
-class ModelParams(TokenChoiceParams):
-    """`model:` section: what to run, how tokens are chosen (TokenChoiceParams) and when a row stops."""
+class ModelParams(GenerationOptions):
+    """`model:` section: what to run, and the job's generation options (GenerationOptions: how tokens are chosen,
+    when a row stops, what is kept of each), the defaults of every request."""
 
     start_token: tuple[int, ...]
     checkpoint_path: str | None = None
     dtype: str = "auto"
     weight_dtype: str | None = None
     int8_group_size: int = 32  # inputs per int8 scale (0: one per output channel); modelzoo/quantization.py
-    stop_sequences: tuple[tuple[int, ...], ...] = ()
-    max_tokens: int | None = None
     loop_dim: int = 1
-    logprobs: bool = False  # each generated token's log-probability in the predictions files
-    top_logprobs: int = 0  # with logprobs: the most likely tokens at each generated position, and theirs (<= 20)
     json_schema: dict[str, Any] | None = None  # the output of rows without a response format of their own follows it
     speculative: SpeculativeParams | None = None
+
+    def generation_defaults(self) -> GenerationOptions:
+        """The job's GenerationOptions: these keys, model.json_schema as the response format."""
+        return self.overridden(response_format=None if self.json_schema is None else schema_format(self.json_schema))
 
     def check_combinations(self) -> None:
         """Keys that are valid alone but not together."""

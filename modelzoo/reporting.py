@@ -29,6 +29,7 @@ class RunStats:
     batches_skipped: int = 0
     batches_remaining: int = 0
     generated_tokens: int = 0
+    prefilled_tokens: int = 0  # prompt tokens run through the model (a shared prefix or a repeated prompt once)
     generation_seconds: float = 0.0
     setup_seconds: float = 0.0  # loading, GEMM choice, kernel builds, compilation and capture: before generation
     rows_without_start_token: int = 0
@@ -61,7 +62,7 @@ def summary_of(stats: list[RunStats], device: str, dtype: str, shards: int,
     `rows_in_flight`: the rows this process generated together; `decode_step`: how its decode step ran."""
     total: dict[str, Any] = {}
     for key in ("samples_done", "samples_skipped", "samples_remaining", "batches_done", "batches_skipped",
-                "batches_remaining", "generated_tokens", "rows_without_start_token", "rows_with_empty_prompt",
+                "batches_remaining", "generated_tokens", "prefilled_tokens", "rows_without_start_token", "rows_with_empty_prompt",
                 "drafted_tokens", "accepted_tokens"):
         total[key] = sum(getattr(s, key) for s in stats)
     seconds = max((s.generation_seconds for s in stats), default=0.0)

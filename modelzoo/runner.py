@@ -26,7 +26,6 @@ from modelzoo.errors import UserError
 from modelzoo.files import WriteError
 from modelzoo.generation.engine import GenerationEngine, Request
 from modelzoo.generation.stopping import DUMMY, EMPTY_PROMPT, NO_START_TOKEN
-from modelzoo.generation.structured import schema_format
 from modelzoo.manifest import build_manifest
 from modelzoo.model_setup import ModelSetup, resolve_device
 from modelzoo.output_folder import OutputFolder
@@ -70,8 +69,7 @@ class InferenceJob:
         self.setup = ModelSetup(params, self.device, weights_dtype, arithmetic_dtype(weights_dtype, self.device),
                                 self.data.max_seq_len, self.vocab_size)
         self.data.check_against_model(self.start_tokens, self.vocab_size)
-        # The response format of rows without their own (model.json_schema), in structured.py's canonical text.
-        self.job_format = schema_format(model.json_schema) if model.json_schema is not None else None
+        self.defaults = model.generation_defaults()  # the options of every row without its own
         self.stats = RunStats()
         self.written: set[int] = set()  # steps this run wrote
         self.shape = ((params.inference_input.batch_size, self.data.max_seq_len) if model.loop_dim == 1
@@ -101,9 +99,9 @@ class InferenceJob:
                         return self.stats
                     setup_start = time.perf_counter()
                     with self._out_of_memory_named("setting up"):
-                        model, engine = self.setup.build(self.tp, self.data.row_stop_sequences(),
+                        model, engine = self.setup.build(self.tp, self.data.request_variety(),
                                                          sum(self._real_samples(step) for step in todo),
-                                                         self.data.row_sampling(), self._response_formats())
+                                                         self._response_formats())
                     self.stats.setup_seconds = time.perf_counter() - setup_start
                     if self.params.runconfig.compile_only:
                         self._check_forward(model, engine)
@@ -207,7 +205,8 @@ class InferenceJob:
 
     def _response_formats(self) -> list[str]:
         """Every response format the job's rows follow: model.json_schema's and the rows' own."""
-        return ([self.job_format] if self.job_format else []) + self.data.row_response_formats()
+        own = self.data.row_response_formats()
+        return [self.defaults.response_format] + own if self.defaults.response_format else own
 
     def _assemble(self, batch: Batch) -> tuple[StepAssembly, list[Request]]:
         """Output arrays for a batch, with pass-through rows final, and the requests of the rest."""
@@ -224,11 +223,7 @@ class InferenceJob:
         for row in np.flatnonzero(generate):
             prompt = rows[row, : starts[row]]  # its token ids were checked up front
             predictions[row, starts[row]:] = self.pad_token
-            own_limit = int(batch.max_tokens[row]) if batch.max_tokens is not None else 0
-            own_stops = batch.stop_sequences[row] if batch.stop_sequences is not None else ()
-            own_format = batch.response_format[row] if batch.response_format is not None else ""
-            requests.append(Request(int(batch.sample_index[row]), prompt, own_limit, own_stops,
-                                    **row_sampling(batch, row), response_format=own_format or self.job_format))
+            requests.append(Request(int(batch.sample_index[row]), prompt, batch.options(row, self.defaults)))
         assembly = StepAssembly(predictions, batch.sample_index, prompt_length, np.zeros(size, dtype=np.int32),
                                 reason, remaining=len(requests), sample_id=batch.sample_id, sample=batch.sample,
                                 logprobs=np.zeros(rows.shape, np.float32) if self.params.model.logprobs else None)
@@ -271,6 +266,7 @@ class InferenceJob:
                 self._write(step, pending.pop(step), progress, engine)
         self.stats.generation_seconds = time.perf_counter() - start
         self.stats.drafted_tokens, self.stats.accepted_tokens = engine.drafted_tokens, engine.accepted_tokens
+        self.stats.prefilled_tokens = engine.prefilled_tokens
         progress.close()
 
     def _write(self, step: int, assembly: StepAssembly, progress: Progress, engine: GenerationEngine) -> None:
@@ -320,18 +316,6 @@ class InferenceJob:
             self._finish()
         except WriteError as error:
             log.warning("the failure could not be recorded in summary.json either: %s", error)
-
-
-def row_sampling(batch: Batch, row: int) -> dict[str, Any]:
-    """A row's own temperature, top_p and seed (Request's keywords), where the data gives them."""
-    own: dict[str, Any] = {}
-    for name, values in (batch.sampling or {}).items():
-        value = values[row]
-        if name == "seed" and value >= 0:
-            own["seed"] = int(value)
-        elif name != "seed" and not np.isnan(value):
-            own[name] = float(value)
-    return own
 
 
 def signal_name(signum: int) -> str:

@@ -53,6 +53,7 @@ def test_captured_step_equals_eager_without_recapture(tmp_path):
     graphs captured in the warm-up are the only ones."""
     from modelzoo.checkpoint import load_model
     from modelzoo.generation.engine import GenerationEngine, Request
+    from modelzoo.generation.options import GenerationOptions
 
     checkpoint = save_tiny_model(tiny_llama_config(), tmp_path / "checkpoint")
     device = torch.device("cuda")
@@ -60,7 +61,8 @@ def test_captured_step_equals_eager_without_recapture(tmp_path):
 
     def generate(mode: str) -> tuple[dict[int, list[int]], GenerationEngine]:
         model, _ = load_model(checkpoint, torch.float32, device)
-        engine = GenerationEngine(model, 2, MAX_SEQ_LEN + 8, [], MAX_TOKENS, device, torch.float32)
+        engine = GenerationEngine(model, 2, MAX_SEQ_LEN + 8, device, torch.float32,
+                                  GenerationOptions(max_tokens=MAX_TOKENS))
         if mode == "cuda_graph":
             engine.decode.capture(len(engine.step_shapes()))
         engine.warm_up()

@@ -12,12 +12,12 @@ from torch._dynamo.backends.common import aot_autograd
 from harness import save_tiny_model
 from modelzoo.checkpoint import load_model
 from modelzoo.generation.engine import GenerationEngine, Request
-from modelzoo.generation.sampling import TokenChoice
+from modelzoo.generation.options import GenerationOptions
 from modelzoo.generation.step import LENGTH_BUCKET, length_bucket, length_buckets
-from modelzoo.params import TokenChoiceParams
 from tiny_configs import VOCAB, tiny_llama_config
 
 SLOTS, MAX_SEQ_LEN, MAX_TOKENS = 4, 96, 8
+JOB = GenerationOptions(max_tokens=MAX_TOKENS, stop_sequences=((7, 8),))
 NUM_PROMPTS = 64  # 64 rows of 2-8 tokens in 4 slots: 80-odd steps, rows finishing and joining all along
 # Ops that read a tensor's value on the host, or give a shape that depends on values.
 HOST_SYNC_OPS = ("aten._local_scalar_dense", "aten.item", "aten.nonzero", "aten.masked_select", "aten._assert_async",
@@ -29,17 +29,16 @@ def tiny_llama(tmp_path_factory) -> Path:
     return save_tiny_model(tiny_llama_config(), tmp_path_factory.mktemp("tiny_llama"))
 
 
-def requests() -> list[Request]:
+def requests(job: GenerationOptions = JOB) -> list[Request]:
     """Prompts of 1-20 tokens; a stop sequence and each row's own max_tokens end rows at different steps."""
     rng = np.random.default_rng(5)
-    return [Request(i, rng.integers(3, VOCAB, size=int(rng.integers(1, 21))), max_tokens=int(rng.integers(2, 9)))
-            for i in range(NUM_PROMPTS)]
+    return [Request(i, rng.integers(3, VOCAB, size=int(rng.integers(1, 21))),
+                    job.overridden(max_tokens=int(rng.integers(2, 9)))) for i in range(NUM_PROMPTS)]
 
 
-def engine_for(path: Path, choice: TokenChoice | None = None, logprobs: bool = False) -> GenerationEngine:
+def engine_for(path: Path, options: GenerationOptions = JOB) -> GenerationEngine:
     model, _ = load_model(path, torch.float32, torch.device("cpu"))
-    return GenerationEngine(model, SLOTS, MAX_SEQ_LEN, [[7, 8]], MAX_TOKENS, torch.device("cpu"), torch.float32,
-                            choice=choice, logprobs=logprobs, top_logprobs=3 if logprobs else 0)
+    return GenerationEngine(model, SLOTS, MAX_SEQ_LEN, torch.device("cpu"), torch.float32, options)
 
 
 def outputs(engine: GenerationEngine) -> dict[int, tuple]:
@@ -48,7 +47,7 @@ def outputs(engine: GenerationEngine) -> dict[int, tuple]:
         return None if array is None else array.tolist()
 
     return {c.index: (c.tokens.tolist(), c.reason, listed(c.logprobs), listed(c.top_ids), listed(c.top_logprobs))
-            for c in engine.generate(requests())}
+            for c in engine.generate(requests(engine.defaults))}
 
 
 def buffer_addresses(engine: GenerationEngine) -> list[int]:
@@ -92,14 +91,13 @@ def test_compiled_step_runs_without_break_recompile_or_sync(tiny_llama, options)
     """Compiled with fullgraph=True, dynamic=False and warmed up, the step runs 64+ steps with rows stopping
     and joining under fail_on_recompile; its buffers keep their addresses; its graph holds no host sync; the
     tokens and reasons equal the eager step's, the log-probabilities to float32 rounding."""
-    choice = None
+    job = JOB
     if options == "sampled_logprobs":
-        choice = TokenChoice.from_params(TokenChoiceParams(temperature=0.8, top_k=20, top_p=0.9, seed=3,
-                                                           repetition_penalty=1.3))
-    logprobs = options == "sampled_logprobs"
-    eager = outputs(engine_for(tiny_llama, choice, logprobs))
+        job = JOB.overridden(temperature=0.8, top_k=20, top_p=0.9, seed=3, repetition_penalty=1.3, logprobs=True,
+                             top_logprobs=3)
+    eager = outputs(engine_for(tiny_llama, job))
 
-    engine = engine_for(tiny_llama, choice, logprobs)
+    engine = engine_for(tiny_llama, job)
     recorder = GraphRecorder()
     engine.decode.compile(len(engine.step_shapes()), backend=recorder.backend)
     engine.warm_up()
@@ -125,7 +123,7 @@ def test_compiled_step_runs_without_break_recompile_or_sync(tiny_llama, options)
     assert {i: [out[k] for k in exact] for i, out in compiled.items()} == {
         i: [out[k] for k in exact] for i, out in eager.items()}
     assert len(compiled) == NUM_PROMPTS
-    if logprobs:
+    if job.logprobs:
         for index, out in compiled.items():
             np.testing.assert_allclose(out[2], eager[index][2], rtol=0, atol=1e-5)
             np.testing.assert_allclose(out[4], eager[index][4], rtol=0, atol=1e-5)
@@ -191,7 +189,7 @@ def test_more_length_buckets_than_dynamos_recompile_limit(tiny_llama):
     """A long max_seq_len has more length buckets (11 here) than dynamo's default recompile limit (8): every one
     compiles in the warm-up, with fullgraph, and none after."""
     model, _ = load_model(tiny_llama, torch.float32, torch.device("cpu"))  # rows stay within its 128 positions
-    engine = GenerationEngine(model, 2, 1300, [], 3, torch.device("cpu"), torch.float32)
+    engine = GenerationEngine(model, 2, 1300, torch.device("cpu"), torch.float32, GenerationOptions(max_tokens=3))
     recorder = GraphRecorder()
     engine.decode.compile(len(engine.step_shapes()), backend=recorder.backend)
     engine.warm_up()

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from modelzoo.checkpoint import load_model
 from modelzoo.generation.engine import GenerationEngine, Request
+from modelzoo.generation.options import GenerationOptions
 import modelzoo.kernels
 from modelzoo.kernels import cpu_kernels
 from modelzoo.models import layers
@@ -282,7 +283,7 @@ def generate_all(checkpoint, prompts, monkeypatch, use_kernel: bool) -> dict[int
     monkeypatch.setattr(layers, "attention_kernel", counted)
     monkeypatch.setattr(layers, "fused_kernels", (lambda x: kernels) if use_kernel else (lambda x: None))
     model, _ = load_model(checkpoint, torch.float32, torch.device("cpu"))
-    engine = GenerationEngine(model, 3, 64, [], 12, torch.device("cpu"), torch.float32)
+    engine = GenerationEngine(model, 3, 64, torch.device("cpu"), torch.float32, GenerationOptions(max_tokens=12))
     out = {c.index: c.tokens.tolist() for c in engine.generate(Request(i, np.array(p)) for i, p in enumerate(prompts))}
     assert all(calls) if use_kernel else not any(calls)
     return out

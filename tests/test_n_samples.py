@@ -18,32 +18,34 @@ from data_tools import decode_predictions as decode  # noqa: E402
 from harness import SMOLLM2_DIR, load_predictions, run_job, save_tiny_model, write_params  # noqa: E402
 from modelzoo.checkpoint import load_model  # noqa: E402
 from modelzoo.generation.engine import GenerationEngine, Request  # noqa: E402
-from modelzoo.generation.sampling import TokenChoice  # noqa: E402
+from modelzoo.generation.options import GenerationOptions
 from tiny_configs import VOCAB, tiny_llama_config  # noqa: E402
 
 EOS, START = 2, 49152
 
 
-def engine_run(model, prompts: list[list[int]], num_slots: int, choice: TokenChoice | None
+def engine_run(model, prompts: list[list[int]], num_slots: int, options: GenerationOptions
                ) -> tuple[GenerationEngine, dict[int, list[int]]]:
-    engine = GenerationEngine(model, num_slots, 64, [], 12, torch.device("cpu"), torch.float32, choice=choice)
+    engine = GenerationEngine(model, num_slots, 64, torch.device("cpu"), torch.float32, options)
     out = {c.index: c.tokens.tolist() for c in engine.generate(Request(i, np.array(p)) for i, p in enumerate(prompts))}
     return engine, out
 
 
-@pytest.mark.parametrize("choice", [None, TokenChoice(temperature=1.0, seed=4)], ids=["greedy", "sampled"])
-def test_a_repeated_prompt_is_prefilled_once_and_each_row_is_its_own(tmp_path, choice):
+@pytest.mark.parametrize("options", [GenerationOptions(max_tokens=12),
+                                     GenerationOptions(max_tokens=12, temperature=1.0, seed=4)],
+                         ids=["greedy", "sampled"])
+def test_a_repeated_prompt_is_prefilled_once_and_each_row_is_its_own(tmp_path, options):
     config = tiny_llama_config(num_hidden_layers=2)
     model, _ = load_model(save_tiny_model(config, tmp_path / "llama"), torch.float32, torch.device("cpu"))
     rng = np.random.default_rng(3)
     repeated, other = rng.integers(0, VOCAB, 11).tolist(), rng.integers(0, VOCAB, 7).tolist()
     prompts = [repeated] * 4 + [other] + [repeated]
-    together, out = engine_run(model, prompts, num_slots=6, choice=choice)
+    together, out = engine_run(model, prompts, num_slots=6, options=options)
     assert together.prefilled_tokens == len(repeated) + len(other)  # one prefill of each distinct prompt
-    alone, reference = engine_run(model, prompts, num_slots=1, choice=choice)
+    alone, reference = engine_run(model, prompts, num_slots=1, options=options)
     assert alone.prefilled_tokens == sum(map(len, prompts))
     assert out == reference
-    if choice is None:
+    if options.greedy:
         assert out[0] == out[1] == out[2] == out[3] == out[5]
     else:
         assert len({tuple(out[i]) for i in (0, 1, 2, 3, 5)}) >= 3  # five draws of 12 tokens at temperature 1

@@ -77,9 +77,9 @@ def test_the_data_holds_the_runnable_requests_and_every_request(batch_run):
         assert [s.decode() for s in h5["sample_id"][:]] == ["capital", "colors", "hot", "count", "free"]
         assert h5["max_tokens"][:].tolist() == [30, 12, 0, 6, 0]
         assert [json.loads(s) for s in h5["stop_sequences"][:]][1:] == [[[28]], [], [], []]  # "," is token 28
-        # Each request's own sampling options; NaN / -1: the params'.
+        # Each request's own sampling options; NaN / -1: the params'; none has its own top_p.
         np.testing.assert_array_equal(h5["temperature"][:], np.float32([np.nan, np.nan, 0.9, 0.0, np.nan]))
-        np.testing.assert_array_equal(h5["top_p"][:], np.full(5, np.nan, np.float32))
+        assert "top_p" not in h5
         assert h5["seed"][:].tolist() == [-1, -1, 5, -1, -1]
         table = [json.loads(s) for s in h5["requests"][:]]
     assert [(r["custom_id"], r["row"], r["kind"]) for r in table] == [

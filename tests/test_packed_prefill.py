@@ -11,6 +11,7 @@ from transformers import GPT2Config, LlamaConfig
 from harness import assert_family_matches_transformers, family_prompts, save_tiny_model, shared_prefix_prompts
 from modelzoo.checkpoint import load_model
 from modelzoo.generation.engine import GenerationEngine, Request
+from modelzoo.generation.options import GenerationOptions
 from modelzoo.generation.kv_cache import KVCache
 from modelzoo.kernels import cpu_kernels
 from modelzoo.models import layers
@@ -28,7 +29,7 @@ def llama_config() -> LlamaConfig:
 def generate(checkpoint, prompts, packed: bool, budget: int = 1024, num_slots: int = 4) -> tuple[dict, list[int]]:
     """Completions {index: tokens} and the number of tokens each prefill forward ran."""
     model, _ = load_model(checkpoint, torch.float32, torch.device("cpu"))
-    engine = GenerationEngine(model, num_slots, 96, [], 8, torch.device("cpu"), torch.float32,
+    engine = GenerationEngine(model, num_slots, 96, torch.device("cpu"), torch.float32, GenerationOptions(max_tokens=8),
                               prefill_token_budget=budget)
     engine.packs_prompts = packed
     widths = []
@@ -74,7 +75,8 @@ def test_families_pack_unless_they_use_alibi(tmp_path, config, packs):
     hf_config = config()
     checkpoint = save_tiny_model(hf_config, tmp_path / "model")
     model, _ = load_model(checkpoint, torch.float32, torch.device("cpu"))
-    assert GenerationEngine(model, 2, 96, [], 8, torch.device("cpu"), torch.float32).packs_prompts == packs
+    engine = GenerationEngine(model, 2, 96, torch.device("cpu"), torch.float32, GenerationOptions(max_tokens=8))
+    assert engine.packs_prompts == packs
     if packs:
         prompts = family_prompts(hf_config.vocab_size)
         packed, packed_widths = generate(checkpoint, prompts, packed=True)

@@ -13,6 +13,7 @@ from harness import (expected_rows, hf_greedy, load_predictions, prompt_rows, ru
                      stacked_predictions, truncate_at_stop, write_h5, write_params)
 from modelzoo.checkpoint import load_model
 from modelzoo.generation.engine import GenerationEngine, Request
+from modelzoo.generation.options import GenerationOptions
 from tiny_configs import tiny_llama_config
 
 VOCAB = 96
@@ -210,7 +211,8 @@ def test_engine_prefill_groups_do_not_change_tokens(tiny_llama, prompts):
 
     def tokens(budget: int) -> dict[int, list[int]]:
         prefills.append(0)
-        engine = GenerationEngine(model, 4, MAX_SEQ_LEN, [], 8, torch.device("cpu"), torch.float32, budget)
+        engine = GenerationEngine(model, 4, MAX_SEQ_LEN, torch.device("cpu"), torch.float32, GenerationOptions(max_tokens=8),
+                                  prefill_token_budget=budget)
         requests = [Request(i, np.array(p)) for i, p in enumerate(prompts)]
         return {c.index: c.tokens.tolist() for c in engine.generate(requests)}
 
@@ -234,7 +236,7 @@ def test_engine_last_steps_run_only_the_rows_left(tiny_llama, prompts):
     model.forward = recorded
 
     def tokens(small_step_rows: int | None) -> dict[int, list[int]]:
-        engine = GenerationEngine(model, 4, MAX_SEQ_LEN, [], 8, torch.device("cpu"), torch.float32,
+        engine = GenerationEngine(model, 4, MAX_SEQ_LEN, torch.device("cpu"), torch.float32, GenerationOptions(max_tokens=8),
                                   small_step_rows=small_step_rows)
         requests = [Request(i, np.array(p)) for i, p in enumerate(prompts)]
         return {c.index: c.tokens.tolist() for c in engine.generate(requests)}

@@ -190,12 +190,13 @@ def test_plain_greedy_is_argmax_of_raw_logits():
     assert not TokenChoice(temperature=1.0).is_plain_greedy
 
 
-def test_from_params_and_validation():
+def test_from_options_and_validation():
     raw = {"model": {"start_token": 1, "temperature": 0.8, "top_k": 40, "top_p": 0.95, "seed": 3,
                      "repetition_penalty": 1.1, "no_repeat_ngram_size": 3},
            "inference_input": {"data_dir": "d", "batch_size": 2}}
-    choice = TokenChoice.from_params(parse_params(raw).model)
-    assert choice == TokenChoice(0.8, 40, 0.95, 3, 1.1, 3)
+    choice = TokenChoice.from_options(parse_params(raw).model.generation_defaults())
+    assert choice == TokenChoice(temperature=0.8, top_k=40, top_p=0.95, seed=3, repetition_penalty=1.1,
+                                 no_repeat_ngram_size=3)
     for bad in ({"temperature": -1.0}, {"top_k": -1}, {"top_p": 0.0}, {"top_p": 1.5}, {"seed": -1},
                 {"repetition_penalty": 0.0}, {"no_repeat_ngram_size": -2}):
         with pytest.raises(ValueError, match=next(iter(bad))):

@@ -10,6 +10,7 @@ from transformers import GPT2Config
 from harness import assert_family_matches_transformers, save_tiny_model, shared_prefix_prompts
 from modelzoo.checkpoint import load_model
 from modelzoo.generation.engine import GenerationEngine, Request
+from modelzoo.generation.options import GenerationOptions
 from modelzoo.generation.shared_prefix import MIN_SHARED_TOKENS, common_prefix
 from tiny_configs import VOCAB, bloom_config, mistral_config, qwen2_config, tiny_llama_config
 
@@ -38,7 +39,7 @@ def test_common_prefix(prompts, expected):
 def run_engine(tmp_path, prompts, num_slots=3):
     config = tiny_llama_config(vocab_size=VOCAB, intermediate_size=96, num_hidden_layers=2, architectures=None)
     model, _ = load_model(save_tiny_model(config, tmp_path / "llama"), torch.float32, torch.device("cpu"))
-    engine = GenerationEngine(model, num_slots, 96, [], 8, torch.device("cpu"), torch.float32)
+    engine = GenerationEngine(model, num_slots, 96, torch.device("cpu"), torch.float32, GenerationOptions(max_tokens=8))
     out = {c.index: c.tokens.tolist() for c in engine.generate(Request(i, np.array(p)) for i, p in enumerate(prompts))}
     return engine, out
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -31,14 +31,14 @@ from torch import nn
 
 from modelzoo.errors import past_learned_positions
 from modelzoo.generation.kv_cache import KVCache
-from modelzoo.generation.sampling import RowSampling, seed_key
+from modelzoo.generation.options import GenerationOptions, RequestVariety
+from modelzoo.generation.sampling import RowSampling, TokenChoice, seed_key
 from modelzoo.generation.shared_prefix import SharedPrefix
 from modelzoo.generation.step import DecodeStep, SlotState, choose_tokens, length_bucket, length_buckets
 from modelzoo.generation.stopping import REASON_NAMES, StopChecker
 from modelzoo.generation.structured import StructuredRows, apply_token_bitmask
 
 if TYPE_CHECKING:
-    from modelzoo.generation.sampling import TokenChoice
     from modelzoo.generation.speculative import Drafter
 
 log = logging.getLogger("zoo-infer")
@@ -48,17 +48,12 @@ STEPS_PER_READ_CUDA = 4
 
 @dataclass
 class Request:
-    """One prompt to complete. `index` is the caller's key (the sample index); prompt: (p,), p >= 1. Its own
-    stop sequences must be among the engine's `row_stop_sequences`."""
+    """One prompt to complete. `index` is the caller's key (the sample index); prompt: (p,), p >= 1; options: the
+    request's own (the engine's defaults with its values put in), None: the defaults."""
 
     index: int
     prompt: np.ndarray
-    max_tokens: int = 0  # the row's own limit, 0: the job's alone (the smaller one holds)
-    stop_sequences: tuple[tuple[int, ...], ...] = ()  # the row's own, besides the job's
-    temperature: float | None = None  # the row's own sampling options; None: the job's
-    top_p: float | None = None
-    seed: int | None = None
-    response_format: str | None = None  # canonical JSON (structured.py) the output must follow; None: free text
+    options: GenerationOptions | None = None
 
 
 @dataclass
@@ -76,21 +71,23 @@ class Completion:
 class GenerationEngine:
     """Runs requests through `model` with `num_slots` sequences in flight."""
 
-    def __init__(self, model: nn.Module, num_slots: int, max_seq_len: int, stop_sequences: list[list[int]],
-                 max_tokens: int | None, device: torch.device, dtype: torch.dtype,
-                 prefill_token_budget: int = 1024, choice: TokenChoice | None = None,
-                 drafter: Drafter | None = None, small_step_rows: int | None = None,
-                 row_stop_sequences: Sequence[Sequence[int]] = (), logprobs: bool = False,
-                 top_logprobs: int = 0, structured: StructuredRows | None = None) -> None:
+    def __init__(self, model: nn.Module, num_slots: int, max_seq_len: int, device: torch.device, dtype: torch.dtype,
+                 defaults: GenerationOptions = GenerationOptions(), variety: RequestVariety = RequestVariety(), *,
+                 prefill_token_budget: int = 1024, drafter: Drafter | None = None, small_step_rows: int | None = None,
+                 structured: StructuredRows | None = None) -> None:
+        """`defaults`: the options of a request without its own; `variety`: what requests may bring besides them;
+        `structured`: the grammars of the response formats requests may follow."""
         config = model.config
         self.model = model
         self.num_slots = num_slots
         self.max_seq_len = max_seq_len
         self.device = device
+        self.defaults, self.variety = defaults, variety
         self.prefill_token_budget = prefill_token_budget
         self.small_step_rows = small_step_rows
-        self.choice = None if choice is None or choice.is_plain_greedy else choice
-        if drafter is not None and (self.choice is not None or logprobs):
+        choice = TokenChoice.from_options(defaults, variety)
+        self.choice = None if choice.is_plain_greedy else choice
+        if drafter is not None and (self.choice is not None or defaults.logprobs):
             raise ValueError("speculative decoding needs plain greedy decoding, without logprobs")
         if drafter is not None and structured is not None:
             raise ValueError("speculative decoding does not take response formats")
@@ -101,8 +98,8 @@ class GenerationEngine:
         self.packs_prompts = bool(getattr(model, "packs_prompts", False)) and drafter is None
         self.cache = KVCache(config.num_layers, num_slots, config.num_kv_heads, max_seq_len, config.head_dim,
                              dtype, device)
-        self.stops = StopChecker(stop_sequences, max_tokens, max_seq_len, num_slots, device, row_stop_sequences)
-        self.state = SlotState.allocate(num_slots, max_seq_len, device, logprobs, top_logprobs)
+        self.stops = StopChecker(defaults.stop_sequences + variety.stop_sequences, max_seq_len, num_slots, device)
+        self.state = SlotState.allocate(num_slots, max_seq_len, device, defaults.logprobs, defaults.top_logprobs)
         self.decode = DecodeStep(model, self.cache, self.state, self.stops, self.choice,
                                  None if structured is None else structured.mask)
         self.owner: list[int | None] = [None] * num_slots  # request index held by each slot
@@ -189,6 +186,8 @@ class GenerationEngine:
             if not 1 <= len(request.prompt) < self.max_seq_len:
                 raise ValueError(f"sample {request.index}: prompt length {len(request.prompt)} leaves no room "
                                  f"in max_seq_len {self.max_seq_len}")
+            if request.options is not None and request.options is not self.defaults:
+                self.variety.check(self.defaults, request.options)
             self.owner[slot] = request.index
         state = self.state
         state.active[[slot for slot, _ in admitted]] = True
@@ -211,6 +210,7 @@ class GenerationEngine:
                 rows += copies.get(slot, [])
                 source += [row] * len(copies.get(slot, []))
             requests = [request for _, request in rows]
+            options = [request.options or self.defaults for request in requests]
             slots = torch.tensor([slot for slot, _ in rows], device=self.device)
             prompt_len = torch.tensor([len(r.prompt) for r in requests], device=self.device)
             prompts = np.zeros((len(rows), max(len(r.prompt) for r in requests)), dtype=np.int64)
@@ -220,7 +220,7 @@ class GenerationEngine:
             state.seq_len[slots] = state.prompt_len[slots] = prompt_len
             state.sample_index[slots] = torch.tensor([r.index for r in requests], device=self.device)
             if self.choice is not None:
-                self._set_sampling(slots, requests)
+                self._set_sampling(slots, options)
             prefixed = [slot for slot, _, offset in group if offset]
             if prefixed:
                 self.shared_prefix.copy_into(self.cache, torch.tensor(prefixed, device=self.device))
@@ -236,10 +236,10 @@ class GenerationEngine:
                 self.cache.copy_slots(source_slots, slots[len(group):], int(prompt_len[len(group):].max()))
                 logits = logits[torch.tensor(source, device=self.device)]  # (G, vocab) -> (B, vocab)
             if self.structured is not None:
-                self.structured.admit([slot for slot, _ in rows], [r.response_format for r in requests])
+                self.structured.admit([slot for slot, _ in rows], [o.response_format for o in options])
                 logits = apply_token_bitmask(logits, self.structured.mask[slots])
             first, logprob, top = choose_tokens(logits, state, slots, self.choice)  # (B,), (B,), (B, K) pair
-            self.stops.reset(slots, [r.max_tokens for r in requests], [r.stop_sequences for r in requests])
+            self.stops.reset(slots, [o.max_tokens for o in options], [o.stop_sequences for o in options])
             state.append(first, torch.ones_like(first, dtype=torch.bool), self.stops, slots, logprob, top)
             if self.structured is not None:
                 self.structured.advance(state.last_token, [slot for slot, _ in rows])
@@ -261,16 +261,15 @@ class GenerationEngine:
                 first[key] = slot
         return copies
 
-    def _set_sampling(self, slots: torch.Tensor, requests: list[Request]) -> None:
-        """Each slot's temperature, top-p cut and seed key: the request's own where it has them, else the job's."""
-        job, sampling = self.choice, self.state.sampling
-        own = lambda value, default: default if value is None else value  # noqa: E731
-        sampling.temperature[slots] = torch.tensor([own(r.temperature, job.temperature) for r in requests],
-                                                   dtype=torch.float32, device=self.device)
-        sampling.top_p_cut[slots] = torch.tensor([RowSampling.cut(own(r.top_p, job.top_p)) for r in requests],
-                                                 dtype=torch.float32, device=self.device)
-        sampling.seed_key[slots] = torch.tensor([seed_key(own(r.seed, job.seed)) for r in requests],
-                                                dtype=torch.long, device=self.device)
+    def _set_sampling(self, slots: torch.Tensor, options: list[GenerationOptions]) -> None:
+        """Each slot's temperature, top-p cut and seed key, from its request's options."""
+        sampling = self.state.sampling
+        sampling.temperature[slots] = torch.tensor([o.temperature for o in options], dtype=torch.float32,
+                                                   device=self.device)
+        sampling.top_p_cut[slots] = torch.tensor([RowSampling.cut(o.top_p) for o in options], dtype=torch.float32,
+                                                 device=self.device)
+        sampling.seed_key[slots] = torch.tensor([seed_key(o.seed) for o in options], dtype=torch.long,
+                                                device=self.device)
 
     def _prefill_groups(self, admitted: list[tuple[int, Request]]) -> list[list[tuple[int, Request, int]]]:
         """Splits admitted requests into groups of (slot, request, offset) run by one forward each:

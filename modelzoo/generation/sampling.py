@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from modelzoo.generation.ngrams import earlier_occurrences
-from modelzoo.params import TokenChoiceParams
+from modelzoo.generation.options import GenerationOptions, RequestVariety
 
 # splitmix64 (Steele, Lea and Flood, 2014): the increment and the two finaliser multipliers, and a second odd
 # constant to step along the row (it must differ from the increment, or (index, length + 1) and (index + 1, length)
@@ -223,8 +223,9 @@ class RowSampling:
 
 
 @dataclass(frozen=True)
-class TokenChoice(TokenChoiceParams):
-    """The arithmetic of a token choice (modelzoo/params.py's TokenChoiceParams: the seven `model:` options).
+class TokenChoice(GenerationOptions):
+    """The arithmetic of a token choice under a job's GenerationOptions (its penalties, temperature, top-k, top-p,
+    min-p and seed).
 
     The job's temperature, top_p and seed are every row's unless the row brings its own (`RowSampling`):
     `rows_sample` says some row may sample though the job's temperature is 0, `rows_top_p` that some row
@@ -234,11 +235,10 @@ class TokenChoice(TokenChoiceParams):
     rows_top_p: bool = False
 
     @classmethod
-    def from_params(cls, options: TokenChoiceParams, rows_sample: bool = False, rows_top_p: bool = False
-                    ) -> TokenChoice:
-        """The token choice of a validated `model:` section (or any TokenChoiceParams)."""
-        return cls(**{field.name: getattr(options, field.name) for field in fields(TokenChoiceParams)},
-                   rows_sample=rows_sample, rows_top_p=rows_top_p)
+    def from_options(cls, options: GenerationOptions, variety: RequestVariety = RequestVariety()) -> TokenChoice:
+        """The token choice of a job's options, with what its requests may bring (`variety`)."""
+        return cls(**{field.name: getattr(options, field.name) for field in fields(GenerationOptions)},
+                   rows_sample=variety.samples, rows_top_p=variety.top_p)
 
     @property
     def needs_history(self) -> bool:

@@ -16,19 +16,16 @@ class StopChecker:
     """Decides, for every slot at once, whether its sequence ends after the token just generated.
 
     Keeps the last K generated tokens of each slot (K = longest stop sequence), so a stop
-    sequence matches only within generated tokens, never across the prompt boundary. The job's stop
-    sequences and max_tokens hold for every slot; a slot may add stop sequences of its own (from
-    `row_stop_sequences`, every one a row may ask for) and a smaller max_tokens, set by `reset`.
+    sequence matches only within generated tokens, never across the prompt boundary. Every stop
+    sequence any row may use is given to the constructor; `reset` sets which of them end each
+    slot's row, and its max_tokens.
     """
 
-    def __init__(self, stop_sequences: list[list[int]], max_tokens: int | None, max_seq_len: int,
-                 num_slots: int, device: torch.device, row_stop_sequences: Sequence[Sequence[int]] = ()) -> None:
-        self.max_tokens = max_tokens
+    def __init__(self, stop_sequences: Sequence[Sequence[int]], max_seq_len: int, num_slots: int,
+                 device: torch.device) -> None:
         self.max_seq_len = max_seq_len
-        table = [list(s) for s in stop_sequences]
-        table += [list(s) for s in dict.fromkeys(map(tuple, row_stop_sequences)) if list(s) not in table]
+        table = [list(s) for s in dict.fromkeys(map(tuple, stop_sequences))]
         self.row_of = {tuple(seq): i for i, seq in enumerate(table)}
-        self.shared = len(stop_sequences)
         width = max((len(s) for s in table), default=0)
         # Right-aligned stop sequences, left-padded with -2 and a mask of the real entries: (S, K).
         self.sequences = torch.full((len(table), width), -2, dtype=torch.long, device=device)
@@ -36,23 +33,20 @@ class StopChecker:
         for i, seq in enumerate(table):
             self.sequences[i, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
             self.valid[i, width - len(seq):] = True
-        # Which sequences stop each slot (the job's always), and each slot's max_tokens: (num_slots, S), (num_slots,).
+        # Which sequences stop each slot, and each slot's max_tokens: (num_slots, S), (num_slots,).
         self.enabled = torch.zeros((num_slots, len(table)), dtype=torch.bool, device=device)
-        self.enabled[:, : self.shared] = True
-        self.limit = torch.full((num_slots,), max_tokens or max_seq_len, dtype=torch.long, device=device)
+        self.limit = torch.full((num_slots,), max_seq_len, dtype=torch.long, device=device)
         # Last K generated tokens per slot, -1 where nothing was generated yet: (num_slots, K).
         self.history = torch.full((num_slots, width), -1, dtype=torch.long, device=device)
 
-    def reset(self, slots: torch.Tensor, max_tokens: Sequence[int] = (),
-              stop_sequences: Sequence[Sequence[Sequence[int]]] = ()) -> None:
-        """Forgets the history of `slots` (B,) when they take new sequences, and sets each one's own
-        max_tokens (0: the job's alone) and stop sequences (besides the job's; given to the constructor)."""
+    def reset(self, slots: torch.Tensor, max_tokens: Sequence[int | None],
+              stop_sequences: Sequence[Sequence[Sequence[int]]]) -> None:
+        """Forgets the history of `slots` (B,) when they take new sequences, and sets each one's max_tokens (None:
+        until max_seq_len) and stop sequences (each given to the constructor)."""
         self.history[slots] = -1
-        job = self.max_tokens or self.max_seq_len
-        limits = [min(job, own) if own else job for own in max_tokens] or [job] * len(slots)
+        limits = [own or self.max_seq_len for own in max_tokens]
         self.limit[slots] = torch.tensor(limits, dtype=torch.long, device=self.limit.device)
         enabled = torch.zeros((len(slots), self.enabled.shape[1]), dtype=torch.bool)
-        enabled[:, : self.shared] = True
         for row, sequences in enumerate(stop_sequences):
             for seq in sequences:
                 if tuple(seq) not in self.row_of:
