@@ -86,18 +86,34 @@ class GraphRecorder:
         return found
 
 
-@pytest.mark.parametrize("options", ["greedy", "sampled_logprobs"])
+def masked(engine: GenerationEngine, mask: torch.Tensor | None) -> GenerationEngine:
+    """The engine with its decode step under a fixed token bitmask (S, ceil(V / 32)), as structured output sets."""
+    engine.decode.token_mask = mask
+    return engine
+
+
+@pytest.mark.parametrize("options", ["greedy", "sampled_logprobs", "token_mask"])
 def test_compiled_step_runs_without_break_recompile_or_sync(tiny_llama, options):
     """Compiled with fullgraph=True, dynamic=False and warmed up, the step runs 64+ steps with rows stopping
     and joining under fail_on_recompile; its buffers keep their addresses; its graph holds no host sync; the
-    tokens and reasons equal the eager step's, the log-probabilities to float32 rounding."""
-    job = JOB
+    tokens and reasons equal the eager step's, the log-probabilities to float32 rounding. Under a token mask
+    (structured output's) every decoded token is one the mask allows."""
+    job, mask = JOB, None
     if options == "sampled_logprobs":
         job = JOB.overridden(temperature=0.8, top_k=20, top_p=0.9, seed=3, repetition_penalty=1.3, logprobs=True,
                              top_logprobs=3)
-    eager = outputs(engine_for(tiny_llama, job))
+    if options == "token_mask":  # every slot allows the same random half of the vocabulary, the stop sequence too
+        words = -(-VOCAB // 32)
+        row = torch.randint(-2 ** 31, 2 ** 31 - 1, (1, words), generator=torch.Generator().manual_seed(2),
+                            dtype=torch.int64).to(torch.int32) | ((1 << 7) | (1 << 8))
+        mask = row.expand(SLOTS, -1).clone()
+    eager = outputs(masked(engine_for(tiny_llama, job), mask))
+    if mask is not None:
+        allowed = ((row[0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).bool().flatten()[:VOCAB]
+        assert all(bool(allowed[t]) for out in eager.values() for t in out[0][1:])  # after the prefilled first
+        assert sum(len(out[0]) for out in eager.values()) > NUM_PROMPTS  # tokens were decoded under the mask
 
-    engine = engine_for(tiny_llama, job)
+    engine = masked(engine_for(tiny_llama, job), mask)
     recorder = GraphRecorder()
     engine.decode.compile(len(engine.step_shapes()), backend=recorder.backend)
     engine.warm_up()
