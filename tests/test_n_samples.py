@@ -131,3 +131,11 @@ def test_bad_n_is_a_one_line_error(tmp_path, capsys, flags, message):
                         "--output_dir", str(tmp_path / "out"), *flags]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_manifests_of_jobs_without_the_new_options_stay_as_older_versions_wrote_them(n_runs):
+    """Keys newer than some runs on disk stay out of the manifest where they change nothing, so those runs resume."""
+    manifest = json.loads((n_runs["runs"]["n_b7"] / "artifacts" / "manifest.json").read_text())
+    assert not {"json_schema", "min_p", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "n",
+                "response_format"} & set(manifest["model"])
+    assert manifest["model"]["temperature"] == 0.8 and manifest["model"]["seed"] == 11
