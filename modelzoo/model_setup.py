@@ -13,7 +13,7 @@ from modelzoo.errors import UserError
 from modelzoo.gemm import GemmPlan, apply_gemm_backend, weight_bytes
 from modelzoo.generation.engine import GenerationEngine
 from modelzoo.generation.kv_cache import KVCache
-from modelzoo.generation.options import RequestVariety
+from modelzoo.generation.options import GenerationOptions, RequestVariety
 from modelzoo.generation.speculative import DraftModelDrafter, Drafter, PromptLookupDrafter
 from modelzoo.generation.structured import FormatCompiler, FormatError, StructuredRows
 from modelzoo.int8_compute import apply_int8_backend
@@ -71,6 +71,7 @@ class ModelSetup:
         self.max_seq_len = max_seq_len
         self.vocab_size = vocab_size
         self.gemm: GemmPlan | None = None
+        self.small_step_rows: int | None = None  # rows of a job's last decode steps, once the GEMMs are chosen
         self.rows_in_flight = params.inference_input.batch_size  # sized by build()
         self.decode_step_mode = self._decode_step_mode()  # checked before anything is loaded or written
         if self.decode_step_mode in ("compiled", "cuda_graph"):
@@ -123,14 +124,20 @@ class ModelSetup:
             raise UserError(f"the KV cache needs {cache / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB is available on "
                             f"{self.device}; lower runconfig.rows_in_flight (or inference_input.batch_size) or the "
                             f"data's max_seq_len")
-        small_step_rows = self._choose_gemm(model, weight_dtype, spare_bytes=(free - cache) // 2)
-        engine = GenerationEngine(model, self.rows_in_flight, self.max_seq_len, self.device, self.dtype,
-                                  self.params.model.generation_defaults(), variety, drafter=self._drafter(),
-                                  small_step_rows=small_step_rows,
+        self.small_step_rows = self._choose_gemm(model, weight_dtype, spare_bytes=(free - cache) // 2)
+        engine = self.engine(model, self.params.model.generation_defaults(), variety, compiler, self._drafter())
+        return model, engine
+
+    def engine(self, model: torch.nn.Module, defaults: GenerationOptions, variety: RequestVariety = RequestVariety(),
+               compiler: FormatCompiler | None = None, drafter: Drafter | None = None) -> GenerationEngine:
+        """An engine over the built model (`build` first): its KV cache of the rows in flight, its decode step
+        compiled or captured and warmed up as runconfig.decode_step says."""
+        engine = GenerationEngine(model, self.rows_in_flight, self.max_seq_len, self.device, self.dtype, defaults,
+                                  variety, drafter=drafter, small_step_rows=self.small_step_rows,
                                   structured=None if compiler is None else StructuredRows(
                                       compiler, self.rows_in_flight, model.config.vocab_size, self.device))
         self._prepare_decode_step(engine)
-        return model, engine
+        return engine
 
     def _format_compiler(self, formats: list[str]) -> FormatCompiler:
         """The grammar compiler of the checkpoint's tokenizer, with every response format compiled (one error line for

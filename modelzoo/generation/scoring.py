@@ -1,0 +1,152 @@
+"""Teacher-forced scoring: the log-probability of a given continuation after a given context, token by token.
+
+No token is chosen: the model reads context + continuation and, at each continuation position, the engine
+keeps the log-probability of the token that is there (float32 log-softmax of the same logits greedy
+decoding takes its argmax of) and whether it is that argmax. Requests that share a context (the choices of one
+multiple-choice question) prefill it once: its keys and values are copied into one cache slot per
+continuation, then every continuation of the round runs in one padded forward, all its positions' logits
+kept. A round takes as many continuations as there are cache slots and as many tokens as the budget allows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import numpy as np
+import torch
+from torch import nn
+
+from modelzoo.generation.kv_cache import KVCache
+
+
+@dataclass
+class ScoreRequest:
+    """Score `continuation` (k,) after `context` (c,), c, k >= 1; `index` is the caller's key."""
+
+    index: int
+    context: np.ndarray
+    continuation: np.ndarray
+
+
+@dataclass
+class Score:
+    """Each continuation token's log-probability (k,) float32 and whether it was the argmax (k,) bool."""
+
+    index: int
+    logprobs: np.ndarray
+    greedy: np.ndarray
+
+    @property
+    def total(self) -> float:
+        """The continuation's log-likelihood: the sum of its tokens' (float64)."""
+        return float(self.logprobs.astype(np.float64).sum())
+
+    @property
+    def is_greedy(self) -> bool:
+        """Whether greedy decoding from the context would have produced the whole continuation."""
+        return bool(self.greedy.all())
+
+
+class Scorer:
+    """Scores requests with `model` in the slots of `cache` (its rows are overwritten), `token_budget` tokens of
+    logits and prefill per forward at most."""
+
+    def __init__(self, model: nn.Module, cache: KVCache, device: torch.device, token_budget: int = 1024) -> None:
+        self.model, self.cache, self.device, self.token_budget = model, cache, device, token_budget
+        self.prefilled_tokens = 0  # context and continuation tokens run through the model
+
+    @torch.inference_mode()
+    def score(self, requests: Iterable[ScoreRequest]) -> Iterator[Score]:
+        """Yields a Score for every request, a round of them at a time (requests sharing a context next to each
+        other share its prefill; the caller may sort them so)."""
+        round_: list[ScoreRequest] = []
+        for request in requests:
+            self._check(request)
+            if round_ and not self._fits(round_ + [request]):
+                yield from self._run(round_)
+                round_ = []
+            round_.append(request)
+        if round_:
+            yield from self._run(round_)
+
+    def _check(self, request: ScoreRequest) -> None:
+        if len(request.context) < 1:
+            raise ValueError(f"request {request.index}: empty context (score after at least one token, such as BOS)")
+        if len(request.continuation) < 1:
+            raise ValueError(f"request {request.index}: empty continuation: nothing to score")
+        if len(request.context) + len(request.continuation) - 1 > self.cache.max_len:  # the last token is not fed
+            raise ValueError(f"request {request.index}: context {len(request.context)} + continuation "
+                             f"{len(request.continuation)} tokens do not fit the window of {self.cache.max_len} "
+                             f"(+ 1: the last token is only scored)")
+
+    def _fits(self, requests: list[ScoreRequest]) -> bool:
+        """Whether one round holds `requests`: a slot each; within the budget both the contexts' prefill (padded
+        rows) and the continuations' logits (the widest row's length, every row); and every row's padding inside
+        the window (a padded position past it would overwrite a real one)."""
+        contexts = {request.context.tobytes(): len(request.context) for request in requests}
+        width = max(len(request.continuation) for request in requests)
+        return (len(requests) <= self.cache.num_slots and len(contexts) * max(contexts.values()) <= self.token_budget
+                and len(requests) * width <= self.token_budget
+                and max(contexts.values()) + width - 1 <= self.cache.max_len)
+
+    def _run(self, requests: list[ScoreRequest]) -> list[Score]:
+        """One round: the distinct contexts prefilled (each in its first request's slot, then copied to the others'
+        slots), then every continuation but its last token in one forward over the cached contexts."""
+        keys = [request.context.tobytes() for request in requests]
+        distinct = list(dict.fromkeys(keys))
+        first_slot = {key: keys.index(key) for key in distinct}
+        group = torch.tensor([distinct.index(key) for key in keys], device=self.device)  # (R,) each row's context
+        contexts = [requests[first_slot[key]].context for key in distinct]
+        first_logits = self._prefill(contexts, [first_slot[key] for key in distinct])  # (G, V)
+        copies = [(first_slot[key], row) for row, key in enumerate(keys) if first_slot[key] != row]
+        if copies:
+            sources, targets = (torch.tensor(side, device=self.device) for side in zip(*copies))
+            self.cache.copy_slots(sources, targets, max(len(r.context) for r in requests))
+        logprobs = torch.log_softmax(first_logits.float(), dim=-1)[group]  # (R, V): the first continuation token's
+        tokens = [torch.as_tensor(r.continuation.astype(np.int64), device=self.device) for r in requests]
+        first = torch.stack([t[0] for t in tokens])  # (R,)
+        first_lp = logprobs.gather(1, first[:, None])[:, 0]
+        first_greedy = logprobs.argmax(-1) == first
+        rest_lp, rest_greedy = self._continuations(requests, tokens)  # (R, K - 1) each, or None
+        scores = []
+        for row, request in enumerate(requests):
+            k = len(request.continuation)
+            lp = torch.cat((first_lp[row:row + 1], rest_lp[row, : k - 1] if k > 1 else first_lp[:0]))
+            greedy = torch.cat((first_greedy[row:row + 1], rest_greedy[row, : k - 1] if k > 1 else first_greedy[:0]))
+            scores.append(Score(request.index, lp.cpu().numpy().astype(np.float32), greedy.cpu().numpy()))
+        return scores
+
+    def _prefill(self, contexts: list[np.ndarray], slots: list[int]) -> torch.Tensor:
+        """Runs each context (padded rows) into its slot; the logits after each one's last token (G, V)."""
+        width = max(len(c) for c in contexts)
+        tokens = np.zeros((len(contexts), width), dtype=np.int64)
+        for row, context in enumerate(contexts):
+            tokens[row, : len(context)] = context
+        positions = np.tile(np.arange(width), (len(contexts), 1))
+        last = np.array([len(c) - 1 for c in contexts])
+        self.prefilled_tokens += sum(len(c) for c in contexts)
+        as_tensor = lambda array: torch.from_numpy(array.astype(np.int64)).to(self.device)  # noqa: E731
+        return self.model(as_tensor(tokens), as_tensor(positions), self.cache,
+                          torch.tensor(slots, device=self.device), as_tensor(last))
+
+    def _continuations(self, requests: list[ScoreRequest], tokens: list[torch.Tensor]
+                       ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Feeds every continuation but its last token after its cached context (row r in slot r), keeping every
+        position's logits: the log-probability of each next continuation token and whether it is the argmax,
+        (R, K - 1) each (K: the longest continuation), or None when every continuation is one token."""
+        width = max(len(r.continuation) for r in requests) - 1
+        if width == 0:
+            return None, None
+        fed = torch.zeros((len(requests), width), dtype=torch.long, device=self.device)
+        target = torch.zeros_like(fed)
+        for row, (request, ids) in enumerate(zip(requests, tokens)):
+            fed[row, : len(ids) - 1] = ids[:-1]
+            target[row, : len(ids) - 1] = ids[1:]
+        offsets = torch.arange(width, device=self.device)
+        context_len = torch.tensor([len(r.context) for r in requests], device=self.device)
+        positions = context_len[:, None] + offsets  # (R, K - 1), inside the window (`_fits`)
+        self.prefilled_tokens += sum(len(r.continuation) - 1 for r in requests)
+        logits = self.model(fed, positions, self.cache, torch.arange(len(requests), device=self.device),
+                            offsets.expand(len(requests), width))  # (R, K - 1, V)
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        return logprobs.gather(2, target[:, :, None])[:, :, 0], logprobs.argmax(-1) == target
