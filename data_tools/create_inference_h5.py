@@ -33,7 +33,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import h5py
 import numpy as np
@@ -43,7 +43,7 @@ from data_tools.openai_batch import BatchRequest, prompt_text, read_batch_file, 
 from data_tools.h5_writer import RowsWriter
 from modelzoo.generation.options import MAX_SAMPLES, GenerationOptions
 from modelzoo.generation.structured import FormatCompiler, FormatError
-from data_tools.prompts import PromptFile, iter_prompt_file, load_tokenizer, read_text, tokenize_prompts
+from data_tools.prompts import PromptFile, iter_prompt_file, load_tokenizer, read_text, tokenize_pairs, tokenize_prompts
 from modelzoo import __version__
 from modelzoo.errors import UserError
 from modelzoo.params import load_params
@@ -212,6 +212,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: prompt)")
     parser.add_argument("--id_field", default=None, help="field (.jsonl) or column (.csv, .parquet) holding each "
                         "prompt's unique id (default: custom_id or id when present)")
+    parser.add_argument("--continuation_field", default=None,
+                        help="scoring data: the field (.jsonl) or column (.csv, .parquet) of each row's continuation; "
+                        "the prompt is then its context, and the runner writes the continuation's token "
+                        "log-probabilities and whether greedy decoding would produce it, instead of generating "
+                        "(split as lm-evaluation-harness splits a pair: trailing spaces of the context go to the "
+                        "continuation; an empty context is the BOS token)")
     parser.add_argument("--format", choices=("prompts", "openai_batch"), default="prompts",
                         help="prompts: a prompt file as above; openai_batch: an OpenAI batch file of "
                         "/v1/chat/completions and /v1/completions requests (default: prompts)")
@@ -262,6 +268,8 @@ def check_args(args: argparse.Namespace) -> None:
         )
     if not 1 <= args.n <= MAX_SAMPLES:
         raise UserError(f"--n must be between 1 and {MAX_SAMPLES}, got {args.n}")
+    if args.continuation_field is not None and (args.format == "openai_batch" or args.chat_template or args.n > 1):
+        raise UserError("--continuation_field makes scoring data from a prompt file, without --chat_template or --n")
     if args.n > 1 and args.format == "openai_batch":
         raise UserError("--n is for prompt files; in an OpenAI batch file each request says its own n")
     if args.start_token is not None and not 0 <= args.start_token <= INT32_MAX:
@@ -346,6 +354,20 @@ def repeat_rows(values: np.ndarray | list, counts: np.ndarray | int) -> np.ndarr
     return [value for value, count in zip(values, counts) for _ in range(int(count))]
 
 
+def prompt_chunks(tokenizer: Any, read: Iterable[PromptFile], chat_template: bool
+                  ) -> Iterator[tuple[PromptFile, list[list[int]], dict]]:
+    """Each chunk of a prompt file as (prompts, token ids, per-row datasets): scoring pairs (each row's context and
+    continuation, the per-row `continuation_length`) where the file has continuations."""
+    row = 1
+    for chunk in read:
+        if chunk.continuations is None:
+            yield chunk, tokenize_prompts(tokenizer, chunk.prompts, chat_template), {}
+        else:
+            rows, lengths = tokenize_pairs(tokenizer, chunk.prompts, chunk.continuations, first_row=row)
+            yield chunk, rows, {"continuation_length": np.array(lengths, dtype=np.int32)}
+        row += len(chunk.prompts)
+
+
 def run(args: argparse.Namespace) -> str:
     """Reads, tokenizes, packs and writes the prompts, chunk by chunk; returns the summary to print."""
     check_args(args)
@@ -364,8 +386,8 @@ def run(args: argparse.Namespace) -> str:
                 f"{r.custom_id}: {r.error}" for r in rejected[:MAX_LISTED_ROWS]))
         chunks: Iterable[tuple[PromptFile, list[list[int]], dict]] = [(prompts, token_lists, per_row)]
     else:
-        read = iter_prompt_file(args.input, args.field, args.column, args.id_field, CHUNK_PROMPTS)
-        chunks = ((chunk, tokenize_prompts(tokenizer, chunk.prompts, args.chat_template), {}) for chunk in read)
+        read = iter_prompt_file(args.input, args.field, args.column, args.id_field, CHUNK_PROMPTS, args.continuation_field)
+        chunks = prompt_chunks(tokenizer, read, args.chat_template)
     lengths: list[np.ndarray] = []
     empty_rows: list[int] = []
     num_truncated, row = 0, 1
@@ -373,6 +395,12 @@ def run(args: argparse.Namespace) -> str:
         for prompts, token_lists, per_row in chunks:
             data, prompt_lengths, cut = build_rows(token_lists, args.max_seq_len, start_token, args.min_new_tokens,
                                                    args.truncate, first_row=row)
+            if "continuation_length" in per_row:  # a truncated row must keep its whole continuation and a context
+                short = np.flatnonzero(prompt_lengths <= per_row["continuation_length"])
+                if short.size:
+                    raise UserError(f"{short.size} continuation(s) do not fit max_seq_len - min_new_tokens with a "
+                                    f"context token before them: " + format_rows(
+                                        [(row + i, int(per_row["continuation_length"][i])) for i in short], "tokens"))
             if prompts.ids is not None:
                 per_row = {**per_row, "sample_id": prompts.ids}
             if args.n > 1:  # every prompt n times, numbered

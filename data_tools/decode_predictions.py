@@ -10,6 +10,9 @@ JSON line per real sample (dummy padding rows are skipped), in increasing sample
     {"sample_index": 0, "sample_id": "q1", "prompt": "...", "completion": "...", "num_generated": 12,
      "stop_reason": "stop_sequence"}
 
+Rows of scoring data (create_inference_h5.py --continuation_field) say `stop_reason` "scored", their
+`prompt` is the context and their `completion` the continuation, with its `loglikelihood` (the sum),
+`is_greedy` and each token's `logprobs`.
 (`sample_id` where the data has ids; `sample`, the row's number among its prompt's samples, where the data
 has several per prompt (create_inference_h5.py --n, or an OpenAI request's n); `logprobs`, one per generated token, with --logprobs). The prompt
 and completion are decoded with the given tokenizer; --skip_special_tokens drops tokens such as
@@ -61,6 +64,7 @@ class PredictionBatch:
     stop_reason: np.ndarray
     sample_id: np.ndarray | None = None  # where the data has ids
     sample: np.ndarray | None = None  # where the data has several samples of a prompt: each row's, from 0
+    is_greedy: np.ndarray | None = None  # scoring data: whether greedy decoding gives each row's continuation
     logprobs: np.ndarray | None = None  # (batch_size, max_seq_len) float32, where the run has them
     top_logprob_ids: np.ndarray | None = None  # (batch_size, max_seq_len, K) int32, with model.top_logprobs K
     top_logprobs: np.ndarray | None = None  # (batch_size, max_seq_len, K) float32
@@ -188,6 +192,10 @@ def decode_batch(batch: PredictionBatch, tokenizer: Any, skip_special_tokens: bo
                 **({"logprobs": batch.logprobs[row, start:end].tolist()} if logprobs else {}),
             }
         )
+        if as_text(batch.stop_reason[row]) == "scored":  # scoring data: the completion is the scored continuation
+            values = batch.logprobs[row, start:end]
+            records[-1].update({"loglikelihood": float(values.astype(np.float64).sum()),
+                                "is_greedy": bool(batch.is_greedy[row]), "logprobs": values.tolist()})
         if logprobs and batch.top_logprob_ids is not None:
             records[-1]["top_logprobs"] = [
                 [{"token": text, "token_id": int(i), "logprob": value}

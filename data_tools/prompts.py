@@ -27,6 +27,7 @@ class PromptFile:
 
     prompts: list[str]
     ids: list[str] | None = None
+    continuations: list[str] | None = None  # scoring data: each prompt is a context, this its continuation
 
 
 def _id_text(path: Path, where: str, value: Any, id_field: str) -> str:
@@ -52,16 +53,23 @@ def json_records(path: Path, text: str) -> Iterator[tuple[int, dict[str, Any]]]:
         yield line_no, record
 
 
-def read_jsonl_prompts(path: Path, field: str, id_field: str | None = None) -> PromptFile:
-    """The string in `field` of every JSON object line of a .jsonl file, and its `id_field` (None: the
-    first of ID_DEFAULTS the first record has, if any)."""
-    prompts, ids = [], []
+def read_jsonl_prompts(path: Path, field: str, id_field: str | None = None,
+                       continuation_field: str | None = None) -> PromptFile:
+    """The string in `field` of every JSON object line of a .jsonl file, its `id_field` (None: the
+    first of ID_DEFAULTS the first record has, if any) and its `continuation_field` if given."""
+    prompts, ids, continuations = [], [], []
     for line_no, record in json_records(path, read_text(path)):
-        if field not in record:
-            raise UserError(f"{path}: line {line_no} has no field {field!r} (use --field to pick another)")
+        for name, option in ((field, "--field"), (continuation_field, "--continuation_field")):
+            if name is None:
+                continue
+            if name not in record:
+                raise UserError(f"{path}: line {line_no} has no field {name!r} (use {option} to pick another)")
+            if not isinstance(record[name], str):
+                raise UserError(f"{path}: line {line_no}: field {name!r} is a {type(record[name]).__name__}, "
+                                "not a string")
         value = record[field]
-        if not isinstance(value, str):
-            raise UserError(f"{path}: line {line_no}: field {field!r} is a {type(value).__name__}, not a string")
+        if continuation_field is not None:
+            continuations.append(record[continuation_field])
         if not prompts and id_field is None:
             id_field = next((name for name in ID_DEFAULTS if name in record), "")
         if id_field:
@@ -69,7 +77,7 @@ def read_jsonl_prompts(path: Path, field: str, id_field: str | None = None) -> P
                 raise UserError(f"{path}: line {line_no} has no id field {id_field!r} (use --id_field to pick another)")
             ids.append(_id_text(path, f"line {line_no}", record[id_field], id_field))
         prompts.append(value)
-    return PromptFile(prompts, ids if id_field else None)
+    return PromptFile(prompts, ids if id_field else None, continuations if continuation_field is not None else None)
 
 
 def read_txt_prompts(path: Path) -> PromptFile:
@@ -79,9 +87,10 @@ def read_txt_prompts(path: Path) -> PromptFile:
     return PromptFile(read_text(path).splitlines())
 
 
-def read_csv_prompts(path: Path, column: str, id_column: str | None = None) -> PromptFile:
-    """The values of `column` of a .csv file with a header row, and of `id_column` (None: the first of
-    ID_DEFAULTS in the header, if any)."""
+def read_csv_prompts(path: Path, column: str, id_column: str | None = None,
+                     continuation_column: str | None = None) -> PromptFile:
+    """The values of `column` of a .csv file with a header row, of `id_column` (None: the first of
+    ID_DEFAULTS in the header, if any) and of `continuation_column` if given."""
     # utf-8-sig strips the byte-order mark that spreadsheet programs put before the header.
     with open(path, newline="", encoding="utf-8-sig") as handle:
         try:
@@ -90,6 +99,9 @@ def read_csv_prompts(path: Path, column: str, id_column: str | None = None) -> P
             existing = ", ".join(repr(name) for name in columns) or "none"
             if column not in columns:
                 raise UserError(f"{path}: no column {column!r} (columns: {existing}; use --column to pick one)")
+            if continuation_column is not None and continuation_column not in columns:
+                raise UserError(f"{path}: no column {continuation_column!r} (columns: {existing}; use "
+                                "--continuation_field to pick one)")
             if id_column is None:
                 id_column = next((name for name in ID_DEFAULTS if name in columns), "")
             elif id_column not in columns:
@@ -101,10 +113,11 @@ def read_csv_prompts(path: Path, column: str, id_column: str | None = None) -> P
             raise UserError(f"{path}: malformed CSV ({exc})") from None
     # A short row has no value for the column (None): it is an empty prompt, still a row.
     prompts = [row[column] or "" for row in rows]
+    continuations = None if continuation_column is None else [row[continuation_column] or "" for row in rows]
     if not id_column:
-        return PromptFile(prompts)
+        return PromptFile(prompts, None, continuations)
     return PromptFile(prompts, [_id_text(path, f"row {i}", row[id_column] or "", id_column)
-                                for i, row in enumerate(rows, start=1)])
+                                for i, row in enumerate(rows, start=1)], continuations)
 
 
 def read_text(path: Path) -> str:
@@ -137,9 +150,11 @@ class UniqueIds:
             raise UserError(f"{self.path}: ids must be unique; used more than once: {shown}{more}")
 
 
-def iter_parquet_prompts(path: Path, column: str, id_column: str | None, rows: int) -> Iterator[PromptFile]:
-    """The prompts (and ids) of a parquet table in chunks of at most `rows`, read row group by row group
-    with pyarrow, so that the table never has to fit in memory; ids checked unique as they come."""
+def iter_parquet_prompts(path: Path, column: str, id_column: str | None, rows: int,
+                         continuation_column: str | None = None) -> Iterator[PromptFile]:
+    """The prompts (and ids, and continuations if `continuation_column` is given) of a parquet table in chunks
+    of at most `rows`, read row group by row group with pyarrow, so that the table never has to fit in memory;
+    ids checked unique as they come."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -149,57 +164,66 @@ def iter_parquet_prompts(path: Path, column: str, id_column: str | None, rows: i
         raise UserError(f"{path}: not a readable parquet file ({str(error).splitlines()[0]})") from None
     fields = {field.name: field.type for field in table.schema_arrow}
     existing = ", ".join(repr(name) for name in fields) or "none"
-    if column not in fields:
-        raise UserError(f"{path}: no column {column!r} (columns: {existing}; use --column to pick one)")
-    if not (pa.types.is_string(fields[column]) or pa.types.is_large_string(fields[column])):
-        raise UserError(f"{path}: column {column!r} holds {fields[column]}, not strings")
+    for name, option in ((column, "--column"), (continuation_column, "--continuation_field")):
+        if name is None:
+            continue
+        if name not in fields:
+            raise UserError(f"{path}: no column {name!r} (columns: {existing}; use {option} to pick one)")
+        if not (pa.types.is_string(fields[name]) or pa.types.is_large_string(fields[name])):
+            raise UserError(f"{path}: column {name!r} holds {fields[name]}, not strings")
     if id_column is None:
         id_column = next((name for name in ID_DEFAULTS if name in fields), "")
     elif id_column not in fields:
         raise UserError(f"{path}: no id column {id_column!r} (columns: {existing}; use --id_field to pick one)")
     unique, first_row = UniqueIds(path), 1
     try:
-        for batch in table.iter_batches(batch_size=rows, columns=[column] + ([id_column] if id_column else [])):
+        wanted = [column] + ([id_column] if id_column else []) + ([continuation_column] if continuation_column else [])
+        for batch in table.iter_batches(batch_size=rows, columns=wanted):
             prompts = [text or "" for text in batch.column(column).to_pylist()]  # a null prompt: empty, still a row
+            continuations = (None if continuation_column is None
+                             else [text or "" for text in batch.column(continuation_column).to_pylist()])
             ids = None
             if id_column:
                 ids = [_id_text(path, f"row {first_row + i}", value if value is not None else "", id_column)
                        for i, value in enumerate(batch.column(id_column).to_pylist())]
                 unique.add(ids)
             first_row += len(prompts)
-            yield PromptFile(prompts, ids)
+            yield PromptFile(prompts, ids, continuations)
     except (pa.ArrowException, OSError) as error:  # a damaged row group
         raise UserError(f"{path}: cannot read row {first_row} on ({str(error).splitlines()[0]})") from None
 
 
 def iter_prompt_file(path: Path | str, field: str = "prompt", column: str = "prompt", id_field: str | None = None,
-                     rows: int = 4096) -> Iterator[PromptFile]:
-    """The prompts (and ids, see read_jsonl_prompts / read_csv_prompts) of a .jsonl, .txt, .csv or .parquet
-    file (format chosen by suffix), in file order, in chunks of at most `rows`: a parquet table row group by
-    row group, never whole; the text formats are read whole (their text is small next to the rows made of it)."""
+                     rows: int = 4096, continuation: str | None = None) -> Iterator[PromptFile]:
+    """The prompts (and ids, see read_jsonl_prompts / read_csv_prompts; and with `continuation`, the field or
+    column of each prompt's continuation) of a .jsonl, .txt, .csv or .parquet file (format chosen by suffix), in
+    file order, in chunks of at most `rows`: a parquet table row group by row group, never whole; the text formats
+    are read whole (their text is small next to the rows made of it)."""
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix not in SUFFIXES:
         raise UserError(f"{path}: unsupported input suffix {path.suffix!r} (use one of {', '.join(SUFFIXES)})")
     if not path.is_file():
         raise UserError(f"input file not found: {path}")
-    if suffix == ".txt" and id_field:
-        raise UserError(f"{path}: a .txt file has no fields, so no --id_field")
+    if suffix == ".txt" and (id_field or continuation):
+        raise UserError(f"{path}: a .txt file has no fields, so no --{'id_field' if id_field else 'continuation_field'}")
     if suffix == ".parquet":
-        yield from iter_parquet_prompts(path, column, id_field, rows)
+        yield from iter_parquet_prompts(path, column, id_field, rows, continuation)
         return
     if suffix == ".jsonl":
-        read = read_jsonl_prompts(path, field, id_field)
+        read = read_jsonl_prompts(path, field, id_field, continuation)
     elif suffix == ".txt":
         read = read_txt_prompts(path)
     else:
-        read = read_csv_prompts(path, column, id_field)
+        read = read_csv_prompts(path, column, id_field, continuation)
     if not read.prompts:
         raise UserError(f"{path}: no prompts found")
     if read.ids is not None:
         UniqueIds(path).add(read.ids)
     for begin in range(0, len(read.prompts), rows):
-        yield PromptFile(read.prompts[begin: begin + rows], None if read.ids is None else read.ids[begin: begin + rows])
+        part = slice(begin, begin + rows)
+        yield PromptFile(read.prompts[part], None if read.ids is None else read.ids[part],
+                         None if read.continuations is None else read.continuations[part])
 
 
 def read_prompts(path: Path | str, field: str = "prompt", column: str = "prompt") -> list[str]:
@@ -261,3 +285,27 @@ def tokenize_prompts(tokenizer: Any, prompts: Sequence[str], chat_template: bool
     # The template already writes every special token the model expects; adding them again would
     # put e.g. a second BOS in front.
     return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+
+def tokenize_pairs(tokenizer: Any, contexts: Sequence[str], continuations: Sequence[str], first_row: int = 1
+                   ) -> tuple[list[list[int]], list[int]]:
+    """Each (context, continuation) as one token list and its continuation's length, split as lm-evaluation-harness
+    splits a pair: trailing spaces of the context move to the continuation, the whole text is encoded and the
+    continuation is what follows the context's own encoding; an empty context is the tokenizer's BOS (else EOS).
+    A continuation of no token is an error naming its row (`first_row`: the 1-based row of the first pair)."""
+    prefix = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    rows, lengths = [], []
+    for row, (context, continuation) in enumerate(zip(contexts, continuations), start=first_row):
+        spaces = len(context) - len(context.rstrip())
+        if spaces:
+            context, continuation = context[:-spaces], context[-spaces:] + continuation
+        if context:  # the tokenizer's own special tokens (a BOS where the model expects one), as lm-eval's default
+            head = tokenizer(context)["input_ids"]
+            tail = tokenizer(context + continuation)["input_ids"][len(head):]
+        else:
+            head, tail = [prefix], tokenizer(continuation, add_special_tokens=False)["input_ids"]
+        if not tail:
+            raise UserError(f"row {row}: its continuation {continuation!r} has no token to score")
+        rows.append(list(head) + list(tail))
+        lengths.append(len(tail))
+    return rows, lengths

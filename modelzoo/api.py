@@ -1,10 +1,9 @@
 """zoo-infer as a Python library: load a checkpoint once, then generate from prompts and score continuations.
 
     from modelzoo.api import ZooModel
-    from modelzoo.generation.options import GenerationOptions
 
     model = ZooModel("models/smollm2-135m-instruct", dtype="float32")
-    answers = model.generate(["What is 2 + 2?"], GenerationOptions(max_tokens=32), chat_template=True)
+    answers = model.generate(["What is 2 + 2?"], model.default_options(max_tokens=32), chat_template=True)
     print(answers[0].text, answers[0].finish_reason)
     scores = model.score([("The capital of France is", " Paris"), ("The capital of France is", " Rome")])
     print([s.total for s in scores], [s.is_greedy for s in scores])

@@ -6,8 +6,9 @@ datasets (data_tools/create_inference_h5.py writes them): `sample_id` (the user'
 `max_tokens` (each row's own limit, 0 = none), `stop_sequences` (each row's own, JSON token-id lists),
 each row's own sampling options `temperature`, `top_p` (floats, NaN = the params') and `seed`
 (integers, -1 = the params'), `sample` (the row's number among the consecutive rows of one prompt's
-samples, from 0) and `response_format` (the JSON grammar the row's output follows, modelzoo/generation/
-structured.py's canonical text; "" = free text).
+samples, from 0), `response_format` (the JSON grammar the row's output follows, modelzoo/generation/
+structured.py's canonical text; "" = free text) and `continuation_length` (scoring data: the row's last that
+many prompt tokens are a continuation to score after the rest, its context; 0 = a row to generate from).
 Batches are read slice by slice, never the whole file, so memory stays flat in the number of samples.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ from modelzoo.generation.options import GenerationOptions, RequestVariety
 
 
 PER_ROW_DATASETS = ("sample_id", "max_tokens", "stop_sequences", "temperature", "top_p", "seed", "sample",
-                    "response_format")
+                    "response_format", "continuation_length")
 SAMPLING_DATASETS = ("temperature", "top_p", "seed")  # NaN (seed: -1) where the row takes the params' value
 
 
@@ -43,6 +44,7 @@ class Batch:
     sampling: dict[str, np.ndarray] | None = None  # SAMPLING_DATASETS the data has: NaN / -1 = the params'
     sample: np.ndarray | None = None  # (batch_size,) int32: each row's number among its prompt's samples, -1 dummies
     response_format: list[str] | None = None  # each row's response format, "" for free text and dummies
+    continuation_length: np.ndarray | None = None  # (batch_size,) int: scoring rows' continuation tokens, 0 elsewhere
 
 
     def options(self, row: int, defaults: GenerationOptions) -> GenerationOptions:
@@ -257,6 +259,9 @@ class GptHDF5MapDataProcessor:
         if "response_format" in self.per_row:
             batch.response_format = [str(v) for v in self.read_per_row("response_format", start, stop)]
             batch.response_format += [""] * (self.batch_size - real)
+        if "continuation_length" in self.per_row:
+            batch.continuation_length = np.zeros(self.batch_size, dtype=np.int64)
+            batch.continuation_length[:real] = self.read_per_row("continuation_length", start, stop)
         if "sample" in self.per_row:
             batch.sample = np.full(self.batch_size, -1, dtype=np.int32)
             batch.sample[:real] = self.read_per_row("sample", start, stop)

@@ -42,7 +42,7 @@ class ZooInferLM(TemplateLM):
     """lm-eval's model interface over a `ZooModel`."""
 
     def __init__(self, pretrained: str, dtype: str = "auto", device: str = "cpu", batch_size: int | str = "auto",
-                 max_length: int | None = None, max_gen_toks: int = 256, add_bos_token: bool = False,
+                 max_length: int | None = None, max_gen_toks: int = 256, add_bos_token: bool | None = None,
                  num_threads: int | None = None, **_: Any) -> None:
         super().__init__()
         positions = getattr(load_hf_config(pretrained), "max_position_embeddings", None) or DEFAULT_MAX_LENGTH
@@ -52,7 +52,7 @@ class ZooInferLM(TemplateLM):
         self.zoo = ZooModel(pretrained, dtype=dtype, device=_device(device), max_seq_len=self.max_length, rows_in_flight=rows,
                             num_threads=int(num_threads) if num_threads else None)
         self.tokenizer = self.zoo.tokenizer
-        self.add_bos_token = bool(add_bos_token)
+        self.add_bos_token = add_bos_token if add_bos_token is None else str(add_bos_token).lower() in ("true", "1")
         self.truncated_contexts = 0  # contexts left-truncated to fit the window, over this model's life
 
     @property
@@ -70,12 +70,15 @@ class ZooInferLM(TemplateLM):
         return self.zoo.rows_in_flight
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **_: Any) -> list[int]:
-        """lm-eval's hf backend's encoding: special tokens only with add_bos_token (or when asked), never a second BOS."""
-        special = self.add_bos_token if add_special_tokens is None else add_special_tokens
+        """lm-eval's hf backend's encoding: special tokens as asked, else as add_bos_token says, else the tokenizer's
+        default; never a second BOS before a string that starts with one."""
+        kwargs = {}
+        if add_special_tokens is not None or self.add_bos_token is not None:
+            kwargs["add_special_tokens"] = add_special_tokens if add_special_tokens is not None else self.add_bos_token
         bos = self.tokenizer.bos_token
         if add_special_tokens is None and bos and string.startswith(bos):
-            special = False
-        return self.tokenizer.encode(string, add_special_tokens=special)
+            kwargs["add_special_tokens"] = False
+        return self.tokenizer.encode(string, **kwargs)
 
     def tok_decode(self, tokens: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)

@@ -25,7 +25,9 @@ from modelzoo.distributed import Shard
 from modelzoo.errors import UserError
 from modelzoo.files import WriteError
 from modelzoo.generation.engine import GenerationEngine, Request
-from modelzoo.generation.stopping import DUMMY, EMPTY_PROMPT, NO_START_TOKEN
+from modelzoo.generation.kv_cache import KVCache
+from modelzoo.generation.scoring import Scorer, ScoreRequest
+from modelzoo.generation.stopping import DUMMY, EMPTY_PROMPT, NO_START_TOKEN, SCORED
 from modelzoo.manifest import build_manifest
 from modelzoo.model_setup import ModelSetup, resolve_device
 from modelzoo.output_folder import OutputFolder
@@ -38,6 +40,8 @@ from modelzoo.reporting import (Progress, RunStats, log_totals, read_shard_stats
 from modelzoo.tensor_parallel import AgreedStop, open_group
 
 log = logging.getLogger("zoo-infer")
+
+SCORING_SLOTS = 32  # cache rows of the scorer of scoring data: the continuations scored together at most
 
 class InferenceJob:
     """One run of `run_inference.py`: owns the data, the model, the engine and the output folder."""
@@ -79,6 +83,7 @@ class InferenceJob:
         self.output = OutputFolder(self.model_dir, shard.index, shard.count, self.writes)
         self.artifacts, self.predictions_dir = self.output.artifacts, self.output.predictions_dir
         self.output_taken = False  # True once this run writes into the folder (lock held, steps planned)
+        self.scorer: Scorer | None = None  # for scoring data: the continuations' log-probabilities
 
     def steps(self) -> list[int]:
         """Global steps this run processes: all, or the first `inference_steps` (clamped, with a warning)."""
@@ -102,6 +107,8 @@ class InferenceJob:
                         model, engine = self.setup.build(self.tp, self.data.request_variety(),
                                                          sum(self._real_samples(step) for step in todo),
                                                          self._response_formats())
+                    if "continuation_length" in self.data.per_row:
+                        self.scorer = self._scorer(model)
                     self.stats.setup_seconds = time.perf_counter() - setup_start
                     if self.params.runconfig.compile_only:
                         self._check_forward(model, engine)
@@ -203,6 +210,13 @@ class InferenceJob:
         log.info("compile_only: params, data and checkpoint are valid; one forward pass gave logits %s; "
                  "no predictions written", tuple(logits.shape))
 
+    def _scorer(self, model: torch.nn.Module) -> Scorer:
+        """The scorer of the data's scoring rows, with a KV cache of its own (rows to generate keep the engine's)."""
+        c, slots = model.config, min(self.setup.rows_in_flight, SCORING_SLOTS)
+        cache = KVCache(c.num_layers, slots, c.num_kv_heads, self.data.max_seq_len, c.head_dim, self.setup.dtype,
+                        self.device)
+        return Scorer(model, cache, self.device)
+
     def _response_formats(self) -> list[str]:
         """Every response format the job's rows follow: model.json_schema's and the rows' own."""
         own = self.data.row_response_formats()
@@ -219,18 +233,40 @@ class InferenceJob:
         prompt_length = np.where(has_start, starts, width).astype(np.int32)
         prompt_length[dummy] = 0
         predictions = rows.copy()
-        requests = []
+        requests, scored = [], []
+        continuation = batch.continuation_length if batch.continuation_length is not None else np.zeros(size, int)
         for row in np.flatnonzero(generate):
             prompt = rows[row, : starts[row]]  # its token ids were checked up front
             predictions[row, starts[row]:] = self.pad_token
-            requests.append(Request(int(batch.sample_index[row]), prompt, batch.options(row, self.defaults)))
+            if continuation[row] >= starts[row]:
+                raise UserError(f"sample {int(batch.sample_index[row])}: its continuation_length {continuation[row]} "
+                                f"leaves no context token in its prompt of {starts[row]} tokens")
+            if continuation[row]:  # scoring data: the prompt is a context, then the continuation to score
+                scored.append(ScoreRequest(int(row), prompt[: -continuation[row]], prompt[-continuation[row]:]))
+            else:
+                requests.append(Request(int(batch.sample_index[row]), prompt, batch.options(row, self.defaults)))
         assembly = StepAssembly(predictions, batch.sample_index, prompt_length, np.zeros(size, dtype=np.int32),
                                 reason, remaining=len(requests), sample_id=batch.sample_id, sample=batch.sample,
-                                logprobs=np.zeros(rows.shape, np.float32) if self.params.model.logprobs else None)
+                                logprobs=(np.zeros(rows.shape, np.float32)
+                                          if self.params.model.logprobs or self.scorer is not None else None))
+        if self.scorer is not None:
+            self._score(assembly, scored)
         if self.params.model.top_logprobs:
             assembly.top_logprob_ids = np.zeros((*rows.shape, self.params.model.top_logprobs), np.int32)
             assembly.top_logprobs = np.zeros((*rows.shape, self.params.model.top_logprobs), np.float32)
         return assembly, requests
+
+    def _score(self, assembly: StepAssembly, requests: list[ScoreRequest]) -> None:
+        """Scores a batch's scoring rows (index: the row) into its assembly: each continuation's token log-probabilities
+        where its tokens sit, is_greedy, the context as the prompt and the continuation as the tokens after it."""
+        assembly.is_greedy = np.zeros(len(assembly.predictions), dtype=bool)
+        for score in self.scorer.score(requests):
+            row, count = score.index, len(score.logprobs)
+            begin = int(assembly.prompt_length[row]) - count
+            assembly.prompt_length[row], assembly.num_generated[row] = begin, count
+            assembly.logprobs[row, begin: begin + count] = score.logprobs
+            assembly.is_greedy[row] = score.is_greedy
+            assembly.stop_reason[row] = SCORED
 
     def _generate(self, engine: GenerationEngine, steps: list[int], stop: Callable[[], bool]) -> None:
         """Feeds the engine batch by batch and writes each step's file as soon as its rows are all done."""
@@ -276,7 +312,7 @@ class InferenceJob:
         real = assembly.sample_index >= 0
         self.written.add(step)
         self.stats.batches_done += 1
-        self.stats.generated_tokens += int(assembly.num_generated.sum())
+        self.stats.generated_tokens += int(assembly.num_generated[assembly.stop_reason != SCORED].sum())
         self.stats.samples_done += int(real.sum())
         self.stats.rows_without_start_token += int((assembly.stop_reason[real] == NO_START_TOKEN).sum())
         self.stats.rows_with_empty_prompt += int((assembly.stop_reason[real] == EMPTY_PROMPT).sum())

@@ -199,3 +199,17 @@ def test_structured_output_benchmark(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert rows["json_schema"][2] == rows["free_same_lengths"][2]  # generated tokens
     assert int(rows["n4"][3]) < int(rows["separate"][3])  # prompt tokens prefilled
     assert "json_schema / free_same_lengths tokens/s: " in printed and "n4 / separate generation seconds: " in printed
+
+
+def test_lm_eval_scoring_benchmark(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """benchmarks/lm_eval_scoring.py with 3 questions: both backends run, their rows printed, the answers compared."""
+    pytest.importorskip("lm_eval", reason="the lm-eval backend needs the `eval` extra")
+    bench = load_script("benchmarks/lm_eval_scoring.py")
+    code = bench.main(["--model", str(SMOLLM2_DIR), "--questions", "3", "--dtypes", "float32", "--max_length", "128",
+                       "--hf_batch_size", "4", "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    cells = {line.split()[1]: line.split() for line in printed.splitlines() if line.startswith("float32 ")}
+    assert set(cells) == {"hf", "zoo-infer"} and cells["hf"][4] == "1.00x", printed
+    assert "3/3 answers the same" in printed and float(cells["zoo-infer"][3]) > 0
+    assert bench.questions(3) == bench.questions(3) and len(bench.questions(3)[0][1]) == 4

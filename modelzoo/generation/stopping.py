@@ -8,8 +8,8 @@ import torch
 # Stop reason codes (0 = keep going); names are what the predictions files and logs show.
 CONTINUE, STOP_SEQUENCE, MAX_TOKENS, MAX_SEQ_LEN = 0, 1, 2, 3
 REASON_NAMES = {STOP_SEQUENCE: "stop_sequence", MAX_TOKENS: "max_tokens", MAX_SEQ_LEN: "max_seq_len"}
-# The reasons of rows nothing is generated for: passed through as they are.
-DUMMY, NO_START_TOKEN, EMPTY_PROMPT = "dummy", "no_start_token", "empty_prompt"
+# The reasons of rows nothing is generated for: passed through as they are, or (SCORED) scored.
+DUMMY, NO_START_TOKEN, EMPTY_PROMPT, SCORED = "dummy", "no_start_token", "empty_prompt", "scored"
 
 
 class StopChecker:
