@@ -287,26 +287,37 @@ def openai_rows(args: argparse.Namespace, tokenizer: Any) -> tuple[PromptFile, l
     check_response_formats(tokenizer, [request for request in requests if request.runs])
     runnable: list[BatchRequest] = []
     stops: list[list[list[int]]] = []
+    texts: list[str] = []
+    token_lists: list[list[int]] = []
+    room = args.max_seq_len - args.min_new_tokens
     for request in requests:
         sequences = stop_token_ids(tokenizer, request.stop) if request.runs else []
         if isinstance(sequences, str):
             request.error = sequences
-        elif request.runs:
+        if not request.runs:
+            continue
+        text = prompt_text(tokenizer, request)
+        # The chat template writes the special tokens itself; a raw completion prompt gets the tokenizer's own.
+        ids = (request.prompt_ids if request.prompt_ids is not None
+               else list(tokenizer(text, add_special_tokens=request.kind == "completion")["input_ids"]))
+        request.error = prompt_ids_error(request, ids, len(tokenizer), room)
+        if request.runs:
             runnable.append(request)
             stops.append(sequences)
-    texts = [prompt_text(tokenizer, request) for request in runnable]
-    # The chat template writes the special tokens itself; a raw completion prompt gets the tokenizer's own.
-    token_lists = [list(tokenizer(text, add_special_tokens=request.kind == "completion")["input_ids"])
-                   for text, request in zip(texts, runnable)]
+            texts.append(text)
+            token_lists.append(ids)
     samples = np.array([r.option("n") for r in runnable])
     first_rows = np.cumsum(samples) - samples  # each request's first row: its n samples are consecutive rows
     rows = {request.custom_id: int(row) for row, request in zip(first_rows, runnable)}
     table = [json.dumps({"line": r.line, "custom_id": r.custom_id, "kind": r.kind, "model": r.model, "stop": r.stop,
-                         "logprobs": r.option("logprobs"), "top_logprobs": r.option("top_logprobs"),
+                         "echo": r.echo, "logprobs": r.option("logprobs"), "top_logprobs": r.option("top_logprobs"),
                          "error": r.error, "row": rows.get(r.custom_id, -1), "n": r.option("n")})
              for r in requests]
     per_row = {"max_tokens": np.array([r.option("max_tokens") or 0 for r in runnable], dtype=np.int32),
                "stop_sequences": [json.dumps(s) for s in stops]}
+    if any(r.echo for r in runnable):  # a scored prompt: every token after the first is its continuation
+        per_row["continuation_length"] = np.array([len(ids) - 1 if r.echo else 0
+                                                   for ids, r in zip(token_lists, runnable)], dtype=np.int32)
     if any(r.option("response_format") for r in runnable):
         per_row["response_format"] = [r.option("response_format") or "" for r in runnable]
     # Each request's own sampling options, where some request has one: NaN / -1 = the params'.
@@ -322,6 +333,19 @@ def openai_rows(args: argparse.Namespace, tokenizer: Any) -> tuple[PromptFile, l
         runnable = repeat_rows(runnable, samples)
     rejected = [request for request in requests if not request.runs]
     return PromptFile(texts, [r.custom_id for r in runnable]), token_lists, per_row, table, rejected
+
+
+def prompt_ids_error(request: BatchRequest, ids: list[int], vocab_size: int, room: int) -> str:
+    """Why a request's prompt token ids cannot run (its own ids outside the vocabulary, or a prompt to score that
+    has no second token or does not fit the row whole), or its error so far."""
+    if request.prompt_ids is not None and max(ids) >= vocab_size:
+        return f"prompt token id {max(ids)} is outside the vocabulary of {vocab_size} tokens"
+    if request.echo and len(ids) < 2:
+        return "echo scores a prompt's tokens after its first: the prompt needs at least 2 tokens"
+    if request.echo and len(ids) > room:
+        return (f"the prompt to score has {len(ids)} tokens, more than max_seq_len - min_new_tokens = {room} "
+                "(a scored prompt is not truncated)")
+    return request.error
 
 
 def check_response_formats(tokenizer: Any, requests: list[BatchRequest]) -> None:

@@ -289,6 +289,8 @@ def _completion(batch: PredictionBatch, row: int, request: dict, tokenizer: Any)
     """One sample of a request, decoded for `response_line`."""
     start, count = int(batch.prompt_length[row]), int(batch.num_generated[row])
     reason = as_text(batch.stop_reason[row])
+    if reason == "scored":  # an echo request: its prompt, every token after the first scored
+        return _scored_prompt(batch, row, start + count, tokenizer)
     text = tokenizer.decode(batch.predictions[row, start:start + count].tolist(), skip_special_tokens=True)
     ended = next((stop for stop in request.get("stop", []) if text.endswith(stop)), "")
     if reason == "stop_sequence" and ended:  # OpenAI leaves the stop string out (a special token is already)
@@ -301,6 +303,19 @@ def _completion(batch: PredictionBatch, row: int, request: dict, tokenizer: Any)
                                         for i, v in zip(ids, batch.logprobs[row, start:start + count])]
     if batch.top_logprob_ids is not None:
         completion["top_logprobs"] = top_pieces(batch, row, start, start + count, tokenizer)
+    return completion
+
+
+def _scored_prompt(batch: PredictionBatch, row: int, end: int, tokenizer: Any) -> dict:
+    """A scored prompt of `end` tokens decoded for `response_line`: the prompt as the text, and each token's
+    log-probability (the first has none, as in the OpenAI API)."""
+    ids = batch.predictions[row, :end].tolist()
+    completion = {"text": tokenizer.decode(ids, skip_special_tokens=True), "finish_reason": "length",
+                  "prompt_tokens": end, "completion_tokens": 0,
+                  "token_logprobs": [(tokenizer.decode([i]), None if at == 0 else float(batch.logprobs[row, at]))
+                                     for at, i in enumerate(ids)]}
+    if batch.top_logprob_ids is not None:
+        completion["top_logprobs"] = [None] + top_pieces(batch, row, 1, end, tokenizer)
     return completion
 
 

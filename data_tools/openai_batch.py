@@ -8,7 +8,8 @@ prompts. Per request: `max_tokens` (or `max_completion_tokens`), `stop` strings,
 and `seed` (greedy and sampled requests side by side, each drawn from its own seed's streams), `n`
 (up to MAX_SAMPLES samples, n rows of the data, the prompt prefilled once) and `response_format` (`json_object` or
 `json_schema`: the answer follows the schema's grammar; a schema that cannot be compiled is that request's
-error record), honoured by the runner. An option the
+error record), honoured by the runner. A `/v1/completions` body with `echo: true` and `max_tokens: 0` scores its
+prompt (a string or token ids): the runner writes each prompt token's log-probability, no token generated. An option the
 runner cannot honour for one request (`logit_bias`, tools, `logprobs` other than the params', ...) makes
 that request an error record of the output, not a failed job; so does a stop string that does not map to
 token ids. A malformed line or a repeated `custom_id` is an error for
@@ -34,7 +35,7 @@ from modelzoo.generation.structured import FormatError, canonical_format
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 KINDS = {CHAT_URL: "chat", COMPLETIONS_URL: "completion"}
 # Body keys read or allowed as they are.
-READ_KEYS = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "stop", "n"}
+READ_KEYS = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "stop", "n", "echo"}
 SAMPLING_KEYS = ("temperature", "top_p", "seed")  # each request's own, honoured row by row
 IGNORED_KEYS = {"user", "metadata", "store", "service_tier"}
 # Body keys the runner applies to every row alike: allowed where the request asks for the run's value.
@@ -54,6 +55,8 @@ class BatchRequest:
     model: str = ""
     messages: list[dict[str, str]] = field(default_factory=list)
     prompt: str = ""
+    prompt_ids: list[int] | None = None  # a completions prompt given as token ids
+    echo: bool = False  # a completions request scoring its prompt (echo, max_tokens 0): no token generated
     stop: list[str] = field(default_factory=list)
     # The request's own GenerationOptions values by field name (max_tokens, temperature, top_p, seed, n,
     # logprobs, top_logprobs, response_format); the others are the run's.
@@ -121,13 +124,15 @@ def _read_body(request: BatchRequest, body: dict[str, Any], run: GenerationOptio
                 request.options[key] = own
             continue
         if key == "logprobs" and request.kind == "completion" and isinstance(value, int) and not isinstance(value, bool):
-            # The completions API's logprobs is a count: that many likeliest tokens at each position.
+            # The completions API's logprobs is a count: that many likeliest tokens at each position. A scored
+            # prompt (echo) always has its tokens' log-probabilities; generated tokens need model.logprobs.
             most = run.top_logprobs
-            if not run.logprobs or not 0 <= value <= most:
+            if not (run.logprobs or body.get("echo") is True) or not 0 <= value <= most:
                 request.error = (f"logprobs {value!r} asks for more than this run keeps: model.logprobs with at most "
                                  f"{most} top_logprobs in the params")
                 return
             request.options["top_logprobs"] = value
+            request.options["logprobs"] = True
             continue
         if key in RUN_WIDE:
             name = RUN_WIDE[key]
@@ -146,7 +151,7 @@ def _read_body(request: BatchRequest, body: dict[str, Any], run: GenerationOptio
             return
         request.options["n"] = n
     request.model = str(body.get("model") or "")
-    if body.get("logprobs") not in (None, False):
+    if body.get("logprobs") is not None and body.get("logprobs") is not False:
         request.options["logprobs"] = True
     if request.kind == "chat":
         messages = body.get("messages")
@@ -161,16 +166,33 @@ def _read_body(request: BatchRequest, body: dict[str, Any], run: GenerationOptio
             request.messages.append({"role": message["role"], "content": text})
     else:
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if not isinstance(prompt, str):
-            request.error = "prompt must be one string (several prompts in one request are not supported)"
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # one prompt, as text or as token ids
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                      for t in prompt):
+            request.prompt_ids = prompt
+        elif isinstance(prompt, str):
+            request.prompt = prompt
+        else:
+            request.error = ("prompt must be one string or one list of token ids (several prompts in one request are "
+                             "not supported)")
             return
-        request.prompt = prompt
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool) or (echo and request.kind != "completion"):
+        request.error = f"echo must be true or false, and only on {COMPLETIONS_URL}; got {echo!r}"
+        return
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
-    if limit is not None:
+    if echo and limit != 0:
+        request.error = (f"echo is supported to score a prompt: with max_tokens 0 (got {limit!r}); the answer is the "
+                         "prompt's token log-probabilities")
+        return
+    if echo and (body.get("n", 1) != 1 or body.get("response_format") is not None):
+        request.error = "echo with max_tokens 0 scores the prompt: n and response_format do not apply"
+        return
+    request.echo = echo
+    if limit is not None and not echo:
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
-            request.error = f"max_tokens must be an integer >= 1, got {limit!r}"
+            request.error = f"max_tokens must be an integer >= 1 (0 only with echo: true), got {limit!r}"
             return
         request.options["max_tokens"] = limit
     stop = body.get("stop")
@@ -229,7 +251,7 @@ def stop_token_ids(tokenizer: Any, stops: Sequence[str]) -> list[list[int]] | st
 def prompt_text(tokenizer: Any, request: BatchRequest) -> str:
     """The text a request's prompt is: its messages in the chat template, or its raw prompt."""
     if request.kind == "completion":
-        return request.prompt
+        return request.prompt if request.prompt_ids is None else tokenizer.decode(request.prompt_ids)
     if getattr(tokenizer, "chat_template", None) is None:
         raise UserError("the batch file holds /v1/chat/completions requests but the tokenizer has no chat template")
     return tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=False)
@@ -240,7 +262,8 @@ def _choice(request: dict[str, Any], completion: dict[str, Any], index: int) -> 
     choice: dict[str, Any] = {"index": index, "finish_reason": completion["finish_reason"], "logprobs": None}
     pieces = completion.get("token_logprobs") if request.get("logprobs") else None  # [(token text, logprob)]
     most = request.get("top_logprobs", 0) if pieces is not None else 0
-    tops = [position[:most] for position in completion.get("top_logprobs", [])] if most else [[]] * len(pieces or [])
+    tops = ([None if position is None else position[:most] for position in completion.get("top_logprobs", [])]
+            if most else [[]] * len(pieces or []))  # None: a scored prompt's first token
     if request["kind"] == "chat":
         choice["message"] = {"role": "assistant", "content": completion["text"]}
         if pieces is not None:
@@ -253,7 +276,7 @@ def _choice(request: dict[str, Any], completion: dict[str, Any], index: int) -> 
         if pieces is not None:
             choice["logprobs"] = {"tokens": [text for text, _ in pieces],
                                   "token_logprobs": [value for _, value in pieces],
-                                  "top_logprobs": [dict(top) for top in tops] if most else None}
+                                  "top_logprobs": [None if top is None else dict(top) for top in tops] if most else None}
     return choice
 
 

@@ -215,7 +215,7 @@ class InferenceJob:
         c, slots = model.config, min(self.setup.rows_in_flight, SCORING_SLOTS)
         cache = KVCache(c.num_layers, slots, c.num_kv_heads, self.data.max_seq_len, c.head_dim, self.setup.dtype,
                         self.device)
-        return Scorer(model, cache, self.device)
+        return Scorer(model, cache, self.device, top_k=self.params.model.top_logprobs)
 
     def _response_formats(self) -> list[str]:
         """Every response format the job's rows follow: model.json_schema's and the rows' own."""
@@ -249,11 +249,11 @@ class InferenceJob:
                                 reason, remaining=len(requests), sample_id=batch.sample_id, sample=batch.sample,
                                 logprobs=(np.zeros(rows.shape, np.float32)
                                           if self.params.model.logprobs or self.scorer is not None else None))
-        if self.scorer is not None:
-            self._score(assembly, scored)
         if self.params.model.top_logprobs:
             assembly.top_logprob_ids = np.zeros((*rows.shape, self.params.model.top_logprobs), np.int32)
             assembly.top_logprobs = np.zeros((*rows.shape, self.params.model.top_logprobs), np.float32)
+        if self.scorer is not None:
+            self._score(assembly, scored)
         return assembly, requests
 
     def _score(self, assembly: StepAssembly, requests: list[ScoreRequest]) -> None:
@@ -265,6 +265,9 @@ class InferenceJob:
             begin = int(assembly.prompt_length[row]) - count
             assembly.prompt_length[row], assembly.num_generated[row] = begin, count
             assembly.logprobs[row, begin: begin + count] = score.logprobs
+            if score.top_ids is not None:
+                assembly.top_logprob_ids[row, begin: begin + count] = score.top_ids
+                assembly.top_logprobs[row, begin: begin + count] = score.top_logprobs
             assembly.is_greedy[row] = score.is_greedy
             assembly.stop_reason[row] = SCORED
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+import torch
 import yaml
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -269,24 +270,29 @@ def test_sample_id_column_is_unicode_in_npz(batch_run):
         assert npz["sample_id"].dtype.kind == "U"  # readable with allow_pickle=False
 
 
-def test_logprobs_reach_the_answers_that_ask(tmp_path):
+def run_with_logprobs(tmp_path: Path, requests: list[dict], top_logprobs: int) -> dict[str, dict]:
+    """`requests` through the three tools under params keeping logprobs and `top_logprobs`: custom_id -> line."""
     params = write_run_params(tmp_path / "params.yaml", tmp_path / "data")
     raw = yaml.safe_load(params.read_text())
-    raw["model"].update(logprobs=True, top_logprobs=3)
+    raw["model"].update(logprobs=True, top_logprobs=top_logprobs)
     params.write_text(yaml.safe_dump(raw))
-    source = write_jsonl(tmp_path / "r.jsonl", [
-        request("chat", CHAT, messages=[{"role": "user", "content": "Hi"}], max_tokens=5, logprobs=True,
-                top_logprobs=2),
-        request("text", COMPLETIONS, prompt="Once upon a time", max_tokens=5, logprobs=True, top_logprobs=3),
-        request("none", COMPLETIONS, prompt="Hello", max_tokens=3),
-        request("many", CHAT, messages=[{"role": "user", "content": "Hi"}], logprobs=True, top_logprobs=4)])
+    source = write_jsonl(tmp_path / "r.jsonl", requests)
     assert create.main(["--input", str(source), "--format", "openai_batch", "--tokenizer", str(MODEL),
                         "--max_seq_len", "40", "--output_dir", str(tmp_path / "data"), "--params", str(params)]) == 0
     assert run_job(params, tmp_path / "run") == 0
     out = tmp_path / "responses.jsonl"
     assert decode.main(["--model_dir", str(tmp_path / "run"), "--tokenizer", str(MODEL), "--format", "openai_batch",
                         "--output", str(out)]) == 0
-    lines = {line["custom_id"]: line for line in map(json.loads, out.read_text().splitlines())}
+    return {line["custom_id"]: line for line in map(json.loads, out.read_text().splitlines())}
+
+
+def test_logprobs_reach_the_answers_that_ask(tmp_path):
+    lines = run_with_logprobs(tmp_path, [
+        request("chat", CHAT, messages=[{"role": "user", "content": "Hi"}], max_tokens=5, logprobs=True,
+                top_logprobs=2),
+        request("text", COMPLETIONS, prompt="Once upon a time", max_tokens=5, logprobs=True, top_logprobs=3),
+        request("none", COMPLETIONS, prompt="Hello", max_tokens=3),
+        request("many", CHAT, messages=[{"role": "user", "content": "Hi"}], logprobs=True, top_logprobs=4)], 3)
     files = load_predictions(tmp_path / "run")
     rows = {sid: (arrays, row) for arrays in files.values() for row, sid in enumerate(arrays["sample_id"].tolist())}
 
@@ -360,3 +366,59 @@ def test_bad_per_row_datasets_are_one_line_errors(tmp_path, capsys, layout, mess
     assert run_job(params, tmp_path / "run") == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def test_echo_scores_the_prompt(tmp_path):
+    """`echo: true, max_tokens: 0` (how the completions API scores a text, and lm-eval's completions backends
+    ask): the prompt's token log-probabilities, equal to transformers' log-softmax, the first token's None; beside
+    a request that generates; bad echo requests are error records."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    ids = tokenizer("def add(a, b):\n    return a + b")["input_ids"]
+    lines = run_with_logprobs(tmp_path, [
+        request("text", COMPLETIONS, prompt="The capital of France is Paris", echo=True, max_tokens=0, logprobs=1),
+        request("gen", COMPLETIONS, prompt="Once upon a time", max_tokens=4),
+        request("ids", COMPLETIONS, prompt=[ids], echo=True, max_tokens=0, logprobs=0),
+        request("plain", COMPLETIONS, prompt="Hello there, friend", echo=True, max_tokens=0),
+        request("echo-gen", COMPLETIONS, prompt="Hi", echo=True, max_tokens=5),
+        request("echo-chat", CHAT, messages=[{"role": "user", "content": "Hi"}], echo=True, max_tokens=0),
+        request("short", COMPLETIONS, prompt="Hi", echo=True, max_tokens=0),
+        request("vocab", COMPLETIONS, prompt=[5, 49152], echo=True, max_tokens=0),
+        request("zero", COMPLETIONS, prompt="Hi", max_tokens=0)], 2)
+    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+    for custom_id, prompt in (("text", "The capital of France is Paris"), ("ids", tokenizer.decode(ids)),
+                              ("plain", "Hello there, friend")):
+        body = lines[custom_id]["response"]["body"]
+        choice, tokens = body["choices"][0], tokenizer(prompt)["input_ids"]
+        assert choice["text"] == prompt and choice["finish_reason"] == "length"
+        assert body["usage"] == {"prompt_tokens": len(tokens), "completion_tokens": 0, "total_tokens": len(tokens)}
+        if custom_id == "plain":
+            assert choice["logprobs"] is None  # it did not ask
+            continue
+        with torch.no_grad():
+            reference = torch.log_softmax(model(torch.tensor([tokens])).logits[0].float(), -1)
+        expected = reference[torch.arange(len(tokens) - 1), torch.tensor(tokens[1:])]
+        got = choice["logprobs"]
+        assert got["tokens"] == [tokenizer.decode([t]) for t in tokens] and got["token_logprobs"][0] is None
+        np.testing.assert_allclose(got["token_logprobs"][1:], expected.numpy(), rtol=0, atol=1e-4)
+        if custom_id == "ids":
+            assert got["top_logprobs"] is None  # logprobs 0: the tokens' own only
+            continue
+        assert got["top_logprobs"][0] is None and all(len(top) == 1 for top in got["top_logprobs"][1:])
+        greedy = reference[:-1].argmax(-1) == torch.tensor(tokens[1:])
+        for top, value, token, is_greedy in zip(got["top_logprobs"][1:], got["token_logprobs"][1:], tokens[1:], greedy):
+            assert (list(top) == [tokenizer.decode([token])] and top[tokenizer.decode([token])] == value) == bool(is_greedy)
+    generated = lines["gen"]["response"]["body"]
+    assert generated["usage"]["completion_tokens"] == 4
+    assert generated["choices"][0]["text"] == tokenizer.decode(
+        hf_greedy(MODEL, [tokenizer("Once upon a time")["input_ids"]], 4)[0])
+    errors = {custom_id: lines[custom_id]["error"]["message"]
+              for custom_id in ("echo-gen", "echo-chat", "short", "vocab", "zero")}
+    assert errors == {
+        "echo-gen": "echo is supported to score a prompt: with max_tokens 0 (got 5); the answer is the prompt's "
+                    "token log-probabilities",
+        "echo-chat": "echo must be true or false, and only on /v1/completions; got True",
+        "short": "echo scores a prompt's tokens after its first: the prompt needs at least 2 tokens",
+        "vocab": "prompt token id 49152 is outside the vocabulary of 49152 tokens",
+        "zero": "max_tokens must be an integer >= 1 (0 only with echo: true), got 0"}

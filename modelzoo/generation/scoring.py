@@ -30,11 +30,15 @@ class ScoreRequest:
 
 @dataclass
 class Score:
-    """Each continuation token's log-probability (k,) float32 and whether it was the argmax (k,) bool."""
+    """Each continuation token's log-probability (k,) float32 and whether it was the argmax (k,) bool; with a
+    scorer's top_k T, the T likeliest tokens at each position (k, T) int32 and their log-probabilities (k, T)
+    float32, descending."""
 
     index: int
     logprobs: np.ndarray
     greedy: np.ndarray
+    top_ids: np.ndarray | None = None
+    top_logprobs: np.ndarray | None = None
 
     @property
     def total(self) -> float:
@@ -47,12 +51,42 @@ class Score:
         return bool(self.greedy.all())
 
 
+@dataclass
+class _Picked:
+    """What scoring keeps of the log-probabilities at some positions (...): the target tokens' (...), whether each
+    is the argmax (...), and the top_k likeliest (..., T) or None."""
+
+    logprobs: torch.Tensor
+    greedy: torch.Tensor
+    top_values: torch.Tensor | None
+    top_ids: torch.Tensor | None
+
+    @staticmethod
+    def of(logits: torch.Tensor, target: torch.Tensor, top_k: int) -> _Picked:
+        """logits (..., V), target (...) long."""
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        top = logprobs.topk(top_k, dim=-1) if top_k else None
+        return _Picked(logprobs.gather(-1, target[..., None])[..., 0], logprobs.argmax(-1) == target,
+                       None if top is None else top.values, None if top is None else top.indices)
+
+
+def _row(first: _Picked, rest: _Picked | None, name: str, row: int, k: int) -> np.ndarray | None:
+    """Row `row`'s `name` over its k continuation tokens: the first token's from `first`, the others' from `rest`."""
+    head = getattr(first, name)
+    if head is None:
+        return None
+    tail = getattr(rest, name)[row, : k - 1] if rest is not None else head[:0]
+    return torch.cat((head[row:row + 1], tail)).cpu().numpy()
+
+
 class Scorer:
     """Scores requests with `model` in the slots of `cache` (its rows are overwritten), `token_budget` tokens of
-    logits and prefill per forward at most."""
+    logits and prefill per forward at most; top_k > 0 also keeps each position's top_k likeliest tokens."""
 
-    def __init__(self, model: nn.Module, cache: KVCache, device: torch.device, token_budget: int = 1024) -> None:
+    def __init__(self, model: nn.Module, cache: KVCache, device: torch.device, token_budget: int = 1024,
+                 top_k: int = 0) -> None:
         self.model, self.cache, self.device, self.token_budget = model, cache, device, token_budget
+        self.top_k = top_k
         self.prefilled_tokens = 0  # context and continuation tokens run through the model
 
     @torch.inference_mode()
@@ -102,18 +136,15 @@ class Scorer:
         if copies:
             sources, targets = (torch.tensor(side, device=self.device) for side in zip(*copies))
             self.cache.copy_slots(sources, targets, max(len(r.context) for r in requests))
-        logprobs = torch.log_softmax(first_logits.float(), dim=-1)[group]  # (R, V): the first continuation token's
         tokens = [torch.as_tensor(r.continuation.astype(np.int64), device=self.device) for r in requests]
-        first = torch.stack([t[0] for t in tokens])  # (R,)
-        first_lp = logprobs.gather(1, first[:, None])[:, 0]
-        first_greedy = logprobs.argmax(-1) == first
-        rest_lp, rest_greedy = self._continuations(requests, tokens)  # (R, K - 1) each, or None
+        first = _Picked.of(first_logits[group], torch.stack([t[0] for t in tokens]), self.top_k)  # (R,) each
+        rest = self._continuations(requests, tokens)  # (R, K - 1) each, or None
         scores = []
         for row, request in enumerate(requests):
-            k = len(request.continuation)
-            lp = torch.cat((first_lp[row:row + 1], rest_lp[row, : k - 1] if k > 1 else first_lp[:0]))
-            greedy = torch.cat((first_greedy[row:row + 1], rest_greedy[row, : k - 1] if k > 1 else first_greedy[:0]))
-            scores.append(Score(request.index, lp.cpu().numpy().astype(np.float32), greedy.cpu().numpy()))
+            pick = lambda name: _row(first, rest, name, row, len(request.continuation))  # noqa: E731
+            top_ids = pick("top_ids")
+            scores.append(Score(request.index, pick("logprobs").astype(np.float32), pick("greedy"),
+                                None if top_ids is None else top_ids.astype(np.int32), pick("top_values")))
         return scores
 
     def _prefill(self, contexts: list[np.ndarray], slots: list[int]) -> torch.Tensor:
@@ -129,14 +160,13 @@ class Scorer:
         return self.model(as_tensor(tokens), as_tensor(positions), self.cache,
                           torch.tensor(slots, device=self.device), as_tensor(last))
 
-    def _continuations(self, requests: list[ScoreRequest], tokens: list[torch.Tensor]
-                       ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _continuations(self, requests: list[ScoreRequest], tokens: list[torch.Tensor]) -> _Picked | None:
         """Feeds every continuation but its last token after its cached context (row r in slot r), keeping every
         position's logits: the log-probability of each next continuation token and whether it is the argmax,
         (R, K - 1) each (K: the longest continuation), or None when every continuation is one token."""
         width = max(len(r.continuation) for r in requests) - 1
         if width == 0:
-            return None, None
+            return None
         fed = torch.zeros((len(requests), width), dtype=torch.long, device=self.device)
         target = torch.zeros_like(fed)
         for row, (request, ids) in enumerate(zip(requests, tokens)):
@@ -148,5 +178,4 @@ class Scorer:
         self.prefilled_tokens += sum(len(r.continuation) - 1 for r in requests)
         logits = self.model(fed, positions, self.cache, torch.arange(len(requests), device=self.device),
                             offsets.expand(len(requests), width))  # (R, K - 1, V)
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        return logprobs.gather(2, target[:, :, None])[:, :, 0], logprobs.argmax(-1) == target
+        return _Picked.of(logits, target, self.top_k)
