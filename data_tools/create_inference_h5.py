@@ -46,6 +46,7 @@ from modelzoo.generation.structured import FormatCompiler, FormatError
 from data_tools.prompts import PromptFile, iter_prompt_file, load_tokenizer, read_text, tokenize_pairs, tokenize_prompts
 from modelzoo import __version__
 from modelzoo.errors import UserError
+from modelzoo.lora import base_names
 from modelzoo.params import load_params
 
 TOOL_NAME = "zoo-infer create_inference_h5"
@@ -218,12 +219,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "log-probabilities and whether greedy decoding would produce it, instead of generating "
                         "(split as lm-evaluation-harness splits a pair: trailing spaces of the context go to the "
                         "continuation; an empty context is the BOS token)")
+    parser.add_argument("--adapter_field", default=None,
+                        help="the field (.jsonl) or column (.csv, .parquet) naming the LoRA adapter each row runs with: "
+                        "one of the params' model.adapters; empty: model.adapter, or the bare base model (the runner "
+                        "checks the names)")
     parser.add_argument("--format", choices=("prompts", "openai_batch"), default="prompts",
                         help="prompts: a prompt file as above; openai_batch: an OpenAI batch file of "
                         "/v1/chat/completions and /v1/completions requests (default: prompts)")
     parser.add_argument("--params", type=Path, default=None, help="openai_batch: the run's params.yaml; a request may "
                         "set temperature, top_p, seed or logprobs only to its values (default: greedy, top_p 1, "
-                        "seed 0, no logprobs)")
+                        "seed 0, no logprobs), and its `model` names one of its model.adapters (LoRA), or the base")
     parser.add_argument(
         "--start_token", type=int, default=None,
         help="id that fills every position after the prompt; generation starts at the first one "
@@ -270,6 +275,9 @@ def check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--n must be between 1 and {MAX_SAMPLES}, got {args.n}")
     if args.continuation_field is not None and (args.format == "openai_batch" or args.chat_template or args.n > 1):
         raise UserError("--continuation_field makes scoring data from a prompt file, without --chat_template or --n")
+    if args.adapter_field is not None and args.format == "openai_batch":
+        raise UserError("--adapter_field is for prompt files; in an OpenAI batch file each request's model names its "
+                        "adapter (pass --params)")
     if args.n > 1 and args.format == "openai_batch":
         raise UserError("--n is for prompt files; in an OpenAI batch file each request says its own n")
     if args.start_token is not None and not 0 <= args.start_token <= INT32_MAX:
@@ -282,8 +290,16 @@ def openai_rows(args: argparse.Namespace, tokenizer: Any) -> tuple[PromptFile, l
     (max_tokens, 0 = none; stop_sequences, JSON token-id lists; temperature, top_p and seed where a request
     has its own), the `requests` table (every request, runnable
     or not, in input order: what decode_predictions.py --format openai_batch answers) and the rejected ones."""
-    run = GenerationOptions() if args.params is None else load_params(args.params).model.generation_defaults()
+    params = None if args.params is None else load_params(args.params).model
+    run = GenerationOptions() if params is None else params.generation_defaults()
     requests = read_batch_file(args.input, read_text(args.input), run)
+    adapters = params.adapters if params is not None else {}
+    if adapters:  # a request's model picks its LoRA adapter
+        bare = base_names(params.checkpoint_path or "")
+        for request in requests:
+            if request.runs and request.model not in adapters and request.model not in bare:
+                request.error = (f"model {request.model!r} is neither an adapter of this run ({', '.join(adapters)}) "
+                                 f"nor its base model ({params.checkpoint_path})")
     check_response_formats(tokenizer, [request for request in requests if request.runs])
     runnable: list[BatchRequest] = []
     stops: list[list[list[int]]] = []
@@ -315,6 +331,8 @@ def openai_rows(args: argparse.Namespace, tokenizer: Any) -> tuple[PromptFile, l
              for r in requests]
     per_row = {"max_tokens": np.array([r.option("max_tokens") or 0 for r in runnable], dtype=np.int32),
                "stop_sequences": [json.dumps(s) for s in stops]}
+    if adapters:
+        per_row["adapter"] = [r.model for r in runnable]
     if any(r.echo for r in runnable):  # a scored prompt: every token after the first is its continuation
         per_row["continuation_length"] = np.array([len(ids) - 1 if r.echo else 0
                                                    for ids, r in zip(token_lists, runnable)], dtype=np.int32)
@@ -381,14 +399,19 @@ def repeat_rows(values: np.ndarray | list, counts: np.ndarray | int) -> np.ndarr
 def prompt_chunks(tokenizer: Any, read: Iterable[PromptFile], chat_template: bool
                   ) -> Iterator[tuple[PromptFile, list[list[int]], dict]]:
     """Each chunk of a prompt file as (prompts, token ids, per-row datasets): scoring pairs (each row's context and
-    continuation, the per-row `continuation_length`) where the file has continuations."""
+    continuation, the per-row `continuation_length`) where the file has continuations; each row's `adapter` where
+    it names them."""
     row = 1
     for chunk in read:
+        per_row: dict[str, Any] = {}
         if chunk.continuations is None:
-            yield chunk, tokenize_prompts(tokenizer, chunk.prompts, chat_template), {}
+            token_lists = tokenize_prompts(tokenizer, chunk.prompts, chat_template)
         else:
-            rows, lengths = tokenize_pairs(tokenizer, chunk.prompts, chunk.continuations, first_row=row)
-            yield chunk, rows, {"continuation_length": np.array(lengths, dtype=np.int32)}
+            token_lists, lengths = tokenize_pairs(tokenizer, chunk.prompts, chunk.continuations, first_row=row)
+            per_row["continuation_length"] = np.array(lengths, dtype=np.int32)
+        if "adapter" in chunk.texts:
+            per_row["adapter"] = [name.strip() for name in chunk.texts["adapter"]]
+        yield chunk, token_lists, per_row
         row += len(chunk.prompts)
 
 
@@ -410,7 +433,9 @@ def run(args: argparse.Namespace) -> str:
                 f"{r.custom_id}: {r.error}" for r in rejected[:MAX_LISTED_ROWS]))
         chunks: Iterable[tuple[PromptFile, list[list[int]], dict]] = [(prompts, token_lists, per_row)]
     else:
-        read = iter_prompt_file(args.input, args.field, args.column, args.id_field, CHUNK_PROMPTS, args.continuation_field)
+        fields = {role: name for role, name in (("continuation", args.continuation_field),
+                                                ("adapter", args.adapter_field)) if name is not None}
+        read = iter_prompt_file(args.input, args.field, args.column, args.id_field, CHUNK_PROMPTS, fields)
         chunks = prompt_chunks(tokenizer, read, args.chat_template)
     lengths: list[np.ndarray] = []
     empty_rows: list[int] = []

@@ -14,7 +14,8 @@ Rows of scoring data (create_inference_h5.py --continuation_field) say `stop_rea
 `prompt` is the context and their `completion` the continuation, with its `loglikelihood` (the sum),
 `is_greedy` and each token's `logprobs`.
 (`sample_id` where the data has ids; `sample`, the row's number among its prompt's samples, where the data
-has several per prompt (create_inference_h5.py --n, or an OpenAI request's n); `logprobs`, one per generated token, with --logprobs). The prompt
+has several per prompt (create_inference_h5.py --n, or an OpenAI request's n); `adapter`, the LoRA adapter the
+row ran with, where the job had model.adapters; `logprobs`, one per generated token, with --logprobs). The prompt
 and completion are decoded with the given tokenizer; --skip_special_tokens drops tokens such as
 <|im_start|> from both.
 
@@ -65,6 +66,7 @@ class PredictionBatch:
     sample_id: np.ndarray | None = None  # where the data has ids
     sample: np.ndarray | None = None  # where the data has several samples of a prompt: each row's, from 0
     is_greedy: np.ndarray | None = None  # scoring data: whether greedy decoding gives each row's continuation
+    adapter: np.ndarray | None = None  # a job with LoRA adapters: each row's ("" for the bare base model)
     logprobs: np.ndarray | None = None  # (batch_size, max_seq_len) float32, where the run has them
     top_logprob_ids: np.ndarray | None = None  # (batch_size, max_seq_len, K) int32, with model.top_logprobs K
     top_logprobs: np.ndarray | None = None  # (batch_size, max_seq_len, K) float32
@@ -185,6 +187,7 @@ def decode_batch(batch: PredictionBatch, tokenizer: Any, skip_special_tokens: bo
                 "sample_index": index,
                 **({"sample_id": as_text(batch.sample_id[row])} if batch.sample_id is not None else {}),
                 **({"sample": int(batch.sample[row])} if batch.sample is not None else {}),
+                **({"adapter": as_text(batch.adapter[row])} if batch.adapter is not None else {}),
                 "prompt": tokenizer.decode(ids[:start].tolist(), skip_special_tokens=skip_special_tokens),
                 "completion": tokenizer.decode(ids[start:end].tolist(), skip_special_tokens=skip_special_tokens),
                 "num_generated": end - start,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -27,7 +27,28 @@ class PromptFile:
 
     prompts: list[str]
     ids: list[str] | None = None
-    continuations: list[str] | None = None  # scoring data: each prompt is a context, this its continuation
+    # Each prompt's text fields by role (TEXT_FIELDS), where the file has them.
+    texts: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def continuations(self) -> list[str] | None:
+        """Scoring data: each prompt is a context, this its continuation."""
+        return self.texts.get("continuation")
+
+    def part(self, rows: slice) -> PromptFile:
+        """The prompts of `rows`, with their ids and text fields."""
+        return PromptFile(self.prompts[rows], None if self.ids is None else self.ids[rows],
+                          {role: values[rows] for role, values in self.texts.items()})
+
+
+# The optional text fields of a prompt, by role: a continuation to score (--continuation_field), the LoRA adapter
+# the prompt runs with (--adapter_field).
+TEXT_FIELDS = ("continuation", "adapter")
+TextFields = dict[str, str]  # role -> the field or column that holds it
+
+
+def _option(role: str) -> str:
+    return f"--{role}_field"
 
 
 def _id_text(path: Path, where: str, value: Any, id_field: str) -> str:
@@ -54,22 +75,22 @@ def json_records(path: Path, text: str) -> Iterator[tuple[int, dict[str, Any]]]:
 
 
 def read_jsonl_prompts(path: Path, field: str, id_field: str | None = None,
-                       continuation_field: str | None = None) -> PromptFile:
+                       text_fields: TextFields | None = None) -> PromptFile:
     """The string in `field` of every JSON object line of a .jsonl file, its `id_field` (None: the
-    first of ID_DEFAULTS the first record has, if any) and its `continuation_field` if given."""
-    prompts, ids, continuations = [], [], []
+    first of ID_DEFAULTS the first record has, if any) and its `text_fields`."""
+    text_fields = text_fields or {}
+    prompts, ids = [], []
+    texts: dict[str, list[str]] = {role: [] for role in text_fields}
     for line_no, record in json_records(path, read_text(path)):
-        for name, option in ((field, "--field"), (continuation_field, "--continuation_field")):
-            if name is None:
-                continue
+        for name, option in ((field, "--field"), *((name, _option(role)) for role, name in text_fields.items())):
             if name not in record:
                 raise UserError(f"{path}: line {line_no} has no field {name!r} (use {option} to pick another)")
             if not isinstance(record[name], str):
                 raise UserError(f"{path}: line {line_no}: field {name!r} is a {type(record[name]).__name__}, "
                                 "not a string")
         value = record[field]
-        if continuation_field is not None:
-            continuations.append(record[continuation_field])
+        for role, name in text_fields.items():
+            texts[role].append(record[name])
         if not prompts and id_field is None:
             id_field = next((name for name in ID_DEFAULTS if name in record), "")
         if id_field:
@@ -77,7 +98,7 @@ def read_jsonl_prompts(path: Path, field: str, id_field: str | None = None,
                 raise UserError(f"{path}: line {line_no} has no id field {id_field!r} (use --id_field to pick another)")
             ids.append(_id_text(path, f"line {line_no}", record[id_field], id_field))
         prompts.append(value)
-    return PromptFile(prompts, ids if id_field else None, continuations if continuation_field is not None else None)
+    return PromptFile(prompts, ids if id_field else None, texts)
 
 
 def read_txt_prompts(path: Path) -> PromptFile:
@@ -88,9 +109,10 @@ def read_txt_prompts(path: Path) -> PromptFile:
 
 
 def read_csv_prompts(path: Path, column: str, id_column: str | None = None,
-                     continuation_column: str | None = None) -> PromptFile:
+                     text_columns: TextFields | None = None) -> PromptFile:
     """The values of `column` of a .csv file with a header row, of `id_column` (None: the first of
-    ID_DEFAULTS in the header, if any) and of `continuation_column` if given."""
+    ID_DEFAULTS in the header, if any) and of its `text_columns`."""
+    text_columns = text_columns or {}
     # utf-8-sig strips the byte-order mark that spreadsheet programs put before the header.
     with open(path, newline="", encoding="utf-8-sig") as handle:
         try:
@@ -99,9 +121,9 @@ def read_csv_prompts(path: Path, column: str, id_column: str | None = None,
             existing = ", ".join(repr(name) for name in columns) or "none"
             if column not in columns:
                 raise UserError(f"{path}: no column {column!r} (columns: {existing}; use --column to pick one)")
-            if continuation_column is not None and continuation_column not in columns:
-                raise UserError(f"{path}: no column {continuation_column!r} (columns: {existing}; use "
-                                "--continuation_field to pick one)")
+            for role, name in text_columns.items():
+                if name not in columns:
+                    raise UserError(f"{path}: no column {name!r} (columns: {existing}; use {_option(role)} to pick one)")
             if id_column is None:
                 id_column = next((name for name in ID_DEFAULTS if name in columns), "")
             elif id_column not in columns:
@@ -113,11 +135,11 @@ def read_csv_prompts(path: Path, column: str, id_column: str | None = None,
             raise UserError(f"{path}: malformed CSV ({exc})") from None
     # A short row has no value for the column (None): it is an empty prompt, still a row.
     prompts = [row[column] or "" for row in rows]
-    continuations = None if continuation_column is None else [row[continuation_column] or "" for row in rows]
+    texts = {role: [row[name] or "" for row in rows] for role, name in text_columns.items()}
     if not id_column:
-        return PromptFile(prompts, None, continuations)
+        return PromptFile(prompts, None, texts)
     return PromptFile(prompts, [_id_text(path, f"row {i}", row[id_column] or "", id_column)
-                                for i, row in enumerate(rows, start=1)], continuations)
+                                for i, row in enumerate(rows, start=1)], texts)
 
 
 def read_text(path: Path) -> str:
@@ -151,8 +173,8 @@ class UniqueIds:
 
 
 def iter_parquet_prompts(path: Path, column: str, id_column: str | None, rows: int,
-                         continuation_column: str | None = None) -> Iterator[PromptFile]:
-    """The prompts (and ids, and continuations if `continuation_column` is given) of a parquet table in chunks
+                         text_columns: TextFields | None = None) -> Iterator[PromptFile]:
+    """The prompts (and ids, and the `text_columns`) of a parquet table in chunks
     of at most `rows`, read row group by row group with pyarrow, so that the table never has to fit in memory;
     ids checked unique as they come."""
     import pyarrow as pa
@@ -164,9 +186,8 @@ def iter_parquet_prompts(path: Path, column: str, id_column: str | None, rows: i
         raise UserError(f"{path}: not a readable parquet file ({str(error).splitlines()[0]})") from None
     fields = {field.name: field.type for field in table.schema_arrow}
     existing = ", ".join(repr(name) for name in fields) or "none"
-    for name, option in ((column, "--column"), (continuation_column, "--continuation_field")):
-        if name is None:
-            continue
+    text_columns = text_columns or {}
+    for name, option in ((column, "--column"), *((name, _option(role)) for role, name in text_columns.items())):
         if name not in fields:
             raise UserError(f"{path}: no column {name!r} (columns: {existing}; use {option} to pick one)")
         if not (pa.types.is_string(fields[name]) or pa.types.is_large_string(fields[name])):
@@ -177,26 +198,25 @@ def iter_parquet_prompts(path: Path, column: str, id_column: str | None, rows: i
         raise UserError(f"{path}: no id column {id_column!r} (columns: {existing}; use --id_field to pick one)")
     unique, first_row = UniqueIds(path), 1
     try:
-        wanted = [column] + ([id_column] if id_column else []) + ([continuation_column] if continuation_column else [])
+        wanted = [column] + ([id_column] if id_column else []) + list(dict.fromkeys(text_columns.values()))
         for batch in table.iter_batches(batch_size=rows, columns=wanted):
             prompts = [text or "" for text in batch.column(column).to_pylist()]  # a null prompt: empty, still a row
-            continuations = (None if continuation_column is None
-                             else [text or "" for text in batch.column(continuation_column).to_pylist()])
+            texts = {role: [text or "" for text in batch.column(name).to_pylist()] for role, name in text_columns.items()}
             ids = None
             if id_column:
                 ids = [_id_text(path, f"row {first_row + i}", value if value is not None else "", id_column)
                        for i, value in enumerate(batch.column(id_column).to_pylist())]
                 unique.add(ids)
             first_row += len(prompts)
-            yield PromptFile(prompts, ids, continuations)
+            yield PromptFile(prompts, ids, texts)
     except (pa.ArrowException, OSError) as error:  # a damaged row group
         raise UserError(f"{path}: cannot read row {first_row} on ({str(error).splitlines()[0]})") from None
 
 
 def iter_prompt_file(path: Path | str, field: str = "prompt", column: str = "prompt", id_field: str | None = None,
-                     rows: int = 4096, continuation: str | None = None) -> Iterator[PromptFile]:
-    """The prompts (and ids, see read_jsonl_prompts / read_csv_prompts; and with `continuation`, the field or
-    column of each prompt's continuation) of a .jsonl, .txt, .csv or .parquet file (format chosen by suffix), in
+                     rows: int = 4096, text_fields: TextFields | None = None) -> Iterator[PromptFile]:
+    """The prompts (and ids, see read_jsonl_prompts / read_csv_prompts; and their `text_fields`, role -> the field or
+    column of each prompt's continuation or adapter) of a .jsonl, .txt, .csv or .parquet file (format chosen by suffix), in
     file order, in chunks of at most `rows`: a parquet table row group by row group, never whole; the text formats
     are read whole (their text is small next to the rows made of it)."""
     path = Path(path)
@@ -205,25 +225,24 @@ def iter_prompt_file(path: Path | str, field: str = "prompt", column: str = "pro
         raise UserError(f"{path}: unsupported input suffix {path.suffix!r} (use one of {', '.join(SUFFIXES)})")
     if not path.is_file():
         raise UserError(f"input file not found: {path}")
-    if suffix == ".txt" and (id_field or continuation):
-        raise UserError(f"{path}: a .txt file has no fields, so no --{'id_field' if id_field else 'continuation_field'}")
+    if suffix == ".txt" and (id_field or text_fields):
+        option = "--id_field" if id_field else _option(next(iter(text_fields)))
+        raise UserError(f"{path}: a .txt file has no fields, so no {option}")
     if suffix == ".parquet":
-        yield from iter_parquet_prompts(path, column, id_field, rows, continuation)
+        yield from iter_parquet_prompts(path, column, id_field, rows, text_fields)
         return
     if suffix == ".jsonl":
-        read = read_jsonl_prompts(path, field, id_field, continuation)
+        read = read_jsonl_prompts(path, field, id_field, text_fields)
     elif suffix == ".txt":
         read = read_txt_prompts(path)
     else:
-        read = read_csv_prompts(path, column, id_field, continuation)
+        read = read_csv_prompts(path, column, id_field, text_fields)
     if not read.prompts:
         raise UserError(f"{path}: no prompts found")
     if read.ids is not None:
         UniqueIds(path).add(read.ids)
     for begin in range(0, len(read.prompts), rows):
-        part = slice(begin, begin + rows)
-        yield PromptFile(read.prompts[part], None if read.ids is None else read.ids[part],
-                         None if read.continuations is None else read.continuations[part])
+        yield read.part(slice(begin, begin + rows))
 
 
 def read_prompts(path: Path | str, field: str = "prompt", column: str = "prompt") -> list[str]:

@@ -185,8 +185,27 @@ class ShardPlan(Protocol):
         """The part of Hugging Face weight `name` this rank reads (SKIP for none)."""
 
 
+def weight_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """Every weight's shape in a checkpoint folder, without reading the weights (safetensors headers; a .bin file
+    memory-mapped)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in weight_files(folder):
+        try:
+            if file.suffix == ".safetensors":
+                with open(file, "rb") as handle:
+                    header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
+                shapes.update((name, tuple(info["shape"])) for name, info in header.items() if name != "__metadata__")
+            else:
+                state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+                shapes.update((name, tuple(tensor.shape)) for name, tensor in state.items())
+        except Exception as exc:  # corrupt or truncated file: name it
+            raise UserError(f"cannot read weights from {file}: {exc}".splitlines()[0]) from exc
+    return shapes
+
+
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, plan: ShardPlan | None = None,
-               weight_dtype: str | None = None, int8_group_size: int = 0) -> tuple[nn.Module, Any]:
+               weight_dtype: str | None = None, int8_group_size: int = 0,
+               update: Callable[[str], torch.Tensor | None] | None = None) -> tuple[nn.Module, Any]:
     """Builds our implementation of the checkpoint's family and fills it with the checkpoint's weights.
 
     Weights load by Hugging Face name. A family may fuse several HF weights into one of its own
@@ -196,6 +215,8 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, plan:
     weight_dtype "int8": the linear layers and the token embedding are swapped for int8 ones before
     loading (modelzoo/quantization.py) and each of their weights is quantized as soon as it (or its
     fused concatenation) is complete, so at most one of them is ever held in full precision.
+    update: HF weight name -> a tensor of its full shape to add to it as it is read (a merged LoRA adapter's
+    scaling * B A), or None; added in float32 before any cast, slicing or quantization.
     """
     if weight_dtype not in (None, "int8"):
         raise ValueError(f"weight_dtype must be None or 'int8', got {weight_dtype!r}")
@@ -242,6 +263,10 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, plan:
     # weights converted, quantized or re-laid out (the CPU GEMM backends) would be held twice.
     for name, tensor in iter_tensors(weight_files(folder), select, mapped=select is not None):
         name = canonical(name)
+        delta = update(name) if update is not None else None
+        if delta is not None:
+            index = plan.index(name) if plan is not None else None  # this rank's part of the weight, as read
+            tensor = (tensor.float() + (delta if index is None else delta[index])).to(tensor.dtype)
         # Cast tensor by tensor, so peak memory stays low; a weight to quantize keeps its precision until then.
         to_quantize = part_of.get(name, (name,))[0] in quantized
         tensor = tensor.to(device=device, dtype=None if to_quantize else dtype)

@@ -7,8 +7,9 @@ datasets (data_tools/create_inference_h5.py writes them): `sample_id` (the user'
 each row's own sampling options `temperature`, `top_p` (floats, NaN = the params') and `seed`
 (integers, -1 = the params'), `sample` (the row's number among the consecutive rows of one prompt's
 samples, from 0), `response_format` (the JSON grammar the row's output follows, modelzoo/generation/
-structured.py's canonical text; "" = free text) and `continuation_length` (scoring data: the row's last that
-many prompt tokens are a continuation to score after the rest, its context; 0 = a row to generate from).
+structured.py's canonical text; "" = free text), `continuation_length` (scoring data: the row's last that
+many prompt tokens are a continuation to score after the rest, its context; 0 = a row to generate from) and
+`adapter` (the name of the LoRA adapter the row runs with, of the params' model.adapters; "" = the default).
 Batches are read slice by slice, never the whole file, so memory stays flat in the number of samples.
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ from modelzoo.generation.options import GenerationOptions, RequestVariety
 
 
 PER_ROW_DATASETS = ("sample_id", "max_tokens", "stop_sequences", "temperature", "top_p", "seed", "sample",
-                    "response_format", "continuation_length")
+                    "response_format", "continuation_length", "adapter")
 SAMPLING_DATASETS = ("temperature", "top_p", "seed")  # NaN (seed: -1) where the row takes the params' value
 
 
@@ -45,6 +46,7 @@ class Batch:
     sample: np.ndarray | None = None  # (batch_size,) int32: each row's number among its prompt's samples, -1 dummies
     response_format: list[str] | None = None  # each row's response format, "" for free text and dummies
     continuation_length: np.ndarray | None = None  # (batch_size,) int: scoring rows' continuation tokens, 0 elsewhere
+    adapter: list[str] | None = None  # each row's adapter field, "" for none and dummies
 
 
     def options(self, row: int, defaults: GenerationOptions) -> GenerationOptions:
@@ -193,16 +195,19 @@ class GptHDF5MapDataProcessor:
         samples, top_p = self.row_sampling()
         return RequestVariety(tuple(self.row_stop_sequences()), samples, top_p)
 
-    def row_response_formats(self) -> list[str]:
-        """Every response format some row asks for (the `response_format` dataset, read in slices), once each."""
-        if "response_format" not in self.per_row:
-            return []
+    def distinct_values(self, name: str) -> list[str] | None:
+        """Every value of per-row string dataset `name` (read in slices), once each; None without the dataset."""
+        if name not in self.per_row:
+            return None
         found: dict[str, None] = {}
         for start in range(0, self.num_samples, 65536):
-            found.update(dict.fromkeys(str(v) for v in self.read_per_row("response_format", start,
+            found.update(dict.fromkeys(str(v) for v in self.read_per_row(name, start,
                                                                            min(start + 65536, self.num_samples))))
-        found.pop("", None)
         return list(found)
+
+    def row_response_formats(self) -> list[str]:
+        """Every response format some row asks for, once each."""
+        return [value for value in self.distinct_values("response_format") or [] if value]
 
     def row_sampling(self) -> tuple[bool, bool]:
         """(some row samples: a temperature > 0, some row keeps a top-p set: a top_p < 1), after checking every
@@ -259,6 +264,8 @@ class GptHDF5MapDataProcessor:
         if "response_format" in self.per_row:
             batch.response_format = [str(v) for v in self.read_per_row("response_format", start, stop)]
             batch.response_format += [""] * (self.batch_size - real)
+        if "adapter" in self.per_row:
+            batch.adapter = [str(v) for v in self.read_per_row("adapter", start, stop)] + [""] * (self.batch_size - real)
         if "continuation_length" in self.per_row:
             batch.continuation_length = np.zeros(self.batch_size, dtype=np.int64)
             batch.continuation_length[:real] = self.read_per_row("continuation_length", start, stop)

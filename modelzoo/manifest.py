@@ -57,9 +57,14 @@ def build_manifest(params: InferenceParams, data_files: list[Path]) -> dict[str,
         model.pop("logprobs")
     if not model["top_logprobs"]:
         model.pop("top_logprobs")
-    for key in ("min_p", "presence_penalty", "frequency_penalty", "json_schema"):
+    for key in ("min_p", "presence_penalty", "frequency_penalty", "json_schema", "adapter"):
         if not model[key]:
             model.pop(key)
+    # Each adapter's files stand for its folder: a moved adapter still resumes, a changed one does not.
+    adapters = model.pop("adapters")
+    if adapters:
+        model["adapters"] = {name: [file_fingerprint(p) for p in sorted(Path(folder).iterdir()) if p.is_file()]
+                             for name, folder in adapters.items()}
     inputs = params.to_dict()["inference_input"]
     inputs.pop("data_dir")
     return {

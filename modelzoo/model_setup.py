@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import Callable
 
 import torch
 
@@ -18,6 +19,7 @@ from modelzoo.generation.speculative import DraftModelDrafter, Drafter, PromptLo
 from modelzoo.generation.structured import FormatCompiler, FormatError, StructuredRows
 from modelzoo.int8_compute import apply_int8_backend
 from modelzoo.kernels import machine_dir
+from modelzoo.lora import AdapterPlan, attach_adapters
 from modelzoo.memory import available_host_memory
 from modelzoo.params import InferenceParams
 from modelzoo.quantization import int8_summary
@@ -63,8 +65,9 @@ class ModelSetup:
     """Loads a job's model and builds its engine; `gemm` is the GEMM plan once chosen."""
 
     def __init__(self, params: InferenceParams, device: torch.device, weights_dtype: torch.dtype,
-                 dtype: torch.dtype, max_seq_len: int, vocab_size: int) -> None:
+                 dtype: torch.dtype, max_seq_len: int, vocab_size: int, adapters: AdapterPlan | None = None) -> None:
         self.params = params
+        self.adapters = adapters  # the job's LoRA adapters: merged at load, or attached per row
         self.device = device
         self.weights_dtype = weights_dtype  # the values the weights keep
         self.dtype = dtype  # what the arithmetic and KV cache use
@@ -97,7 +100,12 @@ class ModelSetup:
         compiler = self._format_compiler(response_formats) if response_formats else None
         load_start = time.perf_counter()
         weight_dtype = self.params.model.weight_dtype
-        model = self.load(self.params.model.checkpoint_path, tp, weight_dtype)
+        merged = self.adapters.merged if self.adapters is not None else None
+        model = self.load(self.params.model.checkpoint_path, tp, weight_dtype,
+                          self.adapters.merge_update() if merged is not None else None)
+        if merged is not None:
+            log.info("LoRA adapter %r (%s, %d projections) merged into the weights", merged.name, merged.folder,
+                     len(merged.updates))
         log.info("loaded %s (%s, %s%s) on %s in %.1fs", self.params.model.checkpoint_path, type(model).__name__,
                  self.dtype_name(), f", {weight_dtype} weights" if weight_dtype else "", self.device,
                  time.perf_counter() - load_start)
@@ -125,6 +133,11 @@ class ModelSetup:
                             f"{self.device}; lower runconfig.rows_in_flight (or inference_input.batch_size) or the "
                             f"data's max_seq_len")
         self.small_step_rows = self._choose_gemm(model, weight_dtype, spare_bytes=(free - cache) // 2)
+        if self.adapters is not None and self.adapters.bank:
+            attach_adapters(model, self.adapters.bank, self.adapters.projections, self.rows_in_flight, self.dtype,
+                            self.device)
+            log.info("LoRA adapters per row: %s (each row's update added to the base projections' output)",
+                     ", ".join(f"{a.name} ({len(a.updates)} projections)" for a in self.adapters.bank))
         engine = self.engine(model, self.params.model.generation_defaults(), variety, compiler, self._drafter())
         return model, engine
 
@@ -176,6 +189,11 @@ class ModelSetup:
         kernels and measured GEMMs run faster than the inductor-compiled step there: benchmarks/decode_step.py);
         eager under speculative decoding, whose verification step is a forward of its own."""
         requested = self.params.runconfig.decode_step
+        if self.adapters is not None and self.adapters.bank:
+            if requested in ("compiled", "cuda_graph"):
+                raise UserError(f"runconfig.decode_step {requested} does not take LoRA adapters per row yet; use auto "
+                                f"or eager (or one adapter for the whole job, model.adapter, merged into the weights)")
+            return "eager"
         if self.params.model.speculative:
             if requested in ("compiled", "cuda_graph"):
                 raise UserError(f"runconfig.decode_step {requested} does not apply to speculative decoding, whose "
@@ -247,7 +265,8 @@ class ModelSetup:
         return rows
 
     def load(self, checkpoint: str, tensor_parallel: TensorParallelGroup | None = None,
-             weight_dtype: str | None = None) -> torch.nn.Module:
+             weight_dtype: str | None = None, update: Callable[[str], torch.Tensor | None] | None = None,
+             ) -> torch.nn.Module:
         """A checkpoint's model (this rank's share of it under tensor parallel), computing in self.dtype.
 
         Half-precision weights computing in float32 are rounded to their dtype first; int8 weights are
@@ -256,7 +275,8 @@ class ModelSetup:
         """
         rounded = self.dtype != self.weights_dtype and not weight_dtype
         model, _ = load_model(checkpoint, self.weights_dtype if rounded else self.dtype, self.device,
-                              shard_plan(checkpoint, tensor_parallel), weight_dtype, self.params.model.int8_group_size)
+                              shard_plan(checkpoint, tensor_parallel), weight_dtype, self.params.model.int8_group_size,
+                              update)
         if rounded:
             name = str(self.weights_dtype).replace("torch.", "")
             log.info("this CPU has no native %s matrix multiplies: weights keep their %s values, arithmetic and "

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import difflib
-from dataclasses import MISSING, asdict, dataclass, fields, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -133,6 +133,22 @@ def _group_size(key: str, value: Any) -> int:
     return value
 
 
+def _adapters(key: str, value: Any) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(name, str) and name for name in value):
+        raise UserError(f"{key} must map adapter names to PEFT LoRA adapter folders (e.g. {{math: adapters/math}}), "
+                        f"got {value!r}")
+    return {name: _path(nullable=False)(f"{key}.{name}", folder) for name, folder in value.items()}
+
+
+def _adapter_name(key: str, value: Any) -> str | None:
+    if value is not None and (not isinstance(value, str) or not value):
+        raise UserError(f"{key} must be the name of one of model.adapters, or null for the bare base model, "
+                        f"got {value!r}")
+    return value
+
+
 def _speculative(key: str, value: Any) -> SpeculativeParams | None:
     if value is None:
         return None
@@ -167,6 +183,8 @@ class ModelParams(GenerationOptions):
     loop_dim: int = 1
     json_schema: dict[str, Any] | None = None  # the output of rows without a response format of their own follows it
     speculative: SpeculativeParams | None = None
+    adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapter name -> folder (modelzoo/lora.py)
+    adapter: str | None = None  # the adapter of rows that name none (None: the bare base model)
 
     def generation_defaults(self) -> GenerationOptions:
         """The job's GenerationOptions: these keys, model.json_schema as the response format."""
@@ -183,6 +201,9 @@ class ModelParams(GenerationOptions):
                             "outputs exactly, which sampling has no counterpart for here")
         if self.top_logprobs and not self.logprobs:
             raise UserError("model.top_logprobs needs model.logprobs: true")
+        if self.adapter is not None and self.adapter not in self.adapters:
+            raise UserError(f"model.adapter {self.adapter!r} is not one of model.adapters "
+                            f"({', '.join(self.adapters) or 'none listed'})")
         if self.speculative is not None and self.json_schema is not None:
             raise UserError("model.json_schema cannot be combined with model.speculative")
         if self.speculative is not None and self.logprobs:
@@ -263,6 +284,8 @@ SCHEMA: dict[str, tuple[type, dict[str, Callable[[str, Any], Any]]]] = {
         "presence_penalty": _float(-2.0, 2.0),
         "frequency_penalty": _float(-2.0, 2.0),
         "speculative": _speculative,
+        "adapters": _adapters,
+        "adapter": _adapter_name,
     }),
     "inference_input": (InputParams, {
         "data_processor": _choice((DATA_PROCESSOR,), lambda v: isinstance(v, str)),

@@ -26,8 +26,9 @@ from modelzoo.files import write_atomic
 PER_ROW_KEYS = ("sample_index", "prompt_length", "num_generated", "stop_reason")
 # Where the data has them: sample_id (unicode, "" for dummy rows); sample (int32, the row's number among the
 # samples of its prompt, from 0; -1 for dummy rows); is_greedy (bool, scoring data: whether greedy decoding from
-# the context gives the whole continuation; False for other rows).
-OPTIONAL_PER_ROW_KEYS = ("sample_id", "sample", "is_greedy")
+# the context gives the whole continuation; False for other rows); adapter (unicode, a job with LoRA adapters:
+# the adapter the row ran with, "" for the bare base model and dummy rows).
+OPTIONAL_PER_ROW_KEYS = ("sample_id", "sample", "is_greedy", "adapter")
 # (batch_size, max_seq_len[, K]), stored with the first two axes swapped when loop_dim is 0
 SEQUENCE_KEYS = ("predictions", "logprobs", "top_logprob_ids", "top_logprobs")
 REQUIRED_KEYS = ("global_step", "predictions", *PER_ROW_KEYS)
@@ -56,6 +57,7 @@ class StepAssembly:
     sample_id: np.ndarray | None = None  # (batch_size,) unicode, where the data has ids
     sample: np.ndarray | None = None  # (batch_size,) int32, where the data has several samples per prompt
     is_greedy: np.ndarray | None = None  # (batch_size,) bool, where the data has rows to score
+    adapter: np.ndarray | None = None  # (batch_size,) unicode, where the job runs LoRA adapters
     logprobs: np.ndarray | None = None  # (batch_size, max_seq_len) float32, with model.logprobs
     top_logprob_ids: np.ndarray | None = None  # (batch_size, max_seq_len, K) int32, with model.top_logprobs K
     top_logprobs: np.ndarray | None = None  # (batch_size, max_seq_len, K) float32

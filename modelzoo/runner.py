@@ -27,6 +27,7 @@ from modelzoo.files import WriteError
 from modelzoo.generation.engine import GenerationEngine, Request
 from modelzoo.generation.kv_cache import KVCache
 from modelzoo.generation.scoring import Scorer, ScoreRequest
+from modelzoo.lora import AdapterPlan, plan_adapters
 from modelzoo.generation.stopping import DUMMY, EMPTY_PROMPT, NO_START_TOKEN, SCORED
 from modelzoo.manifest import build_manifest
 from modelzoo.model_setup import ModelSetup, resolve_device
@@ -70,8 +71,9 @@ class InferenceJob:
         hf_config = load_hf_config(model.checkpoint_path)
         weights_dtype = resolve_dtype(model.dtype, hf_config)  # the values the weights keep
         self.vocab_size = int(hf_config.vocab_size)
+        self.adapters = self._plan_adapters()  # read and checked before anything is written
         self.setup = ModelSetup(params, self.device, weights_dtype, arithmetic_dtype(weights_dtype, self.device),
-                                self.data.max_seq_len, self.vocab_size)
+                                self.data.max_seq_len, self.vocab_size, self.adapters)
         self.data.check_against_model(self.start_tokens, self.vocab_size)
         self.defaults = model.generation_defaults()  # the options of every row without its own
         self.stats = RunStats()
@@ -84,6 +86,22 @@ class InferenceJob:
         self.artifacts, self.predictions_dir = self.output.artifacts, self.output.predictions_dir
         self.output_taken = False  # True once this run writes into the folder (lock held, steps planned)
         self.scorer: Scorer | None = None  # for scoring data: the continuations' log-probabilities
+
+    def _plan_adapters(self) -> AdapterPlan | None:
+        """The job's LoRA adapters (model.adapters, the rows' `adapter` fields), each checked against the checkpoint;
+        adapters per row only where the job's other parts take them."""
+        model = self.params.model
+        plan = plan_adapters(model.adapters, model.adapter, self.data.distinct_values("adapter"), model.checkpoint_path)
+        if plan is not None and plan.bank:
+            if self.params.runconfig.tensor_parallel > 1:
+                raise UserError("rows of the data name different LoRA adapters, which tensor parallel does not run "
+                                "yet; run with tensor_parallel 1, or one adapter per job (model.adapter)")
+            if "continuation_length" in self.data.per_row:
+                raise UserError("scoring data cannot name a LoRA adapter per row yet; score with one adapter for "
+                                "the whole job (model.adapter)")
+            if model.speculative is not None:
+                raise UserError("model.speculative cannot be combined with LoRA adapters per row yet")
+        return plan
 
     def steps(self) -> list[int]:
         """Global steps this run processes: all, or the first `inference_steps` (clamped, with a warning)."""
@@ -244,11 +262,17 @@ class InferenceJob:
             if continuation[row]:  # scoring data: the prompt is a context, then the continuation to score
                 scored.append(ScoreRequest(int(row), prompt[: -continuation[row]], prompt[-continuation[row]:]))
             else:
-                requests.append(Request(int(batch.sample_index[row]), prompt, batch.options(row, self.defaults)))
+                adapter = self.adapters.index(batch.adapter[row] if batch.adapter else "") if self.adapters else -1
+                requests.append(Request(int(batch.sample_index[row]), prompt, batch.options(row, self.defaults),
+                                        adapter))
         assembly = StepAssembly(predictions, batch.sample_index, prompt_length, np.zeros(size, dtype=np.int32),
                                 reason, remaining=len(requests), sample_id=batch.sample_id, sample=batch.sample,
                                 logprobs=(np.zeros(rows.shape, np.float32)
                                           if self.params.model.logprobs or self.scorer is not None else None))
+        if self.adapters is not None:  # the adapter each row ran with
+            assembly.adapter = np.array([self.adapters.resolved(batch.adapter[row] if batch.adapter else "")
+                                         if index >= 0 else "" for row, index in enumerate(batch.sample_index)],
+                                        dtype=str)
         if self.params.model.top_logprobs:
             assembly.top_logprob_ids = np.zeros((*rows.shape, self.params.model.top_logprobs), np.int32)
             assembly.top_logprobs = np.zeros((*rows.shape, self.params.model.top_logprobs), np.float32)

@@ -109,11 +109,17 @@ def truncate_at_stop(tokens: list[int], stop_sequences: Sequence[Sequence[int]])
 
 
 def hf_greedy(checkpoint: Path, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-              stop_sequences: Sequence[Sequence[int]] = (), dtype: torch.dtype = torch.float32) -> list[list[int]]:
-    """Greedy continuations by transformers `generate()`, one prompt at a time, cut after stop sequences."""
+              stop_sequences: Sequence[Sequence[int]] = (), dtype: torch.dtype = torch.float32,
+              adapter: Path | None = None) -> list[list[int]]:
+    """Greedy continuations by transformers `generate()`, one prompt at a time, cut after stop sequences; with a
+    PEFT LoRA `adapter` folder, through peft's unmerged PeftModel."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).eval()
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter).eval()
     model.generation_config.eos_token_id = None  # stopping is ours to decide, through stop_sequences
     config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None,
                               pad_token_id=0, use_cache=True)

@@ -54,6 +54,7 @@ class Request:
     index: int
     prompt: np.ndarray
     options: GenerationOptions | None = None
+    adapter: int = -1  # the LoRA adapter of the model's adapter bank the request runs with; -1: none
 
 
 @dataclass
@@ -116,7 +117,9 @@ class GenerationEngine:
         # The prompt prefix shared by the first admitted requests, once known (not with a drafter: a
         # draft model would need the prefix's keys too).
         self.shared_prefix: SharedPrefix | None = None
-        self.shared_prefix_decided = drafter is not None
+        self.adapters = getattr(model, "adapter_bank", None)  # LoRA adapters per row (modelzoo/lora.py)
+        # A prefix's keys and values differ with the adapter: none shared across rows under per-row adapters.
+        self.shared_prefix_decided = drafter is not None or self.adapters is not None
         self.generated_tokens = 0  # over the engine's life, for throughput reports
         self.prefilled_tokens = 0  # prompt tokens run through the model (a shared prefix or a repeated prompt once)
         self.drafted_tokens = 0  # speculative decoding: drafts proposed for active rows
@@ -191,6 +194,9 @@ class GenerationEngine:
             self.owner[slot] = request.index
         state = self.state
         state.active[[slot for slot, _ in admitted]] = True
+        if self.adapters is not None:
+            self.adapters.slot_adapter[[slot for slot, _ in admitted]] = torch.tensor(
+                [request.adapter for _, request in admitted], device=self.device)
         copies = self._repeated_prompts(admitted)  # first slot of a prompt -> the other slots given it
         copied = {slot for repeats in copies.values() for slot, _ in repeats}
         leading = [(slot, request) for slot, request in admitted if slot not in copied]
@@ -254,7 +260,7 @@ class GenerationEngine:
         first: dict[bytes, int] = {}
         copies: dict[int, list[tuple[int, Request]]] = {}
         for slot, request in admitted:
-            key = np.asarray(request.prompt, dtype=np.int64).tobytes()
+            key = np.asarray(request.prompt, dtype=np.int64).tobytes() + request.adapter.to_bytes(4, "little", signed=True)
             if key in first:
                 copies.setdefault(first[key], []).append((slot, request))
             else:

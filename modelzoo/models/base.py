@@ -41,6 +41,7 @@ class CausalLM(nn.Module):
     embedding_name: str
     layers_name: str
     head_name: str = "lm_head"
+    adapter_bank: Any = None  # a modelzoo.lora.AdapterBank once LoRA adapters are attached per row
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -98,6 +99,8 @@ class CausalLM(nn.Module):
         Returns the logits (B, vocab) of position `last` of each row (default: the final one), or
         (B, N, vocab).
         """
+        if self.adapter_bank is not None:  # each row's (or packed token's) LoRA adapter, from its cache slot
+            self.adapter_bank.select(slots, tokens.shape[0])
         x, contexts, extra = self.prepare(tokens, positions, cache, slots, last, length)
         for layer, ctx in zip(self.get_submodule(self.layers_name), contexts):
             x = layer(x, *extra, ctx)
