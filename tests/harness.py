@@ -6,6 +6,8 @@ padding, so nothing but the model's own arithmetic decides the tokens).
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -253,3 +255,17 @@ def last_logits(model: torch.nn.Module, prompts: list[list[int]], dtype: torch.d
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     """Per row: ||got - want|| / ||want||."""
     return (got - want).norm(dim=-1) / want.norm(dim=-1)
+
+
+def torchrun(nproc: int, params: Path, model_dir: Path) -> subprocess.Popen:
+    """run_inference.py under torchrun on a free port, as a scheduler would start it."""
+    command = [str(Path(sys.executable).with_name("torchrun")), "--standalone", f"--nproc_per_node={nproc}",
+               str(REPO_ROOT / "run_inference.py"), "--params", str(params), "--model_dir", str(model_dir)]
+    return subprocess.Popen(command, cwd=REPO_ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(process: subprocess.Popen) -> str:
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode == 0, output
+    return output

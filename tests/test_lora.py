@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +17,8 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from harness import (SMOLLM2_DIR, hf_greedy, load_predictions, prompt_rows, run_job, save_tiny_model,  # noqa: E402
-                     write_h5, write_params)
+from harness import (SMOLLM2_DIR, finish, hf_greedy, load_predictions, prompt_rows, run_job, save_tiny_model,  # noqa: E402
+                     torchrun, write_h5, write_params)
 from tiny_configs import INT8_FAMILIES, VOCAB, tiny_llama_config  # noqa: E402
 
 START, MAX_SEQ_LEN, MAX_TOKENS = VOCAB, 40, 8
@@ -117,3 +118,229 @@ def test_rows_naming_none_take_model_adapter(three_adapters):
     expected = ["mlp", "attn", "mlp", ""]
     for index, name in enumerate(expected):
         assert got[index] == (three_adapters["alone"][name][index][0], name)
+
+
+def _edit_config(folder: Path, **changes: Any) -> None:
+    config = json.loads((folder / "adapter_config.json").read_text())
+    config.update(changes)
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+
+
+def _rename_weights(folder: Path, old: str, new: str) -> None:
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(folder / "adapter_model.safetensors"))
+    save_file({key.replace(old, new): value for key, value in weights.items()},
+              str(folder / "adapter_model.safetensors"))
+
+
+def _other_base(folder: Path, root: Path) -> None:
+    """An adapter of a wider Llama, in place of this one."""
+    shutil.rmtree(folder)
+    other = save_tiny_model(tiny_llama_config(hidden_size=96), root / "other-base")
+    make_adapter(other, folder, ["q_proj", "v_proj"], r=4)
+    _edit_config(folder, base_model_name_or_path="org/other-model")
+
+
+SPOILS = {  # how an adapter folder goes bad -> the one-line error it gives
+    "missing folder": (lambda f, r: shutil.rmtree(f), "the folder does not exist"),
+    "no config": (lambda f, r: (f / "adapter_config.json").unlink(), "no adapter_config.json (a PEFT adapter folder "
+                  "has one)"),
+    "no weights": (lambda f, r: (f / "adapter_model.safetensors").unlink(),
+                   "no adapter_model.safetensors or adapter_model.bin"),
+    "prompt tuning": (lambda f, r: _edit_config(f, peft_type="PROMPT_TUNING"),
+                      "peft_type 'PROMPT_TUNING' is not read: only LoRA adapters are"),
+    "dora": (lambda f, r: _edit_config(f, use_dora=True),
+             "DoRA (use_dora: true) is not read: only plain LoRA and rsLoRA are"),
+    "modules to save": (lambda f, r: _edit_config(f, modules_to_save=["lm_head"]),
+                        "modules_to_save ['lm_head'] (whole trained modules) are not read"),
+    "rank": (lambda f, r: _edit_config(f, r=8), "model.layers.0.self_attn.q_proj: lora_A (4, 64) and lora_B (64, 4) do "
+             "not have rank r = 8 (lora_A (r, in), lora_B (out, r))"),
+    "unknown module": (lambda f, r: _rename_weights(f, "layers.1.self_attn.v_proj", "layers.1.self_attn.w_proj"),
+                       "adapts model.layers.1.self_attn.w_proj, which LlamaForCausalLM does not have (or whose LoRA is "
+                       "not read: embeddings, the LM head)"),
+    "other base": (_other_base, "model.layers.0.self_attn.q_proj: lora_A (4, 96) and lora_B (96, 4) do not fit the "
+                   "base's (64, 64) weight (made for org/other-model?)"),
+}
+
+
+@pytest.mark.parametrize("spoil", sorted(SPOILS))
+def test_bad_adapters_are_one_line_errors_before_anything_is_written(three_adapters, tmp_path, capsys, spoil):
+    folder = tmp_path / "adapter"
+    shutil.copytree(three_adapters["adapters"]["attn"], folder)
+    make_bad, message = SPOILS[spoil]
+    make_bad(folder, tmp_path)
+    capsys.readouterr()
+    assert job_error(tmp_path, three_adapters["base"], {"adapters": {"tuned": str(folder)}, "adapter": "tuned"},
+                     capsys) == f"error: adapter 'tuned' ({folder}): {message}"
+
+
+def job_error(root: Path, base: Path, model_keys: dict[str, Any], capsys, adapters: list[str] | None = None) -> str:
+    """Runs a job expected to fail: its one stderr line; nothing written to its model_dir."""
+    data = root / "data"
+    write_h5(data, prompt_rows(PROMPTS[:2], MAX_SEQ_LEN, START))
+    if adapters is not None:
+        with h5py.File(data / "data.h5", "a") as h5:
+            h5.create_dataset("adapter", data=adapters, dtype=h5py.string_dtype())
+    params = write_params(root / "params.yaml", base, data, 2, START, max_tokens=MAX_TOKENS, model_keys=model_keys)
+    assert run_job(params, root / "run") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert not (root / "run").exists() or not any((root / "run").rglob("*"))
+    return err.strip()
+
+
+def test_rows_naming_an_unlisted_adapter_are_an_error(three_adapters, tmp_path, capsys):
+    err = job_error(tmp_path, three_adapters["base"], three_adapters["keys"], capsys, adapters=["attn", "math"])
+    assert err == "error: rows name adapters the params do not list: ['math'] (model.adapters: all, attn, mlp)"
+    err = job_error(tmp_path, three_adapters["base"], {}, capsys, adapters=["attn", ""])
+    assert err == "error: rows name adapters ['attn'] but the params list none (model.adapters)"
+
+
+def test_model_adapter_must_be_listed(three_adapters, tmp_path, capsys):
+    err = job_error(tmp_path, three_adapters["base"], {**three_adapters["keys"], "adapter": "math"}, capsys)
+    assert err == "error: model.adapter 'math' is not one of model.adapters (all, attn, mlp)"
+
+
+def test_a_changed_adapter_refuses_to_resume_a_moved_one_resumes(three_adapters, tmp_path, capsys):
+    root, base = three_adapters["root"], three_adapters["base"]
+    fields = ["attn", "mlp", "", "all", "attn", "mlp"]
+    prompts = PROMPTS[:6]
+    data = tmp_path / "data"
+    write_h5(data, prompt_rows(prompts, MAX_SEQ_LEN, START))
+    with h5py.File(data / "data.h5", "a") as h5:
+        h5.create_dataset("adapter", data=fields, dtype=h5py.string_dtype())
+    moved = {name: tmp_path / f"moved-{name}" for name in three_adapters["adapters"]}
+    for name, folder in three_adapters["adapters"].items():
+        shutil.copytree(folder, moved[name])
+    params = write_params(tmp_path / "params.yaml", base, data, 2, START, max_tokens=MAX_TOKENS,
+                          model_keys={"adapters": {name: str(folder) for name, folder in moved.items()}})
+    assert run_job(params, tmp_path / "run", "--inference_steps", "1") == 0
+    shutil.copy(three_adapters["adapters"]["all"] / "adapter_model.safetensors", moved["attn"])  # another adapter
+    _edit_config(moved["attn"], r=2, lora_alpha=4, use_rslora=True)
+    capsys.readouterr()
+    assert run_job(params, tmp_path / "run") == 2
+    err = capsys.readouterr().err
+    assert "holds predictions made from different inputs (changed: model.adapters.attn" in err, err
+    shutil.rmtree(moved["attn"])
+    shutil.copytree(three_adapters["adapters"]["attn"], moved["attn"])  # the same files again, copied anew
+    assert run_job(params, tmp_path / "run") == 0
+    got = run_rows(root, "resume-reference", base, prompts, 2, three_adapters["keys"], adapters=fields)
+    files = load_predictions(tmp_path / "run")
+    assert len(files) == 3
+    for arrays in files.values():
+        for row, index in enumerate(arrays["sample_index"].tolist()):
+            begin = int(arrays["prompt_length"][row])
+            tokens = arrays["predictions"][row, begin: begin + int(arrays["num_generated"][row])].tolist()
+            assert (tokens, str(arrays["adapter"][row])) == got[index]
+
+
+@pytest.fixture(scope="module")
+def smollm2_adapters(tmp_path_factory) -> dict:
+    """Two random adapters of SmolLM2-135M-Instruct on all its projections."""
+    root = tmp_path_factory.mktemp("smollm2-lora")
+    return {"root": root, "a": make_adapter(SMOLLM2_DIR, root / "smol-a", r=8, alpha=16, seed=5),
+            "b": make_adapter(SMOLLM2_DIR, root / "smol-b", ["q_proj", "k_proj", "o_proj", "down_proj"], r=4, seed=6)}
+
+
+def test_openai_requests_pick_their_adapter_by_model(smollm2_adapters, tmp_path):
+    """An OpenAI batch file whose requests name two adapters, the base (by nothing or by its folder's name) and an
+    unknown model: each answer equals transformers + peft greedy, and names its model; the unknown is an error."""
+    from transformers import AutoTokenizer
+
+    from data_tools import create_inference_h5 as create
+    from data_tools import decode_predictions as decode
+
+    tokenizer = AutoTokenizer.from_pretrained(SMOLLM2_DIR)
+    models = ["smol-a", "smol-b", "", SMOLLM2_DIR.name, "smol-c", "smol-a"]
+    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "The three primary colors are",
+             "Hello", "Water boils at"]
+    source = tmp_path / "requests.jsonl"
+    source.write_text("".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+                                          "body": {"model": model, "prompt": text, "max_tokens": MAX_TOKENS}}) + "\n"
+                              for i, (model, text) in enumerate(zip(models, texts))))
+    params = write_params(tmp_path / "params.yaml", SMOLLM2_DIR, tmp_path / "data", 4, 49152,
+                          stop_sequences=[[2]], max_tokens=MAX_TOKENS,
+                          model_keys={"adapters": {"smol-a": str(smollm2_adapters["a"]),
+                                                   "smol-b": str(smollm2_adapters["b"])}})
+    assert create.main(["--input", str(source), "--format", "openai_batch", "--tokenizer", str(SMOLLM2_DIR),
+                        "--max_seq_len", "48", "--output_dir", str(tmp_path / "data"), "--params", str(params)]) == 0
+    assert run_job(params, tmp_path / "run") == 0
+    out = tmp_path / "responses.jsonl"
+    assert decode.main(["--model_dir", str(tmp_path / "run"), "--tokenizer", str(SMOLLM2_DIR), "--format",
+                        "openai_batch", "--output", str(out)]) == 0
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    folders = {"smol-a": smollm2_adapters["a"], "smol-b": smollm2_adapters["b"]}
+    for line, model, text in zip(lines, models, texts):
+        if model == "smol-c":
+            assert line["error"]["message"] == (f"model 'smol-c' is neither an adapter of this run (smol-a, smol-b) "
+                                                f"nor its base model ({SMOLLM2_DIR})")
+            continue
+        ids = tokenizer(text)["input_ids"]
+        expected = hf_greedy(SMOLLM2_DIR, [ids], MAX_TOKENS, [[2]], adapter=folders.get(model))[0]
+        body = line["response"]["body"]
+        assert body["model"] == model
+        assert body["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True), (model, text)
+    assert lines[0]["response"]["body"]["choices"][0]["text"] != lines[1]["response"]["body"]["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv", ".parquet"])
+def test_adapter_field_reaches_the_rows(tmp_path, suffix):
+    from data_tools import create_inference_h5 as create
+
+    records = [{"prompt": "Hi", "adapter": "math"}, {"prompt": "Hello", "adapter": ""}, {"prompt": "Yo", "adapter": "code"}]
+    source = tmp_path / f"prompts{suffix}"
+    if suffix == ".jsonl":
+        source.write_text("".join(json.dumps(r) + "\n" for r in records))
+    elif suffix == ".csv":
+        source.write_text("prompt,adapter\n" + "".join(f"{r['prompt']},{r['adapter']}\n" for r in records))
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"prompt": [r["prompt"] for r in records], "adapter": [r["adapter"] for r in records]}),
+                       source)
+    assert create.main(["--input", str(source), "--adapter_field", "adapter", "--tokenizer", str(SMOLLM2_DIR),
+                        "--max_seq_len", "16", "--output_dir", str(tmp_path / "data")]) == 0
+    with h5py.File(tmp_path / "data" / "data.h5") as h5:
+        assert [v.decode() for v in h5["adapter"][:]] == ["math", "", "code"]
+
+
+def test_adapter_field_errors(tmp_path, capsys):
+    from data_tools import create_inference_h5 as create
+
+    source = tmp_path / "prompts.jsonl"
+    source.write_text(json.dumps({"prompt": "Hi"}) + "\n")
+    assert create.main(["--input", str(source), "--adapter_field", "adapter", "--tokenizer", str(SMOLLM2_DIR),
+                        "--max_seq_len", "16", "--output_dir", str(tmp_path / "data")]) == 2
+    assert capsys.readouterr().err == (f"error: {source}: line 1 has no field 'adapter' (use --adapter_field to pick "
+                                       "another)\n")
+    assert not (tmp_path / "data").exists()
+
+
+def test_a_merged_adapter_under_tensor_parallel(three_adapters, tmp_path):
+    """Each rank merges its slice of every update (rows of q/k/v/gate/up, columns of o/down) as it reads its slice of
+    the weights: the tokens of one process."""
+    data = tmp_path / "data"
+    write_h5(data, prompt_rows(PROMPTS, MAX_SEQ_LEN, START))
+    params = write_params(tmp_path / "tp2.yaml", three_adapters["base"], data, 3, START, max_tokens=MAX_TOKENS,
+                          model_keys={**three_adapters["keys"], "adapter": "all"}, tensor_parallel=2)
+    finish(torchrun(2, params, tmp_path / "run"))
+    alone = three_adapters["alone"]["all"]
+    for arrays in load_predictions(tmp_path / "run").values():
+        for row, index in enumerate(arrays["sample_index"].tolist()):
+            if index >= 0:
+                begin = int(arrays["prompt_length"][row])
+                tokens = arrays["predictions"][row, begin: begin + int(arrays["num_generated"][row])].tolist()
+                assert (tokens, str(arrays["adapter"][row])) == alone[index]
+
+
+def test_bfloat16_rows_mixing_adapters_do_not_depend_on_the_batch(three_adapters):
+    fields = ["attn", "", "mlp", "all"] * 3
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(fields))]
+    runs = [run_rows(three_adapters["root"], f"bf16-{size}", three_adapters["base"], prompts, size,
+                     three_adapters["keys"], adapters=fields, dtype="bfloat16") for size in (1, 5)]
+    assert runs[0] == runs[1]
+    alone = three_adapters["alone"]
+    agree = sum(runs[0][i][0] == alone[fields[i]][i % len(PROMPTS)][0] for i in range(len(fields)))
+    assert agree >= len(fields) // 2  # bfloat16 keeps most float32 answers of a decisive tiny model

@@ -13,10 +13,7 @@ process: the shards each rank loads (fake ranks: loading needs no process group)
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,7 +22,7 @@ import pytest
 import torch
 from transformers import GPT2Config, Qwen2Config
 
-from harness import REPO_ROOT, prompt_rows, run_job, save_tiny_model, write_h5, write_params
+from harness import finish, prompt_rows, run_job, save_tiny_model, torchrun, write_h5, write_params
 from tiny_configs import tiny_llama_config
 
 VOCAB = 81  # odd: the vocabulary rows split 40 / 41
@@ -61,20 +58,6 @@ def root(tmp_path_factory) -> Path:
 def files(model_dir: Path) -> dict[str, bytes]:
     folder = model_dir / "artifacts" / "predictions"
     return {p.name: p.read_bytes() for p in folder.iterdir()} if folder.is_dir() else {}
-
-
-def torchrun(nproc: int, params: Path, model_dir: Path) -> subprocess.Popen:
-    """run_inference.py under torchrun on a free port, as a scheduler would start it."""
-    command = [str(Path(sys.executable).with_name("torchrun")), "--standalone", f"--nproc_per_node={nproc}",
-               str(REPO_ROOT / "run_inference.py"), "--params", str(params), "--model_dir", str(model_dir)]
-    return subprocess.Popen(command, cwd=REPO_ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def finish(process: subprocess.Popen) -> str:
-    output, _ = process.communicate(timeout=300)
-    assert process.returncode == 0, output
-    return output
 
 
 def test_tensor_times_data_parallel_equals_one_process(root):
