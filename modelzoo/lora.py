@@ -172,7 +172,10 @@ def base_projections(model: nn.Module, weight_shapes: dict[str, tuple[int, ...]]
             continue
         begin = 0
         for piece in pieces:
-            rows = weight_shapes[piece][0]
+            stored = weight_shapes.get(piece) or weight_shapes.get(piece.split(".", 1)[-1])  # saved without `model.`
+            if stored is None:
+                raise UserError(f"the checkpoint has no weight {piece}")
+            rows = stored[0]
             projections[piece.removesuffix(".weight")] = Projection(name, (begin, begin + rows), width, in_features,
                                                                     False)
             begin += rows

@@ -27,8 +27,8 @@ from modelzoo.files import WriteError
 from modelzoo.generation.engine import GenerationEngine, Request
 from modelzoo.generation.kv_cache import KVCache
 from modelzoo.generation.scoring import Scorer, ScoreRequest
-from modelzoo.lora import AdapterPlan, plan_adapters
 from modelzoo.generation.stopping import DUMMY, EMPTY_PROMPT, NO_START_TOKEN, SCORED
+from modelzoo.lora import AdapterPlan, plan_adapters
 from modelzoo.manifest import build_manifest
 from modelzoo.model_setup import ModelSetup, resolve_device
 from modelzoo.output_folder import OutputFolder

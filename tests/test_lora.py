@@ -344,3 +344,22 @@ def test_bfloat16_rows_mixing_adapters_do_not_depend_on_the_batch(three_adapters
     alone = three_adapters["alone"]
     agree = sum(runs[0][i][0] == alone[fields[i]][i % len(PROMPTS)][0] for i in range(len(fields)))
     assert agree >= len(fields) // 2  # bfloat16 keeps most float32 answers of a decisive tiny model
+
+
+def test_a_shared_prefix_is_prefilled_once_per_adapter(three_adapters, tmp_path):
+    """Prompts sharing a 20-token prefix, rows of three adapters and the base: each adapter's prefix keys are its own."""
+    rng = np.random.default_rng(7)
+    prefix = rng.integers(0, VOCAB, size=20).tolist()
+    prompts = [prefix + rng.integers(0, VOCAB, size=n).tolist() for n in (4, 9, 1, 15, 6, 3, 11, 2)]
+    fields = ["attn", "mlp", "all", "", "attn", "mlp", "all", ""]
+    keys = three_adapters["keys"]
+    got = run_rows(tmp_path, "mixed", three_adapters["base"], prompts, 8, keys, adapters=fields, max_seq_len=64)
+    summary = json.loads((tmp_path / "mixed" / "artifacts" / "summary.json").read_text())
+    assert summary["prefilled_tokens"] == sum(len(p) for p in prompts) - 4 * 20  # each prefix once, not twice
+    for name in ("attn", "mlp", "all", ""):
+        model_keys = {**keys, "adapter": name} if name else {}
+        alone = run_rows(tmp_path, f"alone-{name or 'base'}", three_adapters["base"], prompts, 8, model_keys,
+                         max_seq_len=64)
+        for index, field in enumerate(fields):
+            if field == name:
+                assert got[index] == (alone[index][0], name), (index, name)

@@ -47,7 +47,7 @@ def run_engine(tmp_path, prompts, num_slots=3):
 def test_prefix_found_in_the_first_admission_and_reused_by_later_requests(tmp_path):
     prompts = shared_prefix_prompts(VOCAB)
     engine, out = run_engine(tmp_path, prompts)
-    assert engine.shared_prefix is not None and engine.shared_prefix.tokens.tolist() == prompts[0][:20]
+    assert list(engine.shared_prefixes) == [-1] and engine.shared_prefixes[-1].tokens.tolist() == prompts[0][:20]
     _, alone = run_engine(tmp_path, prompts, num_slots=1)  # one slot: no admission of two, no shared prefix
     assert out == alone and len(out) == len(prompts)
 
@@ -55,4 +55,4 @@ def test_prefix_found_in_the_first_admission_and_reused_by_later_requests(tmp_pa
 def test_short_common_prefix_is_not_used(tmp_path):
     prompts = [p[20 - MIN_SHARED_TOKENS + 1:] for p in shared_prefix_prompts(VOCAB)]  # 15 shared tokens
     engine, _ = run_engine(tmp_path, prompts)
-    assert engine.shared_prefix is None
+    assert engine.shared_prefixes == {}

