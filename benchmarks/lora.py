@@ -15,7 +15,6 @@ Printed: tokens/s of each and its ratio to base.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -27,9 +26,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.engines import Prepared, add_run_options, run_zoo, start_run  # noqa: E402
-from benchmarks.machine import cpu_description  # noqa: E402
-from benchmarks.throughput import prepare  # noqa: E402
+from benchmarks.engines import Prepared, run_zoo  # noqa: E402
+from benchmarks.throughput import start_variants, variant_parser  # noqa: E402
 from modelzoo.checkpoint import load_hf_config  # noqa: E402
 
 ADAPTERS = 4
@@ -77,17 +75,10 @@ def mixed_data(prep: Prepared, out: Path, names: list[str]) -> Prepared:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="models/smollm2-135m-instruct")
-    parser.add_argument("--num_prompts", type=int, default=164)
-    parser.add_argument("--max_tokens", type=int, default=64)
+    parser = variant_parser(__doc__, "benchmarks/results/lora")
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--dtype", default="float32")
-    add_run_options(parser, "benchmarks/results/lora")
     args = parser.parse_args(argv)
-    out, threads = start_run(args)
-    print(f"machine: {cpu_description()}, {threads} threads")
-    prep = prepare(args, out)
+    out, threads, prep = start_variants(args)
     rows = len(prep.token_ids)
     hf_config = load_hf_config(args.model)
     adapters = {f"a{i}": str(write_adapter(out / f"adapter_{i}", hf_config, args.rank, seed=i)) for i in range(ADAPTERS)}

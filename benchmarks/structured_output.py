@@ -23,7 +23,6 @@ time:
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -36,9 +35,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.engines import Prepared, add_run_options, run_zoo, start_run  # noqa: E402
-from benchmarks.machine import cpu_description  # noqa: E402
-from benchmarks.throughput import prepare  # noqa: E402
+from benchmarks.engines import Prepared, run_zoo  # noqa: E402
+from benchmarks.throughput import start_variants, variant_parser  # noqa: E402
 from data_tools.prompts import load_tokenizer  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"function_name": {"type": "string"}, "code": {"type": "string"},
@@ -99,16 +97,8 @@ def valid_answers(tokens: list[list[int] | None], tokenizer: Any, eos: int) -> t
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="models/smollm2-135m-instruct")
-    parser.add_argument("--num_prompts", type=int, default=164)
-    parser.add_argument("--max_tokens", type=int, default=64)
-    parser.add_argument("--dtype", default="float32")
-    add_run_options(parser, "benchmarks/results/structured")
-    args = parser.parse_args(argv)
-    out, threads = start_run(args)
-    print(f"machine: {cpu_description()}, {threads} threads")
-    prep = prepare(args, out)
+    args = variant_parser(__doc__, "benchmarks/results/structured").parse_args(argv)
+    out, threads, prep = start_variants(args)
     rows = len(prep.token_ids)
     tokenizer = load_tokenizer(args.model)
 

@@ -67,8 +67,8 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks import machine, peak_rate  # noqa: E402
-from benchmarks.engines import (COLUMNS, PEERS, PEERS_DIR, Prepared, run_child, run_peer, run_zoo,  # noqa: E402
-                                select_peers)
+from benchmarks.engines import (COLUMNS, PEERS, PEERS_DIR, Prepared, add_run_options, run_child, run_peer,  # noqa: E402
+                                run_zoo, select_peers, start_run)
 from benchmarks.prompts import PYPI_NAME, load_prompts  # noqa: E402
 from benchmarks.random_model import RANDOM_PREFIX, SHAPES, ensure_random_model, is_random  # noqa: E402
 from data_tools.create_inference_h5 import build_rows, write_h5  # noqa: E402
@@ -121,6 +121,25 @@ def prepare(args: argparse.Namespace, out: Path) -> Prepared:
 
 
 Limits = Callable[[str, int], tuple[float | None, float | None]]  # (dtype, generated) -> (ceiling, peak bound)
+
+
+def variant_parser(doc: str, out: str) -> argparse.ArgumentParser:
+    """The options of a script comparing zoo-infer variants on these prompts: --model, --num_prompts, --max_tokens,
+    --dtype and the run options (add_run_options)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="models/smollm2-135m-instruct")
+    parser.add_argument("--num_prompts", type=int, default=164)
+    parser.add_argument("--max_tokens", type=int, default=64)
+    parser.add_argument("--dtype", default="float32")
+    add_run_options(parser, out)
+    return parser
+
+
+def start_variants(args: argparse.Namespace) -> tuple[Path, int, Prepared]:
+    """The output folder, the thread count and the prepared prompts of a variant script; prints the machine."""
+    out, threads = start_run(args)
+    print(f"machine: {machine.cpu_description()}, {threads} threads")
+    return out, threads, prepare(args, out)
 
 
 def fill_comparisons(rows: list[dict], tokens: dict[tuple[str, str], list | None],

@@ -217,27 +217,33 @@ class AdapterBank:
 
 
 class LoraLinear(nn.Module):
-    """base(x) + the LoRA update of the adapter each row uses: (x A^T * mask) B^T, A (C, in) and B (out, C) every
-    adapter's stacked, the mask (B, T, C) the row's adapter's scaling on its columns and 0 elsewhere."""
+    """base(x) + the LoRA update of the adapter each row uses: B (A x * mask), A (C, in) and B (out, C) every
+    adapter's stacked (`lora_a`, `lora_b`: linear layers, which the CPU GEMM backends re-lay out as they do the
+    base's), the mask (B, T, C) the row's adapter's scaling on its columns and 0 elsewhere."""
 
-    def __init__(self, base: nn.Module, a: torch.Tensor, b: torch.Tensor, owner: torch.Tensor, scaling: torch.Tensor,
-                 bank: AdapterBank) -> None:
+    def __init__(self, base: nn.Module, lora_a: nn.Linear, lora_b: nn.Linear, owner: torch.Tensor,
+                 scaling: torch.Tensor, bank: AdapterBank) -> None:
         super().__init__()
-        self.base = base
-        self.a, self.b = a, b  # (C, in), (out, C) in the compute dtype
+        self.base, self.lora_a, self.lora_b = base, lora_a, lora_b
         self.owner, self.scaling = owner, scaling  # (C,) long adapter index, (C,) compute dtype
         self.bank = bank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
         adapter = self.bank.current if x.dim() == 3 else self.bank.current[:, 0]  # (B, 1|T) or (B,)
         mask = torch.where(adapter[..., None] == self.owner, self.scaling, 0)  # (B, 1|T, C)
-        return y + (x @ self.a.T * mask) @ self.b.T
+        return self.base(x) + self.lora_b(self.lora_a(x) * mask)
+
+
+def _linear(weight: torch.Tensor) -> nn.Linear:
+    """A bias-free linear layer holding `weight` (out, in)."""
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    layer.weight = nn.Parameter(weight, requires_grad=False)
+    return layer
 
 
 def attach_adapters(model: nn.Module, adapters: list[LoraAdapter], projections: dict[str, Projection],
                     num_slots: int, dtype: torch.dtype, device: torch.device) -> AdapterBank:
-    """Wraps every adapted module of `model` (after its GEMM re-layout) in a LoraLinear holding all `adapters`' updates
+    """Wraps every adapted module of `model` (before its GEMM re-layout) in a LoraLinear holding all `adapters`' updates
     of it (adapter i of the bank is adapters[i]); returns the bank the engine sets each slot's adapter in."""
     bank = AdapterBank([adapter.name for adapter in adapters], num_slots, device)
     columns: dict[str, list[tuple[int, Projection, torch.Tensor, torch.Tensor, float]]] = {}
@@ -261,8 +267,9 @@ def attach_adapters(model: nn.Module, adapters: list[LoraAdapter], projections: 
             stacked_b[where.rows[0]: where.rows[1], column: column + r] = b
             owner[column: column + r], scaling[column: column + r] = index, scale
             column += r
-        setattr(parent, attribute, LoraLinear(base, stacked_a.to(device, dtype), stacked_b.to(device, dtype),
-                                              owner.to(device), scaling.to(device, dtype), bank))
+        setattr(parent, attribute, LoraLinear(base, _linear(stacked_a.to(device, dtype)),
+                                              _linear(stacked_b.to(device, dtype)), owner.to(device),
+                                              scaling.to(device, dtype), bank))
     model.adapter_bank = bank
     return bank
 

@@ -132,12 +132,12 @@ class ModelSetup:
             raise UserError(f"the KV cache needs {cache / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB is available on "
                             f"{self.device}; lower runconfig.rows_in_flight (or inference_input.batch_size) or the "
                             f"data's max_seq_len")
-        self.small_step_rows = self._choose_gemm(model, weight_dtype, spare_bytes=(free - cache) // 2)
-        if self.adapters is not None and self.adapters.bank:
+        if self.adapters is not None and self.adapters.bank:  # their low-rank GEMMs chosen with the others
             attach_adapters(model, self.adapters.bank, self.adapters.projections, self.rows_in_flight, self.dtype,
                             self.device)
             log.info("LoRA adapters per row: %s (each row's update added to the base projections' output)",
                      ", ".join(f"{a.name} ({len(a.updates)} projections)" for a in self.adapters.bank))
+        self.small_step_rows = self._choose_gemm(model, weight_dtype, spare_bytes=(free - cache) // 2)
         engine = self.engine(model, self.params.model.generation_defaults(), variety, compiler, self._drafter())
         return model, engine
 
