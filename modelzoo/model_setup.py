@@ -132,7 +132,7 @@ class ModelSetup:
             raise UserError(f"the KV cache needs {cache / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB is available on "
                             f"{self.device}; lower runconfig.rows_in_flight (or inference_input.batch_size) or the "
                             f"data's max_seq_len")
-        if self.adapters is not None and self.adapters.bank:  # their low-rank GEMMs chosen with the others
+        if self.adapters is not None and self.adapters.bank:
             attach_adapters(model, self.adapters.bank, self.adapters.projections, self.rows_in_flight, self.dtype,
                             self.device)
             log.info("LoRA adapters per row: %s (each row's update added to the base projections' output)",

@@ -100,7 +100,7 @@ class CausalLM(nn.Module):
         (B, N, vocab).
         """
         if self.adapter_bank is not None:  # each row's (or packed token's) LoRA adapter, from its cache slot
-            self.adapter_bank.select(slots, tokens.shape[0])
+            self.adapter_bank.select(slots, tokens.shape)
         x, contexts, extra = self.prepare(tokens, positions, cache, slots, last, length)
         for layer, ctx in zip(self.get_submodule(self.layers_name), contexts):
             x = layer(x, *extra, ctx)
