@@ -27,7 +27,8 @@ class PromptFile:
 
     prompts: list[str]
     ids: list[str] | None = None
-    # Each prompt's text fields by role (TEXT_FIELDS), where the file has them.
+    # Each prompt's optional text fields by role, where the file has them: "continuation" (a continuation to score,
+    # --continuation_field), "adapter" (the LoRA adapter the prompt runs with, --adapter_field).
     texts: dict[str, list[str]] = field(default_factory=dict)
 
     @property
@@ -41,9 +42,6 @@ class PromptFile:
                           {role: values[rows] for role, values in self.texts.items()})
 
 
-# The optional text fields of a prompt, by role: a continuation to score (--continuation_field), the LoRA adapter
-# the prompt runs with (--adapter_field).
-TEXT_FIELDS = ("continuation", "adapter")
 TextFields = dict[str, str]  # role -> the field or column that holds it
 
 
