@@ -19,15 +19,14 @@ import json
 import sys
 from pathlib import Path
 
-import h5py
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.engines import Prepared, run_zoo  # noqa: E402
-from benchmarks.throughput import start_variants, variant_parser  # noqa: E402
+from benchmarks.engines import run_zoo  # noqa: E402
+from benchmarks.throughput import start_variants, variant_data, variant_parser  # noqa: E402
 from modelzoo.checkpoint import load_hf_config  # noqa: E402
 
 ADAPTERS = 4
@@ -61,19 +60,6 @@ def write_adapter(folder: Path, hf_config, rank: int, seed: int) -> Path:
     return folder
 
 
-def mixed_data(prep: Prepared, out: Path, names: list[str]) -> Prepared:
-    """prep's data with a per-row adapter dataset: the names in turn."""
-    folder = out / "data_mixed"
-    folder.mkdir(parents=True, exist_ok=True)
-    with h5py.File(prep.data_dir / "data.h5") as source, h5py.File(folder / "data.h5", "w") as h5:
-        for name in ("data", "prompt_lengths"):
-            h5.create_dataset(name, data=source[name][:])
-        rows = len(source["prompt_lengths"])
-        h5.create_dataset("adapter", data=[names[row % len(names)] for row in range(rows)], dtype=h5py.string_dtype())
-        h5.attrs.update(dict(source.attrs))
-    return Prepared(folder, prep.tokens_json, prep.token_ids, prep.start_token, prep.eos_id, prep.max_seq_len)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = variant_parser(__doc__, "benchmarks/results/lora")
     parser.add_argument("--rank", type=int, default=16)
@@ -86,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     base, _ = run_zoo(args, prep, out, args.dtype, threads, "base", model_keys=same_steps, batch_size=rows)
     merged, _ = run_zoo(args, prep, out, args.dtype, threads, "merged", batch_size=rows,
                         model_keys={**same_steps, "adapters": adapters, "adapter": "a0"})
-    mixed, _ = run_zoo(args, mixed_data(prep, out, list(adapters)), out, args.dtype, threads, "mixed4", batch_size=rows,
+    turns = {"adapter": [f"a{row % ADAPTERS}" for row in range(rows)]}  # each row names one adapter in turn
+    mixed, _ = run_zoo(args, variant_data(prep, out, "data_mixed", turns), out, args.dtype, threads, "mixed4",
+                       batch_size=rows,
                        model_keys={**same_steps, "adapters": adapters})
     print(f"\n{rows} rows x {args.max_tokens} tokens, rank {args.rank} on every projection, {args.dtype}")
     print(f"{'variant':<8} {'status':<8} {'generated':>9} {'gen s':>7} {'tok/s':>7} {'vs base':>8}")

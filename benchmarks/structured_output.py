@@ -28,7 +28,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import h5py
 import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -36,7 +35,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.engines import Prepared, run_zoo  # noqa: E402
-from benchmarks.throughput import start_variants, variant_parser  # noqa: E402
+from benchmarks.throughput import start_variants, variant_data, variant_parser  # noqa: E402
 from data_tools.prompts import load_tokenizer  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"function_name": {"type": "string"}, "code": {"type": "string"},
@@ -48,32 +47,15 @@ SAMPLES = 4
 def repeated_data(prep: Prepared, out: Path, name: str, prompts: int, together: bool) -> Prepared:
     """The first `prompts` rows of prep's data, SAMPLES times each: each prompt's copies side by side with their
     `sample` numbers (together) or `prompts` rows apart (as separate requests)."""
-    with h5py.File(prep.data_dir / "data.h5") as h5:
-        data, lengths = h5["data"][:prompts], h5["prompt_lengths"][:prompts]
-        attrs = dict(h5.attrs)
     order = np.repeat(np.arange(prompts), SAMPLES) if together else np.tile(np.arange(prompts), SAMPLES)
-    folder = out / name
-    folder.mkdir(parents=True, exist_ok=True)
-    with h5py.File(folder / "data.h5", "w") as h5:
-        h5.create_dataset("data", data=data[order])
-        h5.create_dataset("prompt_lengths", data=lengths[order])
-        if together:
-            h5.create_dataset("sample", data=np.tile(np.arange(SAMPLES, dtype=np.int32), prompts))
-        h5.attrs.update({**attrs, "num_samples": len(order)})
-    return Prepared(folder, prep.tokens_json, [prep.token_ids[i] for i in order], prep.start_token, prep.eos_id,
-                    prep.max_seq_len)
+    samples = {"sample": np.tile(np.arange(SAMPLES, dtype=np.int32), prompts)} if together else {}
+    return variant_data(prep, out, name, samples, order)
 
 
 def lengths_data(prep: Prepared, out: Path, lengths: list[int]) -> Prepared:
     """prep's data with a per-row max_tokens: each row's `lengths` entry (at least 1)."""
-    folder = out / "data_same_lengths"
-    folder.mkdir(parents=True, exist_ok=True)
-    with h5py.File(prep.data_dir / "data.h5") as source, h5py.File(folder / "data.h5", "w") as h5:
-        for name in ("data", "prompt_lengths"):
-            h5.create_dataset(name, data=source[name][:])
-        h5.create_dataset("max_tokens", data=np.maximum(np.array(lengths, dtype=np.int64), 1))
-        h5.attrs.update(dict(source.attrs))
-    return Prepared(folder, prep.tokens_json, prep.token_ids, prep.start_token, prep.eos_id, prep.max_seq_len)
+    own = {"max_tokens": np.maximum(np.array(lengths, dtype=np.int64), 1)}
+    return variant_data(prep, out, "data_same_lengths", own)
 
 
 def summary(out: Path, name: str) -> dict[str, Any]:

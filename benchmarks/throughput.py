@@ -60,6 +60,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+import h5py
 import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -140,6 +141,23 @@ def start_variants(args: argparse.Namespace) -> tuple[Path, int, Prepared]:
     out, threads = start_run(args)
     print(f"machine: {machine.cpu_description()}, {threads} threads")
     return out, threads, prepare(args, out)
+
+
+def variant_data(prep: Prepared, out: Path, name: str, per_row: dict[str, Any],
+                 order: np.ndarray | None = None) -> Prepared:
+    """prep's data as folder out/name: its rows in `order` (default: all, as they are) with the `per_row` datasets
+    added (one value per written row; lists of str become string datasets)."""
+    folder = out / name
+    folder.mkdir(parents=True, exist_ok=True)
+    with h5py.File(prep.data_dir / "data.h5") as source, h5py.File(folder / "data.h5", "w") as h5:
+        rows = np.arange(len(source["prompt_lengths"])) if order is None else order
+        for dataset in ("data", "prompt_lengths"):
+            h5.create_dataset(dataset, data=source[dataset][:][rows])
+        for dataset, values in per_row.items():
+            h5.create_dataset(dataset, data=values, dtype=h5py.string_dtype() if isinstance(values, list) else None)
+        h5.attrs.update({**dict(source.attrs), "num_samples": len(rows)})
+    return Prepared(folder, prep.tokens_json, [prep.token_ids[i] for i in rows], prep.start_token, prep.eos_id,
+                    prep.max_seq_len)
 
 
 def fill_comparisons(rows: list[dict], tokens: dict[tuple[str, str], list | None],
