@@ -65,9 +65,11 @@ class _Picked:
     def of(logits: torch.Tensor, target: torch.Tensor, top_k: int) -> _Picked:
         """logits (..., V), target (...) long."""
         logprobs = torch.log_softmax(logits.float(), dim=-1)
-        top = logprobs.topk(top_k, dim=-1) if top_k else None
-        return _Picked(logprobs.gather(-1, target[..., None])[..., 0], logprobs.argmax(-1) == target,
-                       None if top is None else top.values, None if top is None else top.indices)
+        chosen = logprobs.gather(-1, target[..., None])[..., 0]
+        if not top_k:
+            return _Picked(chosen, logprobs.argmax(-1) == target, None, None)
+        top = logprobs.topk(top_k, dim=-1)  # its first entry is the argmax: one pass over the vocabulary
+        return _Picked(chosen, top.indices[..., 0] == target, top.values, top.indices)
 
 
 def _row(first: _Picked, rest: _Picked | None, name: str, row: int, k: int) -> np.ndarray | None:
