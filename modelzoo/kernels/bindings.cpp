@@ -16,5 +16,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "and chunk to activation_bits (8 or 16) on the fly; (..., out_features) in x's dtype",
         py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("bias") = py::none(),
         py::arg("out_features"), py::arg("activation_bits"));
+  m.def("bf16_dot_available", &zoo::bf16_dot_available, "Whether bf16_linear was built (AVX512-BF16)");
+  m.def("bf16_linear", &zoo::bf16_linear,
+        "x (..., K) rounded to bfloat16 @ W^T (+ bias) for a bfloat16 W packed by modelzoo/precision.py, summed and "
+        "returned in float32 (..., out_features)",
+        py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(), py::arg("out_features"));
   m.def("silu_mul", &zoo::silu_mul, "silu(gate) * up for gate_up = gate | up along the last dimension");
 }

@@ -21,6 +21,10 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up);
 bool int8_vnni_available();
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
                           const c10::optional<torch::Tensor>& bias, int64_t out_features, int64_t activation_bits);
+// bf16_gemm.cpp: bfloat16 weights times activations rounded to bfloat16, float32 sums and outputs, on AVX512-BF16.
+bool bf16_dot_available();
+torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
+                          int64_t out_features);
 // out[0, d) = x * cos + rotate_half(x) * sin in float32 for one head of d values of T (the two halves' layout).
 template <typename T>
 void rotate_half(const T* x, const T* cos, const T* sin, float* out, int64_t d);

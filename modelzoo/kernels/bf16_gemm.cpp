@@ -1,0 +1,153 @@
+// bfloat16-weight linear layers with float32 activations on AVX512-BF16: y = x @ W^T (+ bias), y in float32.
+//
+// The GEMM of the bfloat16 precision policy (modelzoo/precision.py): the inputs are rounded to bfloat16 (as
+// oneDNN's bfloat16 GEMM takes them), the products summed in float32, and the sums kept in float32 instead of
+// being rounded to bfloat16 on the way out (PyTorch's bfloat16 GEMMs offer no float32 output on the CPU).
+//
+// Weights: W (N, K) bfloat16, packed by modelzoo/precision.py into blocks of 16 output rows:
+//   packed (N/16, K/2, 16, 2) bfloat16: for each 2 inputs, 16 rows' 2 values side by side (one vdpbf16ps
+//   operand). N is padded with zero rows to a multiple of 16 and K with a zero column to an even count.
+// Each output sums the pairs of inputs in ascending order in one float32 lane (vdpbf16ps), whatever the other
+// rows of the call: the result does not depend on the batch.
+#include "kernels.h"
+#include "storage.h"
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace zoo {
+
+bool bf16_dot_available() {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+namespace {
+
+constexpr int64_t kBlock = 16;      // output rows per packed block (one register of float32 sums)
+constexpr int64_t kRowsTile = 6;    // activation rows per register tile
+constexpr int64_t kBlocksTile = 4;  // packed blocks per register tile: 6 x 4 float32 accumulators
+
+// rows (<= kRowsTile) x blocks (<= kBlocksTile) -> out[r * kBlocksTile * 16 + b * 16 + j]. xb: the rows'
+// inputs as bfloat16 pairs (one uint32 per pair), pairs per row; packed: the first block's weights.
+template <int64_t Rows, int64_t Blocks>
+void tile(const uint32_t* xb, int64_t pairs, const uint16_t* packed, float* out) {
+  const int64_t block_values = pairs * 2 * kBlock;
+  __m512 sums[Rows][Blocks];
+  for (int64_t r = 0; r < Rows; ++r)
+    for (int64_t b = 0; b < Blocks; ++b) sums[r][b] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512bh weights[Blocks];
+    for (int64_t b = 0; b < Blocks; ++b)
+      weights[b] = (__m512bh)_mm512_loadu_si512(packed + b * block_values + p * 2 * kBlock);
+    for (int64_t r = 0; r < Rows; ++r) {
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(xb[r * pairs + p]));
+      for (int64_t b = 0; b < Blocks; ++b) sums[r][b] = _mm512_dpbf16_ps(sums[r][b], x, weights[b]);
+    }
+  }
+  for (int64_t r = 0; r < Rows; ++r)
+    for (int64_t b = 0; b < Blocks; ++b) _mm512_storeu_ps(out + r * kBlocksTile * kBlock + b * kBlock, sums[r][b]);
+}
+
+template <int64_t Blocks>
+void tile_rows(int64_t rows, const uint32_t* xb, int64_t pairs, const uint16_t* packed, float* out) {
+  switch (rows) {
+    case 6: return tile<6, Blocks>(xb, pairs, packed, out);
+    case 5: return tile<5, Blocks>(xb, pairs, packed, out);
+    case 4: return tile<4, Blocks>(xb, pairs, packed, out);
+    case 3: return tile<3, Blocks>(xb, pairs, packed, out);
+    case 2: return tile<2, Blocks>(xb, pairs, packed, out);
+    default: return tile<1, Blocks>(xb, pairs, packed, out);
+  }
+}
+
+void tile_any(int64_t rows, int64_t blocks, const uint32_t* xb, int64_t pairs, const uint16_t* packed, float* out) {
+  switch (blocks) {
+    case 4: return tile_rows<4>(rows, xb, pairs, packed, out);
+    case 3: return tile_rows<3>(rows, xb, pairs, packed, out);
+    case 2: return tile_rows<2>(rows, xb, pairs, packed, out);
+    default: return tile_rows<1>(rows, xb, pairs, packed, out);
+  }
+}
+
+// Row r of x (k values of T) as bfloat16 pairs, rounded to nearest even, a zero appended for an odd k.
+template <typename T>
+void round_row(const T* x, int64_t k, int64_t pairs, uint32_t* out) {
+  std::vector<float> wide(pairs * 2, 0.f);
+  widen(x, wide.data(), k);
+  auto* halves = reinterpret_cast<c10::BFloat16*>(out);
+  int64_t i = 0;
+  for (; i + W <= pairs * 2; i += W) store16(halves + i, load16(wide.data() + i));
+  for (; i < pairs * 2; ++i) halves[i] = c10::BFloat16(wide[i]);
+}
+
+}  // namespace
+
+torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
+                          int64_t out_features) {
+  TORCH_CHECK(x.device().is_cpu() && is_storage_type(x.scalar_type()) && x.dim() >= 1,
+              "x must be a float32, bfloat16 or float16 CPU tensor (..., K)");
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.size(2) == kBlock &&
+                  packed.size(3) == 2 && packed.is_contiguous(), "packed must be contiguous bfloat16 (N/16, K/2, 16, 2)");
+  const int64_t blocks = packed.size(0), pairs = packed.size(1), k = x.size(-1);
+  TORCH_CHECK(k == 2 * pairs || k == 2 * pairs - 1, "x's last dimension does not match the packed weight");
+  TORCH_CHECK(out_features > 0 && out_features <= blocks * kBlock && out_features > (blocks - 1) * kBlock,
+              "out_features does not match the packed weight");
+  if (bias) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->scalar_type() == at::kFloat &&
+                    bias->is_contiguous(), "bias must be contiguous float32 (out_features,)");
+  }
+  const auto input = x.contiguous();
+  const int64_t rows = k ? input.numel() / k : 0;
+  auto sizes = x.sizes().vec();
+  sizes.back() = out_features;
+  auto out = torch::empty(sizes, x.options().dtype(at::kFloat));
+  std::vector<uint32_t> xb(rows * pairs);
+  ZOO_DISPATCH_FLOATS(x.scalar_type(), "bf16_linear", [&] {
+    const scalar_t* xp = input.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) round_row(xp + r * k, k, pairs, xb.data() + r * pairs);
+    });
+  });
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  float* yp = out.data_ptr<float>();
+  const int64_t column_tiles = (blocks + kBlocksTile - 1) / kBlocksTile;
+  const int64_t row_tiles = (rows + kRowsTile - 1) / kRowsTile;
+  // Output columns outer, rows inner: each thread streams its share of the weights once.
+  at::parallel_for(0, column_tiles * row_tiles, 1, [&](int64_t begin, int64_t end) {
+    float result[kRowsTile * kBlocksTile * kBlock];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t block = task / row_tiles * kBlocksTile, row = task % row_tiles * kRowsTile;
+      const int64_t tile_rows_count = std::min(kRowsTile, rows - row);
+      const int64_t tile_blocks = std::min(kBlocksTile, blocks - block);
+      tile_any(tile_rows_count, tile_blocks, xb.data() + row * pairs, pairs, wp + block * pairs * 2 * kBlock, result);
+      const int64_t first = block * kBlock, last = std::min(out_features, (block + tile_blocks) * kBlock);
+      for (int64_t r = 0; r < tile_rows_count; ++r) {
+        float* y = yp + (row + r) * out_features;
+        const float* values = result + r * kBlocksTile * kBlock;
+        if (bp) {
+          for (int64_t n = first; n < last; ++n) y[n] = values[n - first] + bp[n];
+        } else {
+          std::memcpy(y + first, values, (last - first) * sizeof(float));
+        }
+      }
+    }
+  });
+  return out;
+}
+#else
+torch::Tensor bf16_linear(const torch::Tensor&, const torch::Tensor&, const c10::optional<torch::Tensor>&, int64_t) {
+  TORCH_CHECK(false, "bf16_linear needs AVX512-BF16, which this build's CPU lacks");
+}
+#endif
+
+}  // namespace zoo
