@@ -28,7 +28,6 @@ from modelzoo.generation.options import GenerationOptions, RequestVariety
 from modelzoo.generation.scoring import Score, Scorer, ScoreRequest
 from modelzoo.model_setup import ModelSetup, resolve_device
 from modelzoo.params import parse_params
-from modelzoo.precision import arithmetic_dtype
 from modelzoo.tensor_parallel import TensorParallelGroup
 
 Prompt = str | Sequence[int]  # text, or token ids
@@ -70,8 +69,7 @@ class ZooModel:
         self.device = resolve_device(device)
         torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
         weights_dtype = resolve_dtype(dtype, hf_config)
-        self.setup = ModelSetup(self.params, self.device, weights_dtype, arithmetic_dtype(weights_dtype, self.device),
-                                max_seq_len, vocab_size)
+        self.setup = ModelSetup(self.params, self.device, weights_dtype, max_seq_len, vocab_size)
         self.max_seq_len = max_seq_len
         rows = rows_in_flight if rows_in_flight != "auto" else 1 << 30  # auto: as many as memory holds, capped
         self.model, self.engine = self.setup.build(TensorParallelGroup(device=self.device), rows_to_do=rows)

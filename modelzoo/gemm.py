@@ -372,4 +372,4 @@ def weight_bytes(model: nn.Module) -> int:
     """Bytes of the model's weights: each parameter or buffer storage once, plus prepacked copies."""
     unique = {t.data_ptr(): t for t in model.state_dict(keep_vars=True).values()}
     total = sum(t.numel() * t.element_size() for t in unique.values())
-    return total + sum(m.packed_bytes() for m in model.modules() if isinstance(m, (OneDNNLinear, MKLPackedLinear)))
+    return total + sum(m.packed_bytes() for m in model.modules() if hasattr(m, "packed_bytes"))

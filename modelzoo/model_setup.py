@@ -22,6 +22,7 @@ from modelzoo.kernels import machine_dir
 from modelzoo.lora import AdapterPlan, attach_adapters
 from modelzoo.memory import available_host_memory
 from modelzoo.params import InferenceParams
+from modelzoo.precision import apply_bf16_gemm, keep_gemm_weights, precision_policy
 from modelzoo.quantization import int8_summary
 from modelzoo.tensor_parallel import TensorParallelGroup, shard_plan
 
@@ -64,19 +65,21 @@ def available_memory(device: torch.device) -> int:
 class ModelSetup:
     """Loads a job's model and builds its engine; `gemm` is the GEMM plan once chosen."""
 
-    def __init__(self, params: InferenceParams, device: torch.device, weights_dtype: torch.dtype,
-                 dtype: torch.dtype, max_seq_len: int, vocab_size: int, adapters: AdapterPlan | None = None) -> None:
+    def __init__(self, params: InferenceParams, device: torch.device, dtype: torch.dtype, max_seq_len: int,
+                 vocab_size: int, adapters: AdapterPlan | None = None) -> None:
         self.params = params
         self.adapters = adapters  # the job's LoRA adapters: merged at load, or attached per row
         self.device = device
-        self.weights_dtype = weights_dtype  # the values the weights keep
-        self.dtype = dtype  # what the arithmetic and KV cache use
         self.max_seq_len = max_seq_len
         self.vocab_size = vocab_size
         self.gemm: GemmPlan | None = None
         self.small_step_rows: int | None = None  # rows of a job's last decode steps, once the GEMMs are chosen
         self.rows_in_flight = params.inference_input.batch_size  # sized by build()
         self.decode_step_mode = self._decode_step_mode()  # checked before anything is loaded or written
+        self.policy = precision_policy(dtype, device, int8_weights=params.model.weight_dtype == "int8",
+                                       compiled=self.decode_step_mode == "compiled")
+        self.dtype = self.policy.activations  # the arithmetic's dtype between the GEMMs
+        self.kv_dtype = self.policy.kv_cache
         if self.decode_step_mode in ("compiled", "cuda_graph"):
             # Inductor's compiled code beside the C++ kernels' builds (unless TORCHINDUCTOR_CACHE_DIR says where), so
             # the next job on this machine type reuses it; set before torch first asks for it (importing dynamo does).
@@ -84,9 +87,8 @@ class ModelSetup:
         self.decode_step: dict[str, object] | None = None  # how the decode step ran: summary.json's, once built
 
     def dtype_name(self) -> str:
-        """bfloat16, or 'bfloat16 weights, float32 arithmetic' where they differ."""
-        weights, arithmetic = (str(d).replace("torch.", "") for d in (self.weights_dtype, self.dtype))
-        return weights if weights == arithmetic else f"{weights} weights, {arithmetic} arithmetic"
+        """The precision policy in words (modelzoo/precision.py)."""
+        return self.policy.describe()
 
     def build(self, tp: TensorParallelGroup, variety: RequestVariety = RequestVariety(), rows_to_do: int = 0,
               response_formats: list[str] = ()) -> tuple[torch.nn.Module, GenerationEngine]:
@@ -145,7 +147,7 @@ class ModelSetup:
                compiler: FormatCompiler | None = None, drafter: Drafter | None = None) -> GenerationEngine:
         """An engine over the built model (`build` first): its KV cache of the rows in flight, its decode step
         compiled or captured and warmed up as runconfig.decode_step says."""
-        engine = GenerationEngine(model, self.rows_in_flight, self.max_seq_len, self.device, self.dtype, defaults,
+        engine = GenerationEngine(model, self.rows_in_flight, self.max_seq_len, self.device, self.kv_dtype, defaults,
                                   variety, drafter=drafter, small_step_rows=self.small_step_rows,
                                   structured=None if compiler is None else StructuredRows(
                                       compiler, self.rows_in_flight, model.config.vocab_size, self.device))
@@ -239,7 +241,7 @@ class ModelSetup:
     def kv_cache_bytes(self, model: torch.nn.Module, rows: int) -> int:
         """The KV cache of `rows` rows x max_seq_len."""
         c = model.config
-        return KVCache.nbytes(c.num_layers, rows, c.num_kv_heads, self.max_seq_len, c.head_dim, self.dtype)
+        return KVCache.nbytes(c.num_layers, rows, c.num_kv_heads, self.max_seq_len, c.head_dim, self.kv_dtype)
 
     def _rows_in_flight(self, model: torch.nn.Module, rows_to_do: int, free: int, tp: TensorParallelGroup) -> int:
         """runconfig.rows_in_flight, or for auto: every row to do up to AUTO_ROWS_IN_FLIGHT (on CUDA
@@ -267,18 +269,23 @@ class ModelSetup:
     def load(self, checkpoint: str, tensor_parallel: TensorParallelGroup | None = None,
              weight_dtype: str | None = None, update: Callable[[str], torch.Tensor | None] | None = None,
              ) -> torch.nn.Module:
-        """A checkpoint's model (this rank's share of it under tensor parallel), computing in self.dtype.
+        """A checkpoint's model (this rank's share of it under tensor parallel), in the precision policy's dtypes.
 
-        Half-precision weights computing in float32 are rounded to their dtype first; int8 weights are
-        quantized from the checkpoint's values, and their small companions (norms, biases, scales)
-        load straight in the arithmetic dtype. A draft model is whole on every rank.
+        Weights load in the policy's weight dtype; where the arithmetic is float32, the linear layers' weights keep
+        theirs under bf16_gemm (everything else becomes float32), or all become float32 (their half-precision values
+        kept) on a CPU without native half-precision multiplies. int8 weights are quantized from the checkpoint's
+        values, and their small companions (norms, biases, scales) load straight in the arithmetic dtype. A draft
+        model is whole on every rank.
         """
-        rounded = self.dtype != self.weights_dtype and not weight_dtype
-        model, _ = load_model(checkpoint, self.weights_dtype if rounded else self.dtype, self.device,
+        policy = self.policy
+        mixed = policy.weights != policy.activations and not weight_dtype
+        model, _ = load_model(checkpoint, policy.weights if mixed else self.dtype, self.device,
                               shard_plan(checkpoint, tensor_parallel), weight_dtype, self.params.model.int8_group_size,
                               update)
-        if rounded:
-            name = str(self.weights_dtype).replace("torch.", "")
+        if mixed and policy.bf16_gemm:
+            keep_gemm_weights(model, policy.activations)
+        elif mixed:
+            name = str(policy.weights).replace("torch.", "")
             log.info("this CPU has no native %s matrix multiplies: weights keep their %s values, arithmetic and "
                      "KV cache are float32 (faster here; see modelzoo/precision.py)", name, name)
             model = model.to(self.dtype)
@@ -298,6 +305,14 @@ class ModelSetup:
         rows = self.rows_in_flight
         # Compiled, torch's own GEMMs: the re-laid-out weights of the other backends cannot be traced.
         backend = "torch" if self.decode_step_mode == "compiled" else self.params.runconfig.gemm_backend
+        if self.policy.bf16_gemm:
+            if backend not in ("auto", "onednn"):
+                log.warning("runconfig.gemm_backend %s ignored: bfloat16 multiplies with bf16_linear here (float32 "
+                            "outputs; see modelzoo/precision.py)", backend)
+            self.gemm = GemmPlan(backend, layers=apply_bf16_gemm(model))
+            log.info("GEMMs: bf16_linear (bfloat16 weights and inputs, float32 sums and outputs) for %s",
+                     ", ".join(self.gemm.layers))
+            return SMALL_STEP_ROWS if rows > SMALL_STEP_ROWS and not spec else None
         self.gemm = apply_gemm_backend(model, self.dtype, self.device, backend,
                                        decode_rows=rows * (1 + (spec.num_tokens if spec else 0)),
                                        spare_bytes=spare_bytes)
@@ -323,4 +338,4 @@ class ModelSetup:
         log.info("speculative decoding: draft model %s (%s), %d tokens per step", spec.checkpoint_path,
                  type(draft).__name__, spec.num_tokens)
         return DraftModelDrafter(draft, spec.num_tokens, self.rows_in_flight, self.max_seq_len,
-                                 self.vocab_size, self.dtype, self.device)
+                                 self.vocab_size, self.kv_dtype, self.device)

@@ -1,25 +1,149 @@
-"""Which float type the arithmetic runs in, given the weights' dtype and the device.
+"""The precision policy: which tensors a job keeps and computes in which float type, for its dtype and device.
 
-bfloat16 and float16 weights compute in their own type on CUDA and on CPUs that multiply them
-natively (AVX512-BF16 / AMX-BF16, AVX512-FP16 / AMX-FP16). On other CPUs PyTorch emulates them:
-measured on this project's 2-core AVX-512 machines, a bf16 GEMM runs at less than half the fp32
-rate (M=256: 55 against 159 GFLOP/s), and a bf16 job at 0.35x the fp32 job's tokens/s. There the
-weights keep their half-precision values (rounded once, at load) and the arithmetic is float32:
-faster, and closer to the float32 reference than bf16 arithmetic.
+- float32: everything in float32.
+- bfloat16 on a CPU with AVX512-BF16 (AMX-BF16 CPUs have it too) and the C++ kernels built: **bfloat16
+  GEMMs, float32 everywhere else.** The linear layers keep bfloat16 weights and multiply with bf16_linear
+  (modelzoo/kernels/bf16_gemm.cpp): inputs rounded to bfloat16, products summed and returned in float32. The
+  residual stream, norms, rotary, attention's softmax, biases and embeddings' outputs are float32; the KV cache
+  stores bfloat16. Measured on SmolLM2-135M (64 raw HumanEval prompts, 64 greedy tokens, rows equal to
+  float32): everything in bfloat16 kept 22; float32 arithmetic on bfloat16 weights 56; rounding the GEMM
+  inputs to bfloat16 49; also rounding the GEMM outputs 34 (which is why the GEMM returns float32); a
+  bfloat16 or float16 KV cache on top of the first three 48 (a float32 one would double its bytes for one row).
+- bfloat16 or float16 on a CPU without native multiplies for it: PyTorch emulates them, at less than half the
+  float32 rate. The weights keep their half-precision values (rounded once, at load) and everything else,
+  the GEMMs and the KV cache included, is float32: faster there, and closer to float32.
+- otherwise (CUDA, float16 on AVX512-FP16, int8 weights, a compiled CPU decode step, which cannot trace the C++
+  GEMM): everything in the job's dtype, as PyTorch computes it.
 """
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from modelzoo.cpu import cpu_flags
 
+log = logging.getLogger("zoo-infer")
+
 # dtype -> CPU flags (/proc/cpuinfo) of which any one means native matrix multiplies.
 NATIVE_CPU_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
+GEMM_BLOCK = 16  # output rows per packed block of bf16_linear's weights
 
 
-def arithmetic_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """`dtype` itself, or float32 for half-precision weights on a CPU without native support."""
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """weights: the values the weights keep; activations: the dtype of the residual stream, norms, rotary, softmax
+    and GEMM outputs; kv_cache: the KV cache's storage; bf16_gemm: the linear layers multiply with bf16_linear
+    (bfloat16 weights, float32 in and out)."""
+
+    weights: torch.dtype
+    activations: torch.dtype
+    kv_cache: torch.dtype
+    bf16_gemm: bool = False
+
+    def describe(self) -> str:
+        """'bfloat16' where one dtype holds everything, else what holds which."""
+        name = lambda dtype: str(dtype).replace("torch.", "")
+        if self.bf16_gemm:
+            return (f"{name(self.weights)} weights and GEMM inputs, {name(self.activations)} GEMM outputs and "
+                    f"activations, {name(self.kv_cache)} KV cache")
+        if self.weights == self.activations == self.kv_cache:
+            return name(self.weights)
+        return f"{name(self.weights)} weights, {name(self.activations)} arithmetic and KV cache"
+
+
+def native_multiplies(dtype: torch.dtype) -> bool:
+    """Whether this CPU multiplies `dtype` matrices natively (float32 always)."""
     flags = NATIVE_CPU_FLAGS.get(dtype)
-    if device.type != "cpu" or flags is None or cpu_flags() & set(flags):
-        return dtype
-    return torch.float32
+    return flags is None or bool(cpu_flags() & set(flags))
+
+
+def bf16_kernel_available() -> bool:
+    """Whether the C++ kernels are built with bf16_linear (an AVX512-BF16 CPU with a compiler)."""
+    from modelzoo.kernels import cpu_kernels
+
+    kernels = cpu_kernels()
+    return kernels is not None and kernels.bf16_dot_available()
+
+
+def precision_policy(dtype: torch.dtype, device: torch.device, int8_weights: bool = False,
+                     compiled: bool = False) -> PrecisionPolicy:
+    """The policy for a job in `dtype` on `device` (module docstring); int8_weights: model.weight_dtype int8;
+    compiled: the decode step runs under torch.compile."""
+    same = PrecisionPolicy(dtype, dtype, dtype)
+    if device.type != "cpu" or dtype == torch.float32:
+        return same
+    if not native_multiplies(dtype):
+        return PrecisionPolicy(dtype, torch.float32, torch.float32)
+    if dtype == torch.bfloat16 and not int8_weights and not compiled and bf16_kernel_available():
+        return PrecisionPolicy(dtype, torch.float32, torch.bfloat16, bf16_gemm=True)
+    return same
+
+
+def linear_like(module: nn.Module) -> bool:
+    """A linear layer: nn.Linear (or a subclass), or a layer declaring `weight_is_in_out` (GPT-2's Conv1D)."""
+    return isinstance(module, nn.Linear) or bool(getattr(module, "weight_is_in_out", False))
+
+
+def keep_gemm_weights(model: nn.Module, activations: torch.dtype) -> None:
+    """Puts every float tensor of `model` in `activations`' dtype except the linear layers' weights and the embedding
+    tables (which keep theirs; each embedding's output is cast to `activations` as it is read)."""
+    for module in model.modules():
+        keep = {"weight"} if linear_like(module) or isinstance(module, nn.Embedding) else set()
+        for name, param in module.named_parameters(recurse=False):
+            if name not in keep and param.is_floating_point():
+                param.data = param.data.to(activations)
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer.is_floating_point():
+                setattr(module, name, buffer.to(activations))
+        if isinstance(module, nn.Embedding):
+            module.register_forward_hook(lambda _module, _args, out: out.to(activations))
+
+
+class BF16Linear(nn.Module):
+    """A linear layer multiplied by bf16_linear: its weight packed into (N/16, K/2, 16, 2) bfloat16, a float32 bias,
+    float32 (or 16-bit) inputs, float32 outputs."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        weight = layer.weight.detach()
+        if getattr(layer, "weight_is_in_out", False):
+            weight = weight.t()  # (in, out) -> (out, in)
+        self.out_features, self.in_features = weight.shape
+        self.packed = pack_bf16_weight(weight)
+        self.bias = None if layer.bias is None else nn.Parameter(layer.bias.detach().float(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from modelzoo.kernels import cpu_kernels
+
+        return cpu_kernels().bf16_linear(x, self.packed, self.bias, self.out_features)  # (..., N) float32
+
+    def packed_bytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size()
+
+
+def pack_bf16_weight(weight: torch.Tensor) -> torch.Tensor:
+    """W (N, K) -> (ceil(N/16), ceil(K/2), 16, 2) bfloat16: for each pair of inputs, 16 output rows' two values
+    side by side (zero rows and a zero column pad N and K)."""
+    out_features, in_features = weight.shape
+    rows, cols = -(-out_features // GEMM_BLOCK) * GEMM_BLOCK, in_features + in_features % 2
+    padded = F.pad(weight.to(torch.bfloat16), (0, cols - in_features, 0, rows - out_features))  # (rows, cols)
+    return padded.view(rows // GEMM_BLOCK, GEMM_BLOCK, cols // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def apply_bf16_gemm(model: nn.Module) -> dict[str, str]:
+    """Replaces every linear layer of `model` by a BF16Linear, one at a time (each old weight dropped at once);
+    returns {shape key: 'bf16_linear'} for the GEMM plan."""
+    layers = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+              if linear_like(child)]
+    shapes = {}
+    while layers:
+        parent, name, layer = layers.pop()
+        packed = BF16Linear(layer)
+        setattr(parent, name, packed)
+        shapes[f"bfloat16 {packed.in_features}x{packed.out_features}"] = "bf16_linear"
+        del layer
+    return shapes

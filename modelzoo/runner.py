@@ -33,7 +33,6 @@ from modelzoo.manifest import build_manifest
 from modelzoo.model_setup import ModelSetup, resolve_device
 from modelzoo.output_folder import OutputFolder
 from modelzoo.params import InferenceParams
-from modelzoo.precision import arithmetic_dtype
 from modelzoo.predictions import StepAssembly
 from modelzoo.preemption import Interrupted, StopRequest
 from modelzoo.reporting import (Progress, RunStats, log_totals, read_shard_stats, shard_stats_path, summary_of,
@@ -72,8 +71,8 @@ class InferenceJob:
         weights_dtype = resolve_dtype(model.dtype, hf_config)  # the values the weights keep
         self.vocab_size = int(hf_config.vocab_size)
         self.adapters = self._plan_adapters()  # read and checked before anything is written
-        self.setup = ModelSetup(params, self.device, weights_dtype, arithmetic_dtype(weights_dtype, self.device),
-                                self.data.max_seq_len, self.vocab_size, self.adapters)
+        self.setup = ModelSetup(params, self.device, weights_dtype, self.data.max_seq_len, self.vocab_size,
+                                self.adapters)
         self.data.check_against_model(self.start_tokens, self.vocab_size)
         self.defaults = model.generation_defaults()  # the options of every row without its own
         self.stats = RunStats()
@@ -231,7 +230,7 @@ class InferenceJob:
     def _scorer(self, model: torch.nn.Module) -> Scorer:
         """The scorer of the data's scoring rows, with a KV cache of its own (rows to generate keep the engine's)."""
         c, slots = model.config, min(self.setup.rows_in_flight, SCORING_SLOTS)
-        cache = KVCache(c.num_layers, slots, c.num_kv_heads, self.data.max_seq_len, c.head_dim, self.setup.dtype,
+        cache = KVCache(c.num_layers, slots, c.num_kv_heads, self.data.max_seq_len, c.head_dim, self.setup.kv_dtype,
                         self.device)
         return Scorer(model, cache, self.device, top_k=self.params.model.top_logprobs)
 

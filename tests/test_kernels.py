@@ -124,8 +124,11 @@ def test_kernel_ignores_positions_past_end_and_reads_a_strided_cache_view():
     (dict(slots=torch.tensor([0, 2])), "outside the cache's 2 slots"),
     (dict(slots=torch.tensor([0])), "one slot per row"),
     (dict(q=torch.randn(2, 1, 18, 16)), "1 to 8 query heads per kv head"),
-    (dict(q=torch.randn(2, 1, 4, 16).double()), "share one dtype: float32, bfloat16 or float16"),
-    (dict(q=torch.randn(2, 1, 4, 16).bfloat16()), "share one dtype"),
+    (dict(q=torch.randn(2, 1, 4, 16).double()), "of one dtype: float32, bfloat16 or float16"),
+    (dict(q=torch.randn(2, 1, 4, 16).bfloat16()), "of one dtype"),
+    (dict(keys=torch.randn(2, 2, 8, 16).bfloat16()), "the cache must be q's dtype"),  # values float32
+    (dict(q=torch.randn(2, 1, 4, 16).bfloat16(), new_keys=torch.randn(2, 1, 2, 16).bfloat16(),
+          new_values=torch.randn(2, 1, 2, 16).bfloat16()), "the cache must be q's dtype"),  # 16-bit q, float32 cache
     (dict(q=torch.randn(2, 1, 16, 4).transpose(2, 3)), "contiguous"),
     (dict(keys=torch.randn(2, 2, 16, 8).transpose(2, 3)), "cache rows must be contiguous"),
     (dict(q=torch.randn(2, 1, 4, 8), new_keys=torch.randn(2, 1, 2, 8), new_values=torch.randn(2, 1, 2, 8),

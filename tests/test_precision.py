@@ -1,4 +1,5 @@
-"""Half-precision weights on CPUs without native half-precision matrix multiplies: float32 arithmetic."""
+"""The precision policy (modelzoo/precision.py): which tensors are in which dtype, on CPUs with and without native
+bfloat16; bfloat16 GEMMs with float32 outputs; how close the bfloat16 policy stays to float32."""
 from __future__ import annotations
 
 import json
@@ -7,47 +8,190 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 
-from harness import prompt_rows, run_job, save_tiny_model, stacked_predictions, write_h5, write_params
+from harness import (family_prompts, hf_last_logits, last_logits, prompt_rows, relative_error, run_job, save_tiny_model,
+                     stacked_predictions, write_h5, write_params)
 from modelzoo import precision
-from tiny_configs import VOCAB, tiny_llama_config
+from tiny_configs import INT8_FAMILIES, VOCAB, tiny_llama_config
 
 START = VOCAB  # outside the vocabulary, as recommended
+POLICY_REL_TOL = 0.04  # the bfloat16 policy's last-position logits against float32's, relative
 
 
-@pytest.mark.parametrize("flags, dtype, device, expected", [
-    (set(), torch.bfloat16, "cpu", torch.float32),
-    ({"avx512_bf16"}, torch.bfloat16, "cpu", torch.bfloat16),
-    ({"amx_bf16"}, torch.bfloat16, "cpu", torch.bfloat16),
-    ({"avx512_bf16"}, torch.float16, "cpu", torch.float32),
-    ({"avx512_fp16"}, torch.float16, "cpu", torch.float16),
-    (set(), torch.float32, "cpu", torch.float32),
-    (set(), torch.bfloat16, "cuda", torch.bfloat16),
+BF16, F32, F16 = torch.bfloat16, torch.float32, torch.float16
+MIXED = precision.PrecisionPolicy(BF16, F32, BF16, bf16_gemm=True)
+needs_bf16 = pytest.mark.skipif(not precision.bf16_kernel_available(),
+                                reason="bf16_linear needs an AVX512-BF16 CPU and the C++ kernels")
+
+
+@pytest.mark.parametrize("flags, kernel, dtype, device, int8, compiled, expected", [
+    (set(), False, BF16, "cpu", False, False, precision.PrecisionPolicy(BF16, F32, F32)),
+    ({"avx512_bf16"}, True, BF16, "cpu", False, False, MIXED),
+    ({"amx_bf16", "avx512_bf16"}, True, BF16, "cpu", False, False, MIXED),
+    ({"avx512_bf16"}, False, BF16, "cpu", False, False, precision.PrecisionPolicy(BF16, BF16, BF16)),  # no kernels
+    ({"avx512_bf16"}, True, BF16, "cpu", True, False, precision.PrecisionPolicy(BF16, BF16, BF16)),  # int8 weights
+    ({"avx512_bf16"}, True, BF16, "cpu", False, True, precision.PrecisionPolicy(BF16, BF16, BF16)),  # compiled step
+    ({"avx512_bf16"}, True, F16, "cpu", False, False, precision.PrecisionPolicy(F16, F32, F32)),
+    ({"avx512_fp16"}, True, F16, "cpu", False, False, precision.PrecisionPolicy(F16, F16, F16)),
+    (set(), False, F32, "cpu", False, False, precision.PrecisionPolicy(F32, F32, F32)),
+    ({"avx512_bf16"}, True, BF16, "cuda", False, False, precision.PrecisionPolicy(BF16, BF16, BF16)),
 ])
-def test_arithmetic_dtype(monkeypatch, flags, dtype, device, expected):
+def test_precision_policy(monkeypatch, flags, kernel, dtype, device, int8, compiled, expected):
     monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset(flags))
-    assert precision.arithmetic_dtype(dtype, torch.device(device)) == expected
+    monkeypatch.setattr(precision, "bf16_kernel_available", lambda: kernel)
+    assert precision.precision_policy(dtype, torch.device(device), int8, compiled) == expected
 
 
-def test_bf16_job_without_native_bf16_is_float32_arithmetic_on_rounded_weights(tmp_path, monkeypatch):
-    """The bf16 job equals a float32 job on a copy of the checkpoint whose weights were rounded to bf16."""
-    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset())
+def test_packed_bf16_weight_layout():
+    weight = torch.arange(17 * 5, dtype=torch.float32).view(17, 5)  # N = 17, K = 5: both padded
+    packed = precision.pack_bf16_weight(weight)
+    assert packed.shape == (2, 3, 16, 2) and packed.dtype == BF16
+    assert packed[0, 1, 3, 0] == weight[3, 2] and packed[0, 1, 3, 1] == weight[3, 3]
+    assert packed[1, 0, 0, 1] == weight[16, 1] and packed[0, 2, 0, 1] == 0 and packed[1, 0, 1].abs().sum() == 0
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows, in_features, out_features", [(1, 64, 48), (7, 575, 1531), (40, 96, 33)])
+def test_bf16_linear_sums_bf16_inputs_in_float32_and_is_batch_invariant(rows, in_features, out_features):
+    generator = torch.Generator().manual_seed(rows)
+    linear = nn.Linear(in_features, out_features, dtype=BF16)
+    with torch.no_grad():
+        linear.bias.normal_(generator=generator)
+    layer = precision.BF16Linear(linear)
+    x = torch.randn(rows, in_features, generator=generator)
+    got = layer(x)
+    assert got.dtype == F32 and got.shape == (rows, out_features)
+    want = x.to(BF16).double() @ linear.weight.double().T + linear.bias.double()
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    assert (got.double() - want).abs().max() < (got.to(BF16).double() - want).abs().max()  # finer than a bf16 output
+    larger = torch.randn(rows + 70, in_features, generator=generator)
+    for offset in (0, 5, 70):
+        larger[offset: offset + rows] = x
+        assert torch.equal(layer(larger)[offset: offset + rows], got)  # a row's bits do not depend on the batch
+        larger[offset: offset + rows] = torch.randn(rows, in_features, generator=generator)
+
+
+@needs_bf16
+def test_bf16_linear_of_a_conv1d_layer_takes_its_in_out_weight():
+    from modelzoo.models.gpt2 import Conv1D
+
+    layer = Conv1D(48, 80).to(BF16)
+    with torch.no_grad():
+        layer.weight.normal_()
+        layer.bias.normal_()
+    x = torch.randn(3, 5, 48)
+    want = x.to(BF16).double() @ layer.weight.double() + layer.bias.double()
+    torch.testing.assert_close(precision.BF16Linear(layer)(x).double(), want, rtol=1e-5, atol=1e-5)
+
+
+@needs_bf16
+def test_bf16_linear_rejects_bad_inputs():
+    layer = precision.BF16Linear(nn.Linear(32, 16, dtype=BF16))
+    with pytest.raises(RuntimeError, match="does not match the packed weight"):
+        layer(torch.randn(2, 30))
+    with pytest.raises(RuntimeError, match="bias must be contiguous float32"):
+        from modelzoo.kernels import cpu_kernels
+        cpu_kernels().bf16_linear(torch.randn(2, 32), layer.packed, torch.zeros(16, dtype=BF16), 16)
+
+
+@needs_bf16
+def test_float32_queries_over_a_bfloat16_cache_equal_the_pytorch_path(monkeypatch):
+    """The C++ kernel (q float32, cache bfloat16) stores and attends over the same rounded keys and values as the
+    PyTorch path."""
+    from modelzoo.generation.kv_cache import KVCache
+    from modelzoo.models import layers
+
+    generator = torch.Generator().manual_seed(3)
+    batch, width, heads, kv_heads, head_dim = 2, 5, 4, 2, 32
+    q = torch.randn(batch, heads, width, head_dim, generator=generator)
+    k, v = (torch.randn(batch, kv_heads, width, head_dim, generator=generator) for _ in range(2))
+    outputs, caches = [], []
+    for use_kernel in (True, False):
+        if not use_kernel:
+            monkeypatch.setattr(layers, "attention_kernel", lambda q, ctx: None)
+        cache = KVCache(1, batch, kv_heads, 16, head_dim, BF16, torch.device("cpu"))
+        positions = 3 + torch.arange(width).expand(batch, width)
+        ctx = layers.ForwardContext.build(cache, None, positions)
+        outputs.append(layers.cached_attention(q, k, v, 0, ctx))
+        caches.append(cache.keys[0].clone())
+    assert outputs[0].dtype == F32 and torch.equal(caches[0], caches[1])
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)
+
+
+def bfloat16_setup(checkpoint):
+    """A job's model and engine in bfloat16 (4 rows in flight, max_seq_len 64), as the runner builds them."""
+    from modelzoo.model_setup import ModelSetup
+    from modelzoo.params import parse_params
+    from modelzoo.tensor_parallel import TensorParallelGroup
+
+    params = parse_params({"model": {"checkpoint_path": str(checkpoint), "dtype": "bfloat16", "start_token": VOCAB},
+                           "inference_input": {"data_dir": "-", "batch_size": 1},
+                           "runconfig": {"device": "cpu", "rows_in_flight": 4}})
+    setup = ModelSetup(params, torch.device("cpu"), BF16, 64, VOCAB)
+    model, engine = setup.build(TensorParallelGroup(device=torch.device("cpu")), rows_to_do=4)
+    return setup, model, engine
+
+
+@needs_bf16
+def test_bfloat16_policy_keeps_each_tensor_in_its_dtype(tmp_path):
+    from modelzoo.generation.engine import Request
+    from modelzoo.generation.options import GenerationOptions
+    from modelzoo.models.layers import RMSNorm
+
     checkpoint = save_tiny_model(tiny_llama_config(), tmp_path / "model")
-    rounded = tmp_path / "rounded"
-    rounded.mkdir()
-    (rounded / "config.json").write_text((checkpoint / "config.json").read_text())
-    weights = load_file(str(checkpoint / "model.safetensors"))
-    save_file({k: v.to(torch.bfloat16).to(torch.float32) for k, v in weights.items()}, str(rounded / "model.safetensors"))
-    rng = np.random.default_rng(3)
-    prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in (4, 9, 2, 15)]
-    write_h5(tmp_path / "data", prompt_rows(prompts, 40, START))
-    runs = {}
-    for name, folder, dtype in (("bf16", checkpoint, "bfloat16"), ("rounded", rounded, "float32"),
-                                ("fp32", checkpoint, "float32")):
-        params = write_params(tmp_path / f"{name}.yaml", folder, tmp_path / "data", 2, START, dtype=dtype)
-        assert run_job(params, tmp_path / name) == 0
-        runs[name] = stacked_predictions(tmp_path / name)
-    np.testing.assert_array_equal(runs["bf16"], runs["rounded"])
-    summary = json.loads((tmp_path / "bf16" / "artifacts" / "summary.json").read_text())
-    assert summary["dtype"] == "bfloat16 weights, float32 arithmetic"
-    assert not np.array_equal(runs["bf16"], runs["fp32"]), "rounding must matter, or the test shows nothing"
+    setup, model, engine = bfloat16_setup(checkpoint)
+    assert setup.policy == MIXED
+    modules = list(model.modules())
+    assert not any(isinstance(m, nn.Linear) for m in modules)
+    gemms = [m for m in modules if isinstance(m, precision.BF16Linear)]
+    assert len(gemms) == 4 * model.config.num_layers + 1  # qkv, o, gate_up, down per layer; the head
+    assert all(m.packed.dtype == BF16 for m in gemms)
+    assert all(m.weight.dtype == F32 for m in modules if isinstance(m, RMSNorm))
+    embedding = model.model.embed_tokens
+    assert embedding.weight.dtype == BF16 and embedding(torch.tensor([[1, 2]])).dtype == F32
+    assert engine.cache.keys[0].dtype == BF16
+    completions = list(engine.generate([Request(0, np.array([5, 9, 2]), GenerationOptions(max_tokens=4))]))
+    assert len(completions[0].tokens) == 4
+
+
+@needs_bf16
+def test_bfloat16_job_is_batch_invariant(tmp_path):
+    checkpoint = save_tiny_model(tiny_llama_config(), tmp_path / "model")
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in (4, 9, 2, 15, 7, 1, 30)]
+    write_h5(tmp_path / "data", prompt_rows(prompts, 48, START))
+    runs = []
+    for batch in (1, 7):
+        params = write_params(tmp_path / f"b{batch}.yaml", checkpoint, tmp_path / "data", batch, START,
+                              dtype="bfloat16", max_tokens=12, rows_in_flight=batch)
+        assert run_job(params, tmp_path / f"b{batch}") == 0
+        runs.append(stacked_predictions(tmp_path / f"b{batch}")[: len(prompts)])
+    summary = json.loads((tmp_path / "b7" / "artifacts" / "summary.json").read_text())
+    assert summary["dtype"] == MIXED.describe()
+    np.testing.assert_array_equal(runs[0], runs[1])
+
+
+@needs_bf16
+@pytest.mark.parametrize("family", list(INT8_FAMILIES))
+def test_bfloat16_policy_is_closer_to_float32_than_bfloat16_everywhere(family, tmp_path):
+    """Every family's tiny config: the policy's last-position logits are within POLICY_REL_TOL of transformers'
+    float32 ones; and, against float32 arithmetic on the same bfloat16-rounded weights (what rounding the weights
+    alone costs is the same for both), at most 0.8 times as far as transformers' bfloat16 logits."""
+    from transformers import AutoModelForCausalLM
+
+    checkpoint = save_tiny_model(INT8_FAMILIES[family](), tmp_path / "model")
+    prompts = family_prompts(VOCAB)
+    want = torch.stack(hf_last_logits(checkpoint, prompts))
+    hf = {dtype: AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).eval() for dtype in (F32, BF16)}
+    with torch.no_grad():
+        for param in hf[F32].parameters():
+            param.copy_(param.to(BF16).float())
+    with torch.inference_mode():
+        logits = {dtype: torch.stack([model(torch.tensor([p])).logits[0, -1].float() for p in prompts])
+                  for dtype, model in hf.items()}
+    _, model, _ = bfloat16_setup(checkpoint)
+    got = last_logits(model, prompts, dtype=BF16)
+    assert relative_error(got, want).max() < POLICY_REL_TOL
+    ours, theirs = relative_error(got, logits[F32]), relative_error(logits[BF16], logits[F32])
+    assert ours.mean() < 0.8 * theirs.mean(), (ours, theirs)

@@ -1,6 +1,7 @@
 // Attention over a slot KV cache, on the CPU: decode steps, speculative verification and prefill
-// alike. One template over the storage type of q, the new keys and values, the cache and the output
-// (float, bfloat16, float16; storage.h); scores, softmax and sums are float32.
+// alike. One template over the storage type Q of q, the new keys and values and the output, and T of the
+// cache (float, bfloat16, float16; storage.h; T is Q, or Q is float32 over a 16-bit cache); scores, softmax
+// and sums are float32.
 //
 // Each query attends over its own row's cached keys [start, end) (end = its position + 1, start > 0
 // under a sliding window): only the filled part of each row is read, however long the longest row
@@ -23,6 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace zoo {
@@ -95,10 +97,10 @@ inline void softmax_in_place(float* row, int64_t n) {
 }
 
 // Attention of G float32 query heads (G, C * 16) over n keys and values (n, C * 16) each of T; writes
-// out (G, C * 16) of T. G and C are compile-time, so the heads' dot products and sums stay in
+// out (G, C * 16) of O. G and C are compile-time, so the heads' dot products and sums stay in
 // registers. scores: room for G rows of n rounded up to 16 floats.
-template <typename T, int G, int C>
-void attend_group(const float* q, const T* k, const T* v, T* out, int64_t n, float scale, float* scores) {
+template <typename T, typename O, int G, int C>
+void attend_group(const float* q, const T* k, const T* v, O* out, int64_t n, float scale, float* scores) {
   constexpr int64_t D = C * W;
   const int64_t stride = (n + W - 1) / W * W;  // one padded score row per head
   vec16 qv[G][C];
@@ -139,56 +141,68 @@ void attend_group(const float* q, const T* k, const T* v, T* out, int64_t n, flo
     for (int c = 0; c < C; ++c) store16(out + g * D + c * W, acc[g][c]);
 }
 
-template <typename T>
-using AttendGroup = void (*)(const float*, const T*, const T*, T*, int64_t, float, float*);
+template <typename T, typename O>
+using AttendGroup = void (*)(const float*, const T*, const T*, O*, int64_t, float, float*);
 
-template <typename T, int G>
-AttendGroup<T> attend_group_for_chunks(int64_t C) {
+template <typename T, typename O, int G>
+AttendGroup<T, O> attend_group_for_chunks(int64_t C) {
   switch (C) {
-    case 1: return attend_group<T, G, 1>;
-    case 2: return attend_group<T, G, 2>;
-    case 4: return attend_group<T, G, 4>;
-    case 8: return attend_group<T, G, 8>;
+    case 1: return attend_group<T, O, G, 1>;
+    case 2: return attend_group<T, O, G, 2>;
+    case 4: return attend_group<T, O, G, 4>;
+    case 8: return attend_group<T, O, G, 8>;
     default: return nullptr;
   }
 }
 
 // The instance for G query heads per kv head (1 to 8) and head_dim D (16, 32, 64 or 128); nullptr
 // for other shapes.
-template <typename T>
-AttendGroup<T> attend_group_for(int64_t G, int64_t D) {
+template <typename T, typename O>
+AttendGroup<T, O> attend_group_for(int64_t G, int64_t D) {
   if (D % W) return nullptr;
   switch (G) {
-    case 1: return attend_group_for_chunks<T, 1>(D / W);
-    case 2: return attend_group_for_chunks<T, 2>(D / W);
-    case 3: return attend_group_for_chunks<T, 3>(D / W);
-    case 4: return attend_group_for_chunks<T, 4>(D / W);
-    case 5: return attend_group_for_chunks<T, 5>(D / W);
-    case 6: return attend_group_for_chunks<T, 6>(D / W);
-    case 7: return attend_group_for_chunks<T, 7>(D / W);
-    case 8: return attend_group_for_chunks<T, 8>(D / W);
+    case 1: return attend_group_for_chunks<T, O, 1>(D / W);
+    case 2: return attend_group_for_chunks<T, O, 2>(D / W);
+    case 3: return attend_group_for_chunks<T, O, 3>(D / W);
+    case 4: return attend_group_for_chunks<T, O, 4>(D / W);
+    case 5: return attend_group_for_chunks<T, O, 5>(D / W);
+    case 6: return attend_group_for_chunks<T, O, 6>(D / W);
+    case 7: return attend_group_for_chunks<T, O, 7>(D / W);
+    case 8: return attend_group_for_chunks<T, O, 8>(D / W);
     default: return nullptr;
   }
 }
 
-// The attention of cached_attention() once its inputs are checked: T is their storage type.
-template <typename T>
+// n values of Q into T: a copy where they are one type, else widened and rounded.
+template <typename Q, typename T>
+void store_row(const Q* in, T* out, int64_t n, float* scratch) {
+  if constexpr (std::is_same_v<Q, T>) {
+    std::memcpy(out, in, n * sizeof(T));
+  } else {
+    widen(in, scratch, n);
+    narrow(scratch, out, n);
+  }
+}
+
+// The attention of cached_attention() once its inputs are checked: Q is the storage type of q, the new keys and
+// values and the output, T the cache's.
+template <typename Q, typename T>
 void attend_all(const torch::Tensor& q, const torch::Tensor& new_keys, const torch::Tensor& new_values,
                 const torch::Tensor& keys, const torch::Tensor& values, const int64_t* slot, int64_t slots_per_row,
                 const int64_t* start, const int64_t* end, float scale, const c10::optional<torch::Tensor>& cos,
                 const c10::optional<torch::Tensor>& sin, torch::Tensor& out) {
   const int64_t B = q.size(0), T_ = q.size(1), H = q.size(2), D = q.size(3), Hkv = keys.size(1);
   const int64_t G = H / Hkv;
-  const AttendGroup<T> attend = attend_group_for<T>(G, D);
+  const AttendGroup<T, Q> attend = attend_group_for<T, Q>(G, D);
   const bool rotary = cos.has_value();
-  const T* qp = q.data_ptr<T>();
-  const T* nkp = new_keys.data_ptr<T>();
-  const T* nvp = new_values.data_ptr<T>();
-  const T* cosp = rotary ? cos->data_ptr<T>() : nullptr;
-  const T* sinp = rotary ? sin->data_ptr<T>() : nullptr;
+  const Q* qp = q.data_ptr<Q>();
+  const Q* nkp = new_keys.data_ptr<Q>();
+  const Q* nvp = new_values.data_ptr<Q>();
+  const Q* cosp = rotary ? cos->data_ptr<Q>() : nullptr;
+  const Q* sinp = rotary ? sin->data_ptr<Q>() : nullptr;
   T* kp = keys.data_ptr<T>();
   T* vp = values.data_ptr<T>();
-  T* op = out.data_ptr<T>();
+  Q* op = out.data_ptr<Q>();
   const int64_t ks0 = keys.stride(0), ks1 = keys.stride(1), vs0 = values.stride(0), vs1 = values.stride(1);
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2);
   const int threads = std::max(1, at::get_num_threads());
@@ -200,22 +214,22 @@ void attend_all(const torch::Tensor& q, const torch::Tensor& new_keys, const tor
   for (int64_t i = 0; i < B * T_; ++i) {
     const int64_t b = i / T_, t = i % T_;
     for (int64_t h = 0; h < Hkv; ++h) {
-      const T* key = nkp + b * new_keys.stride(0) + t * new_keys.stride(1) + h * new_keys.stride(2);
-      const T* value = nvp + b * new_values.stride(0) + t * new_values.stride(1) + h * new_values.stride(2);
+      const Q* key = nkp + b * new_keys.stride(0) + t * new_keys.stride(1) + h * new_keys.stride(2);
+      const Q* value = nvp + b * new_values.stride(0) + t * new_values.stride(1) + h * new_values.stride(2);
       T* key_slot = kp + slot_of(i) * ks0 + h * ks1 + (end[i] - 1) * D;
       if (rotary) {
         rotate_half(key, cosp + i * D, sinp + i * D, rotated.data(), D);
         narrow(rotated.data(), key_slot, D);
       } else {
-        std::memcpy(key_slot, key, D * sizeof(T));
+        store_row(key, key_slot, D, rotated.data());
       }
-      std::memcpy(vp + slot_of(i) * vs0 + h * vs1 + (end[i] - 1) * D, value, D * sizeof(T));
+      store_row(value, vp + slot_of(i) * vs0 + h * vs1 + (end[i] - 1) * D, D, rotated.data());
     }
   }
   // Tasks (row, kv head, query), consecutive ones sharing a row's keys while they are in cache.
   const int64_t tasks = B * Hkv * T_;
   // float32 queries are read in place when the G heads are one contiguous block; others are gathered.
-  const bool gather = !std::is_same_v<T, float> || rotary || qs2 != D;
+  const bool gather = !std::is_same_v<Q, float> || rotary || qs2 != D;
 #pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(threads, tasks)))
   {
     std::vector<float> scores;
@@ -226,11 +240,11 @@ void attend_all(const torch::Tensor& q, const torch::Tensor& new_keys, const tor
       const int64_t i = b * T_ + t, lo = start[i], n = end[i] - lo;
       const T* k = kp + slot_of(i) * ks0 + h * ks1 + lo * D;
       const T* v = vp + slot_of(i) * vs0 + h * vs1 + lo * D;
-      const T* query = qp + b * qs0 + t * qs1 + h * G * qs2;  // the G heads of kv head h
-      const float* query_floats = reinterpret_cast<const float*>(query);  // used as is only when T is float
+      const Q* query = qp + b * qs0 + t * qs1 + h * G * qs2;  // the G heads of kv head h
+      const float* query_floats = reinterpret_cast<const float*>(query);  // used as is only when Q is float
       if (gather) {
         for (int64_t g = 0; g < G; ++g) {
-          const T* head = query + g * qs2;
+          const Q* head = query + g * qs2;
           if (rotary) {
             rotate_half(head, cosp + i * D, sinp + i * D, queries.data() + g * D, D);
           } else {
@@ -252,17 +266,21 @@ void attend_all(const torch::Tensor& q, const torch::Tensor& new_keys, const tor
 // with each head's D values contiguous. keys, values: (S, Hkv, M, D), contiguous in their last two
 // dims; slots: (B,), or (B, T) when a row packs several sequences side by side (one cache row per
 // query); starts, ends: (B, T); cos, sin: none, or (B, T, D) contiguous to rotate q and the new keys
-// by. All float tensors share one dtype: float32, bfloat16 or float16. Returns (B, T, H, D).
+// by. q, the new keys and values, cos and sin share one dtype (float32, bfloat16 or float16), the cache that
+// dtype or, under float32 queries, bfloat16 or float16. Returns (B, T, H, D) of q's dtype.
 torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& new_keys, const torch::Tensor& new_values,
                                const torch::Tensor& keys, const torch::Tensor& values, const torch::Tensor& slots,
                                const torch::Tensor& starts, const torch::Tensor& ends, double scale,
                                const c10::optional<torch::Tensor>& cos, const c10::optional<torch::Tensor>& sin) {
-  const std::vector<torch::Tensor> floats = {q, new_keys, new_values, keys, values};
-  for (const auto& t : floats) {
-    TORCH_CHECK(t.device().is_cpu(), "CPU tensors only");
-    TORCH_CHECK(is_storage_type(t.scalar_type()) && t.scalar_type() == q.scalar_type(),
-                "q, the new keys and values and the cache must share one dtype: float32, bfloat16 or float16");
+  for (const auto& t : {q, new_keys, new_values}) {
+    TORCH_CHECK(t.device().is_cpu() && is_storage_type(t.scalar_type()) && t.scalar_type() == q.scalar_type(),
+                "q and the new keys and values must be CPU tensors of one dtype: float32, bfloat16 or float16");
   }
+  const auto cache_type = keys.scalar_type();
+  TORCH_CHECK(keys.device().is_cpu() && values.device().is_cpu() && values.scalar_type() == cache_type &&
+                  (cache_type == q.scalar_type() ||
+                   (q.scalar_type() == at::kFloat && (cache_type == at::kBFloat16 || cache_type == at::kHalf))),
+              "the cache must be q's dtype, or bfloat16 or float16 under float32 queries");
   TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.sizes() == keys.sizes(), "q (B, T, H, D), cache (S, Hkv, M, D)");
   TORCH_CHECK(q.stride(3) == 1 && new_keys.stride(3) == 1 && new_values.stride(3) == 1,
               "each head of q and of the new keys and values must be contiguous");
@@ -285,7 +303,7 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& new_
     }
   }
   const int64_t G = H / Hkv;
-  TORCH_CHECK(attend_group_for<float>(G, D) != nullptr, "1 to 8 query heads per kv head and head_dim 16, 32, 64 or 128, not ",
+  TORCH_CHECK((attend_group_for<float, float>(G, D) != nullptr), "1 to 8 query heads per kv head and head_dim 16, 32, 64 or 128, not ",
               G, " and ", D);
   auto slots64 = slots.to(at::kLong).contiguous();
   auto starts64 = starts.to(at::kLong).contiguous();
@@ -303,10 +321,17 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& new_
     }
   }
   auto out = torch::empty({B, T, H, D}, q.options());
-  ZOO_DISPATCH_FLOATS(q.scalar_type(), "cached_attention", [&] {
-    attend_all<scalar_t>(q, new_keys, new_values, keys, values, slot, slots_per_row, start, end,
-                         static_cast<float>(scale), cos, sin, out);
-  });
+  if (cache_type == q.scalar_type()) {
+    ZOO_DISPATCH_FLOATS(q.scalar_type(), "cached_attention", [&] {
+      attend_all<scalar_t, scalar_t>(q, new_keys, new_values, keys, values, slot, slots_per_row, start, end,
+                                     static_cast<float>(scale), cos, sin, out);
+    });
+  } else {  // float32 queries over a 16-bit cache
+    ZOO_DISPATCH_FLOATS(cache_type, "cached_attention", [&] {
+      attend_all<float, scalar_t>(q, new_keys, new_values, keys, values, slot, slots_per_row, start, end,
+                                  static_cast<float>(scale), cos, sin, out);
+    });
+  }
   return out;
 }
 

@@ -84,8 +84,8 @@ class CausalLM(nn.Module):
         c = self.config
         if not compiled:
             token = torch.zeros((1, 1), dtype=torch.long, device=cache.keys[0].device)
-            _, contexts, _ = self.prepare(token, token, cache, None, None, 1)
-            q = torch.empty((1, c.num_heads, 1, c.head_dim), dtype=cache.keys[0].dtype, device=token.device)
+            x, contexts, _ = self.prepare(token, token, cache, None, None, 1)
+            q = torch.empty((1, c.num_heads, 1, c.head_dim), dtype=x.dtype, device=token.device)
             if attention_kernel(q, contexts[0]) is not None:
                 return "cpu_kernel"
         return "sdpa_grouped_queries" if c.num_kv_heads < c.num_heads else "sdpa"

@@ -243,9 +243,11 @@ def split_heads(x: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
 
 def attention_kernel(q: torch.Tensor, ctx: ForwardContext) -> ModuleType | None:
     """The C++ kernel module where it handles this attention (on the CPU, q and the cache of one of
-    KERNEL_DTYPES, no ALiBi bias, 1 to 8 query heads per kv head, head_dim 16, 32, 64 or 128, not under
+    KERNEL_DTYPES, the cache of q's dtype or 16-bit under float32 queries, no ALiBi bias, 1 to 8 query heads per kv head, head_dim 16, 32, 64 or 128, not under
     torch.compile); None for the PyTorch path."""
-    if (q.device.type != "cpu" or q.dtype not in KERNEL_DTYPES or ctx.cache.keys[0].dtype != q.dtype
+    storage = ctx.cache.keys[0].dtype
+    if (q.device.type != "cpu" or q.dtype not in KERNEL_DTYPES
+            or not (storage == q.dtype or (q.dtype == torch.float32 and storage in KERNEL_DTYPES))
             or torch.compiler.is_compiling()
             or (ctx.mask is not None and ctx.mask.dtype != torch.bool)):
         return None
@@ -281,11 +283,14 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: i
                           for begin, end, context in ctx.segments], dim=1)
     if rotary is not None:
         q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+    storage = ctx.cache.keys[layer].dtype
+    k, v = k.to(storage), v.to(storage)  # a 16-bit cache under float32 queries: attend over the stored values
     ctx.cache.update(layer, ctx.slots, ctx.positions, k, v)
     if ctx.fresh:  # new prompts: their own keys are all there is to attend to
         keys, values = k, v  # (B, kv_heads, T, hd), T == length
     else:
         keys, values = ctx.cache.read(layer, ctx.slots, ctx.length)  # (B, kv_heads, length, hd)
+    keys, values = keys.to(q.dtype), values.to(q.dtype)
     if seq == 1 and heads != keys.shape[1]:
         return grouped_query_attention(q, keys, values, ctx.mask, scale).view(batch, seq, heads * head_dim)
     # Plain causal attention over fresh keys lets SDPA skip the hidden half instead of masking it.
