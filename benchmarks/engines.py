@@ -87,10 +87,10 @@ def zoo_generated(model_dir: Path, num_prompts: int) -> list[list[int] | None]:
 
 def run_zoo(args: argparse.Namespace, prep: Prepared, out: Path, dtype: str, threads: int, variant: str = "",
             model_keys: dict[str, Any] | None = None, batch_size: int | None = None,
-            runconfig_keys: dict[str, Any] | None = None) -> tuple[dict, list | None]:
-    """zoo-infer's run_inference.py in `dtype` (plus `model_keys` and `runconfig_keys`, named `variant`);
-    tokens/s from its summary.json. Its rows in flight are the batch size, as the peers' sequences
-    decoded together are."""
+            runconfig_keys: dict[str, Any] | None = None, repo: Path = REPO_ROOT) -> tuple[dict, list | None]:
+    """zoo-infer's run_inference.py in `dtype` (plus `model_keys` and `runconfig_keys`, named `variant`), from the
+    checkout `repo` (default: this one); tokens/s from its summary.json. Its rows in flight are the batch size, as
+    the peers' sequences decoded together are."""
     params = {
         "model": {"checkpoint_path": str(Path(args.model).resolve()), "dtype": dtype,
                   "start_token": prep.start_token, "stop_sequences": [[prep.eos_id]],
@@ -104,7 +104,7 @@ def run_zoo(args: argparse.Namespace, prep: Prepared, out: Path, dtype: str, thr
     params_path = out / f"params_{name}.yaml"
     params_path.write_text(yaml.safe_dump(params, sort_keys=False))
     model_dir = out / f"zoo_{name}"
-    command = [sys.executable, str(REPO_ROOT / "run_inference.py"), "--params", str(params_path),
+    command = [sys.executable, str(repo / "run_inference.py"), "--params", str(params_path),
                "--model_dir", str(model_dir), "--overwrite"]
     log_path = out / "logs" / f"zoo-infer_{name}.log"
     measured = run_measured(command, log_path, args.timeout)
@@ -231,23 +231,23 @@ def find_gguf(args: argparse.Namespace, out: Path, dtype: str) -> tuple[Path | N
 
 
 def run_peer(name: str, args: argparse.Namespace, prep: Prepared, out: Path, dtype: str,
-             threads: int) -> tuple[dict, list | None]:
-    """One peer in one dtype (after its untimed preparation)."""
+             threads: int, extra: list[str] = ()) -> tuple[dict, list | None]:
+    """One peer in one dtype (after its untimed preparation); `extra`: more options for its script."""
     engine = {"vllm": "vllm", "ctranslate2": "ctranslate2", "llamacpp": "llama.cpp"}[name]
     if name == "vllm":
-        return run_child(engine, PEERS_DIR / "vllm_generate.py", args, prep, out, dtype, threads,
+        return run_child(engine, PEERS_DIR / "vllm_generate.py", args, prep, out, dtype, threads, extra,
                          python=args.vllm_python)
     if name == "ctranslate2":
         folder, problem = ensure_ct2_model(args, out)
         if folder is None:
             return result_row(engine, dtype, status="failed", note=problem), None
         return run_child(engine, PEERS_DIR / "ct2_generate.py", args, prep, out, dtype, threads,
-                         ["--ct2_model", str(folder)])
+                         ["--ct2_model", str(folder), *extra])
     gguf, problem = find_gguf(args, out, dtype)
     if gguf is None:
         return result_row(engine, dtype, status="skipped", note=problem), None
     return run_child(engine, PEERS_DIR / "llamacpp_generate.py", args, prep, out, dtype, threads,
-                     ["--gguf", str(gguf)])
+                     ["--gguf", str(gguf), *extra])
 
 
 def select_peers(spec: str, vllm_python: str | None = None) -> list[str]:

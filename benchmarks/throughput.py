@@ -91,14 +91,15 @@ REFERENCE = ("transformers", "float32")
 # --------------------------------------------------------------------------------------------
 
 
-def prepare(args: argparse.Namespace, out: Path) -> Prepared:
-    """Loads, templates and tokenizes the prompts; writes data/data.h5 and tokens.json."""
+def prepare(args: argparse.Namespace, out: Path, chat_template: bool = True) -> Prepared:
+    """Loads, templates (unless chat_template is False: raw prompts) and tokenizes the prompts; writes data/data.h5
+    and tokens.json."""
     prompts = load_prompts(args.num_prompts, seed=args.seed)
     tokenizer = load_tokenizer(args.model)
     if tokenizer.eos_token_id is None:
         sys.exit("error: the tokenizer has no EOS token to stop at")
     eos_id = int(tokenizer.eos_token_id)
-    token_ids = tokenize_prompts(tokenizer, prompts, chat_template=True)
+    token_ids = tokenize_prompts(tokenizer, prompts, chat_template=chat_template)
     start_token = len(tokenizer)  # outside the vocabulary: never a real token
     # Room for every prompt plus --max_tokens, so max_tokens (not the row length) ends each row.
     max_seq_len = max(len(ids) for ids in token_ids) + args.max_tokens
@@ -106,12 +107,13 @@ def prepare(args: argparse.Namespace, out: Path) -> Prepared:
     data_dir = out / "data"
     write_h5(data_dir, data, lengths, loop_dim=1, attrs={
         "tokenizer": str(args.model), "vocab_size": len(tokenizer), "start_token": start_token,
-        "max_seq_len": max_seq_len, "loop_dim": 1, "eos_token_id": eos_id, "chat_template": True,
+        "max_seq_len": max_seq_len, "loop_dim": 1, "eos_token_id": eos_id, "chat_template": chat_template,
         "source": f"{PYPI_NAME} (benchmarks/prompts.py, seed {args.seed})", "num_samples": len(prompts),
     })
     tokens_json = out / "tokens.json"
     tokens_json.write_text(json.dumps({"prompts": prompts, "token_ids": token_ids}))
-    print(f"prompts: {len(prompts)} from {PYPI_NAME}, chat template, {int(lengths.min())}-{int(lengths.max())} "
+    print(f"prompts: {len(prompts)} from {PYPI_NAME}, {'chat template' if chat_template else 'raw'}, "
+          f"{int(lengths.min())}-{int(lengths.max())} "
           f"tokens (median {float(np.median(lengths)):g}); max_seq_len {max_seq_len}")
     return Prepared(data_dir, tokens_json, token_ids, start_token, eos_id, max_seq_len)
 

@@ -7,6 +7,11 @@ prompt, in input order, cut right after the first EOS, which stays in), `generat
 `generation_seconds` (the generation call only: no imports, no model load) and `versions`; or
 `{"skipped": reason}` when the engine cannot run this configuration here (for instance a dtype
 the CPU build does not support).
+
+With --teacher_forced FILE (JSON: `sequences`, each a prompt followed by a reference continuation, and
+`starts`, where each continuation begins), a script that can also writes `teacher_forced_top1`: per
+sequence, for each continuation token, whether the engine's most likely next token after the tokens before
+it is that token (benchmarks/fidelity.py). Untimed, after the generation.
 """
 from __future__ import annotations
 
@@ -30,7 +35,17 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--eos_id", type=int, default=2, help="stop token id (default: 2)")
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (default 0: every core available)")
     parser.add_argument("--out", type=Path, required=True, help="JSON file to write")
+    parser.add_argument("--teacher_forced", type=Path, default=None,
+                        help="JSON of `sequences` and `starts`: also report teacher-forced top-1 agreement")
     return parser
+
+
+def read_teacher_forced(path: Path | None) -> list[tuple[list[int], int]]:
+    """The (sequence, continuation start) pairs of --teacher_forced; none without it."""
+    if path is None:
+        return []
+    spec = json.loads(path.read_text())
+    return list(zip(spec["sequences"], spec["starts"]))
 
 
 def threads(args: argparse.Namespace) -> int:

@@ -30,7 +30,7 @@ import os
 import sys
 import time
 
-from _common import base_parser, normalize, read_token_ids, threads, write_result
+from _common import base_parser, normalize, read_teacher_forced, read_token_ids, threads, write_result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,8 +87,14 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.synchronize()
     generation_seconds = time.perf_counter() - start  # --- end of timed part ---
 
+    forced = []
+    with torch.inference_mode():  # teacher-forced top-1: one sequence at a time, no padding
+        for sequence, begin in read_teacher_forced(args.teacher_forced):
+            ids = torch.tensor([sequence], device=args.device)
+            best = model(input_ids=ids).logits[0, begin - 1: -1].argmax(-1)  # the token predicted at each position
+            forced.append((best == ids[0, begin:]).tolist())
     write_result(args, "transformers", outputs, generation_seconds, load_seconds=load_seconds,
-                 threads=torch.get_num_threads(),
+                 threads=torch.get_num_threads(), **({"teacher_forced_top1": forced} if forced else {}),
                  versions={"torch": torch.__version__, "transformers": transformers.__version__})
     return 0
 

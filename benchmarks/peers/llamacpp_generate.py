@@ -30,7 +30,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from _common import base_parser, normalize, read_token_ids, threads, write_result, write_skipped
+from _common import base_parser, normalize, read_teacher_forced, read_token_ids, threads, write_result, write_skipped
 
 STARTUP_TIMEOUT_S = 300
 
@@ -79,8 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         write_skipped(args, f"GGUF file not found: {args.gguf}")
         return 0
     token_ids = read_token_ids(args.tokens_json)
+    forced_pairs = read_teacher_forced(args.teacher_forced)
     slots = args.batch_size
-    context = slots * (max(len(ids) for ids in token_ids) + args.max_tokens)
+    context = slots * (max([len(ids) for ids in token_ids] + [len(s) for s, _ in forced_pairs]) + args.max_tokens)
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     log_path = args.out.with_suffix(".server.log")
@@ -108,6 +109,17 @@ def main(argv: list[str] | None = None) -> int:
             with ThreadPoolExecutor(max_workers=slots) as pool:
                 tokens = list(pool.map(complete, token_ids))
             seconds = time.perf_counter() - start  # --- end of timed part ---
+
+            def forced_top1(pair: tuple[list[int], int]) -> list[bool]:
+                """One greedy token after each prefix of the sequence, the slot's cache reused from one to the next."""
+                sequence, begin = pair
+                return [post_json(base + "/completion", {
+                    "prompt": sequence[:i], "n_predict": 1, "temperature": 0, "top_k": 1, "cache_prompt": True,
+                    "return_tokens": True, "stream": False}, timeout=600).get("tokens", [None])[0] == sequence[i]
+                    for i in range(begin, len(sequence))]
+
+            with ThreadPoolExecutor(max_workers=slots) as pool:
+                forced = list(pool.map(forced_top1, forced_pairs))
         finally:
             server.terminate()
             try:
@@ -117,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                 server.wait()
     version = subprocess.run([binary, "--version"], capture_output=True, text=True).stderr.strip().splitlines()
     write_result(args, "llama.cpp", tokens, seconds, load_seconds=load_seconds, threads=threads(args),
+                 **({"teacher_forced_top1": forced} if forced else {}),
                  gguf=str(args.gguf), versions={"llama.cpp": version[0] if version else "unknown"})
     return 0
 

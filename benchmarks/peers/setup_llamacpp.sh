@@ -3,7 +3,8 @@
 # model hub), for the benchmarks' llama.cpp peer. Usage:
 #   bash benchmarks/peers/setup_llamacpp.sh [DEST]      # DEST default: benchmarks/peers/llama.cpp
 # Then: export PATH="DEST/build/bin:$PATH" LLAMA_CPP_DIR=DEST (the script prints the line).
-# Needs cmake and a C++ compiler; about 10 minutes on 2 cores. A second run reuses the build.
+# Needs cmake and a C++ compiler; about 15 minutes on 2 cores. A second run reuses the build. Also installs
+# what llama.cpp's convert_hf_to_gguf.py imports (gguf, sentencepiece, protobuf) into the project's .venv.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -26,6 +27,9 @@ if [ ! -f "$DEST/CMakeLists.txt" ]; then
     rm -rf "$DEST"
     cp -r "$top" "$DEST"
 fi
+
+# convert_hf_to_gguf.py (which makes the GGUF files from a Hugging Face folder) imports these.
+"$PIP" install --quiet gguf sentencepiece protobuf >&2
 
 cmake -S "$DEST" -B "$DEST/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >&2

@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import base_parser, normalize, read_token_ids, threads, write_result, write_skipped
+from _common import base_parser, normalize, read_teacher_forced, read_token_ids, threads, write_result, write_skipped
 
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         write_skipped(args, f"vllm is not importable ({exc})")
         return 0
 
-    max_model_len = max(len(ids) for ids in token_ids) + args.max_tokens
+    forced_pairs = read_teacher_forced(args.teacher_forced)
+    max_model_len = max([len(ids) for ids in token_ids] + [len(s) + 1 for s, _ in forced_pairs]) + args.max_tokens
     kv_space = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "")  # vLLM reads it (GiB); it wins over the argument
     kv_bytes = None if kv_space else kv_cache_bytes(args.model, args.dtype, args.batch_size, max_model_len)
 
@@ -90,7 +91,15 @@ def main(argv: list[str] | None = None) -> int:
         completion = output.outputs[0]
         # finish_reason "stop" with no stop string means a stop token (EOS) ended the row.
         tokens.append(normalize(list(completion.token_ids), args.eos_id, completion.finish_reason == "stop"))
+    forced = []
+    if forced_pairs:  # teacher-forced top-1: the rank of each continuation token among the prompt log-probabilities
+        scored = llm.generate([{"prompt_token_ids": list(s)} for s, _ in forced_pairs],
+                              SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+        for (sequence, begin), output in zip(forced_pairs, scored):
+            ranks = output.prompt_logprobs  # [None, {token: Logprob}, ...] per prompt position
+            forced.append([ranks[i][sequence[i]].rank == 1 for i in range(begin, len(sequence))])
     write_result(args, "vllm", tokens, seconds, load_seconds=load_seconds, threads=count,
+                 **({"teacher_forced_top1": forced} if forced else {}),
                  kv_cache=f"{kv_space} GiB (VLLM_CPU_KVCACHE_SPACE)" if kv_space else f"{kv_bytes // MiB} MiB",
                  versions={"vllm": vllm.__version__})
     return 0
