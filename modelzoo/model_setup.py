@@ -306,7 +306,7 @@ class ModelSetup:
         # Compiled, torch's own GEMMs: the re-laid-out weights of the other backends cannot be traced.
         backend = "torch" if self.decode_step_mode == "compiled" else self.params.runconfig.gemm_backend
         if self.policy.bf16_gemm:
-            if backend not in ("auto", "onednn"):
+            if backend != "auto":
                 log.warning("runconfig.gemm_backend %s ignored: bfloat16 multiplies with bf16_linear here (float32 "
                             "outputs; see modelzoo/precision.py)", backend)
             self.gemm = GemmPlan(backend, layers=apply_bf16_gemm(model))

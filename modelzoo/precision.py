@@ -5,10 +5,10 @@
   GEMMs, float32 everywhere else.** The linear layers keep bfloat16 weights and multiply with bf16_linear
   (modelzoo/kernels/bf16_gemm.cpp): inputs rounded to bfloat16, products summed and returned in float32. The
   residual stream, norms, rotary, attention's softmax, biases and embeddings' outputs are float32; the KV cache
-  stores bfloat16. Measured on SmolLM2-135M (64 raw HumanEval prompts, 64 greedy tokens, rows equal to
-  float32): everything in bfloat16 kept 22; float32 arithmetic on bfloat16 weights 56; rounding the GEMM
-  inputs to bfloat16 49; also rounding the GEMM outputs 34 (which is why the GEMM returns float32); a
-  bfloat16 or float16 KV cache on top of the first three 48 (a float32 one would double its bytes for one row).
+  stores bfloat16. Chosen by benchmarks/precision_study.py, which adds one rounding at a time to the float32
+  path (figures in benchmarks/README.md): rounding the GEMM outputs to bfloat16 costs far more rows than
+  rounding their inputs, hence a GEMM with float32 outputs; a bfloat16 KV cache costs about what a float16 one
+  does, and far less than a float32 one's double bytes are worth.
 - bfloat16 or float16 on a CPU without native multiplies for it: PyTorch emulates them, at less than half the
   float32 rate. The weights keep their half-precision values (rounded once, at load) and everything else,
   the GEMMs and the KV cache included, is float32: faster there, and closer to float32.

