@@ -124,6 +124,16 @@ def run_zoo(args: argparse.Namespace, prep: Prepared, out: Path, dtype: str, thr
                       process_seconds=measured.process_seconds, peak_rss_mib=measured.peak_rss_mib, note=note), tokens
 
 
+def zoo_teacher_forced(model: str, dtype: str, pairs: list[tuple[list[int], list[int]]], max_seq_len: int,
+                       threads: int) -> list[list[bool]]:
+    """zoo-infer's teacher-forced top-1 flags for each (prompt, continuation), through its Python API (call it in a
+    process of its own: it loads the model)."""
+    from modelzoo.api import ZooModel
+
+    zoo = ZooModel(model, dtype=dtype, max_seq_len=max_seq_len, rows_in_flight=64, num_threads=threads)
+    return [score.greedy.tolist() for score in zoo.score_tokens(pairs)]
+
+
 def run_child(engine: str, script: Path, args: argparse.Namespace, prep: Prepared, out: Path, dtype: str,
               threads: int, extra: list[str] = (), python: str | None = None) -> tuple[dict, list | None]:
     """transformers or a peer: a child script that writes its tokens and timing to a JSON.

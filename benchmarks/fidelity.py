@@ -36,7 +36,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from benchmarks import machine  # noqa: E402
 from benchmarks.engines import PEERS_DIR, Prepared, add_run_options, run_child, run_peer, run_zoo, select_peers  # noqa: E402
-from benchmarks.engines import start_run  # noqa: E402
+from benchmarks.engines import start_run, zoo_teacher_forced  # noqa: E402
 from benchmarks.throughput import prepare  # noqa: E402
 
 PROMPT_SETS = {"raw": False, "chat": True}  # name -> chat template
@@ -47,15 +47,6 @@ def agreement(flags: list[list[bool]]) -> float | None:
     """The share of True over every row's flags."""
     total = sum(len(row) for row in flags)
     return sum(map(sum, flags)) / total if total else None
-
-
-def zoo_teacher_forced(model: str, dtype: str, pairs: list[tuple[list[int], list[int]]], max_seq_len: int,
-                       threads: int) -> list[list[bool]]:
-    """zoo-infer's teacher-forced top-1 flags for each (prompt, continuation), through its Python API."""
-    from modelzoo.api import ZooModel
-
-    zoo = ZooModel(model, dtype=dtype, max_seq_len=max_seq_len, rows_in_flight=64, num_threads=threads)
-    return [score.greedy.tolist() for score in zoo.score_tokens(pairs)]
 
 
 def run_set(args: argparse.Namespace, name: str, out: Path, threads: int, peers: list[str]) -> list[dict]:

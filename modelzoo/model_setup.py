@@ -332,6 +332,8 @@ class ModelSetup:
                      spec.max_ngram)
             return PromptLookupDrafter(spec.num_tokens, spec.max_ngram)
         draft = self.load(spec.checkpoint_path)
+        if self.policy.bf16_gemm:
+            apply_bf16_gemm(draft)
         if draft.config.vocab_size != self.vocab_size:
             log.warning("the draft model's vocabulary has %d entries, the model's %d: fine if they share a tokenizer "
                         "and differ only in padding, useless otherwise", draft.config.vocab_size, self.vocab_size)

@@ -195,3 +195,22 @@ def test_bfloat16_policy_is_closer_to_float32_than_bfloat16_everywhere(family, t
     assert relative_error(got, want).max() < POLICY_REL_TOL
     ours, theirs = relative_error(got, logits[F32]), relative_error(logits[BF16], logits[F32])
     assert ours.mean() < 0.8 * theirs.mean(), (ours, theirs)
+
+
+@needs_bf16
+def test_bfloat16_draft_model_speculation_equals_plain_greedy(tmp_path):
+    """The draft model follows the same policy (its linear layers multiply with bf16_linear too), and verifying
+    drafted tokens gives the bits of plain decoding."""
+    checkpoint = save_tiny_model(tiny_llama_config(), tmp_path / "model")
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in (5, 12, 3, 20)]
+    write_h5(tmp_path / "data", prompt_rows(prompts, 48, START))
+    runs = {}
+    for name, keys in (("plain", {}), ("spec", {"speculative": {"method": "draft_model", "num_tokens": 3,
+                                                                "checkpoint_path": str(checkpoint)}})):
+        params = write_params(tmp_path / f"{name}.yaml", checkpoint, tmp_path / "data", 2, START, dtype="bfloat16",
+                              max_tokens=16, model_keys=keys)
+        assert run_job(params, tmp_path / name) == 0
+        runs[name] = stacked_predictions(tmp_path / name)
+    np.testing.assert_array_equal(runs["spec"], runs["plain"])
+    assert json.loads((tmp_path / "spec" / "artifacts" / "summary.json").read_text())["speculative_acceptance_rate"] > 0.9

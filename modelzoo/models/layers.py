@@ -243,8 +243,8 @@ def split_heads(x: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
 
 def attention_kernel(q: torch.Tensor, ctx: ForwardContext) -> ModuleType | None:
     """The C++ kernel module where it handles this attention (on the CPU, q and the cache of one of
-    KERNEL_DTYPES, the cache of q's dtype or 16-bit under float32 queries, no ALiBi bias, 1 to 8 query heads per kv head, head_dim 16, 32, 64 or 128, not under
-    torch.compile); None for the PyTorch path."""
+    KERNEL_DTYPES, the cache of q's dtype or 16-bit under float32 queries, no ALiBi bias, 1 to 8 query
+    heads per kv head, head_dim 16, 32, 64 or 128, not under torch.compile); None for the PyTorch path."""
     storage = ctx.cache.keys[0].dtype
     if (q.device.type != "cpu" or q.dtype not in KERNEL_DTYPES
             or not (storage == q.dtype or (q.dtype == torch.float32 and storage in KERNEL_DTYPES))
