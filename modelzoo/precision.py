@@ -17,7 +17,6 @@
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +25,6 @@ from torch import nn
 
 from modelzoo.cpu import cpu_flags
 
-log = logging.getLogger("zoo-infer")
 
 # dtype -> CPU flags (/proc/cpuinfo) of which any one means native matrix multiplies.
 NATIVE_CPU_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
