@@ -8,10 +8,10 @@ The update of M is scaling * B A: scaling = lora_alpha / r, or lora_alpha / sqrt
 
 Our families fuse some projections (q | k | v into `qkv_proj`, gate | up into `gate_up_proj`): an adapted piece
 adds to its rows of the fused weight (merged), or its B sits in those rows of a stacked update (per row).
-Per row (`AdapterBank`): the base GEMM once for every token, then every adapter's A of the projection stacked into
-one (C, in) matrix and its B into one (out, C) matrix: x times all the A's at once, the columns of the adapters a
-token does not use zeroed (the others scaled), times the B's. Fixed shapes and no host sync; measured against
-gathering each adapter's tokens (fewer multiplies, many more small ops), it ran as fast on a 2-core CPU.
+Per row (`AdapterBank`): the base GEMM once for every token, then each token's own adapter's update, every adapter's
+A and B of the projection stacked side by side: on the CPU one C++ call per projection (kernels/lora_update.cpp) takes
+each token's adapter's rows only, in tiles of tokens sharing an adapter; elsewhere x times all the A's at once, the
+columns of the adapters a token does not use zeroed, times the B's. Fixed shapes and no host sync either way.
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from modelzoo.errors import UserError
+from modelzoo.models.layers import fused_kernels
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -220,21 +221,34 @@ class AdapterBank:
 
 
 class LoraLinear(nn.Module):
-    """base(x) + the LoRA update of the adapter each token uses: (x A^T * mask) B^T, A (C, in) and B (out, C) every
-    adapter's stacked (a fused q | k | v's pieces in their own rows of B), the mask (B, T, C) the token's adapter's
-    scaling on its columns and 0 elsewhere: fixed shapes, no host sync, two GEMMs for all adapters."""
+    """base(x) + the LoRA update of the adapter each token uses, every adapter's update of the projection stacked:
+    A (C, K padded to 16) and B^T (C, N) times its scaling, in float32 on the CPU (the base's dtype elsewhere), and
+    `segments` (S, 5): for each adapter and piece of a fused projection (q | k | v), its adapter, columns of C and
+    output rows of N. On the CPU one C++ call adds each token's own adapter's update (lora_update.cpp); elsewhere
+    (x A^T * mask) B^T, the columns of the adapters a token does not use zeroed: fixed shapes, no host sync."""
 
-    def __init__(self, base: nn.Module, a: torch.Tensor, b: torch.Tensor, owner: torch.Tensor, scaling: torch.Tensor,
-                 bank: AdapterBank) -> None:
+    def __init__(self, base: nn.Module, a: torch.Tensor, b_t: torch.Tensor, segments: torch.Tensor,
+                 in_features: int, bank: AdapterBank) -> None:
         super().__init__()
         self.base, self.bank = base, bank
-        self.a, self.b = a, b  # (C, in), (out, C) in the compute dtype
-        self.owner, self.scaling = owner, scaling  # (C,) long adapter index, (C,) compute dtype
+        self.a, self.b_t, self.segments = a, b_t, segments  # (C, Kp), (C, N), (S, 5) long
+        self.in_features = in_features
+        owner = torch.empty(a.shape[0], dtype=torch.long)
+        for adapter, first, end, _, _ in segments.tolist():
+            owner[first:end] = adapter
+        self.owner = owner.to(a.device)  # (C,) each column's adapter
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        adapter = self.bank.current if x.dim() == 3 else self.bank.current[:, 0]  # (B, 1|T) or (B,)
-        mask = torch.where(adapter[..., None] == self.owner, self.scaling, 0)  # (B, 1|T, C)
-        return self.base(x) + F.linear(F.linear(x, self.a) * mask, self.b)
+        adapter = self.bank.current.expand(x.shape[:-1]) if x.dim() == 3 else self.bank.current[:, 0]  # x.shape[:-1]
+        out = self.base(x)  # (..., N)
+        kernels = fused_kernels(x)
+        if kernels is not None and out.dtype == x.dtype and out.is_contiguous():
+            kernels.lora_update_(out.view(-1, out.shape[-1]), x.reshape(-1, x.shape[-1]).contiguous(),
+                                 adapter.reshape(-1).contiguous(), self.a, self.b_t, self.segments)
+            return out
+        mask = (adapter[..., None] == self.owner).to(self.a.dtype)  # (..., C)
+        update = F.linear(F.linear(x.to(self.a.dtype), self.a[:, : self.in_features]) * mask, self.b_t.T)
+        return out + update.to(out.dtype)
 
 
 def attach_adapters(model: nn.Module, adapters: list[LoraAdapter], projections: dict[str, Projection],
@@ -242,6 +256,7 @@ def attach_adapters(model: nn.Module, adapters: list[LoraAdapter], projections: 
     """Wraps every adapted module of `model` in a LoraLinear holding all `adapters`' updates of it (adapter i of the
     bank is adapters[i]); returns the bank the engine sets each slot's adapter in."""
     bank = AdapterBank([adapter.name for adapter in adapters], num_slots, device)
+    update_dtype = torch.float32 if device.type == "cpu" else dtype  # the C++ kernel's, on the CPU
     columns: dict[str, list[tuple[int, Projection, torch.Tensor, torch.Tensor, float]]] = {}
     for index, adapter in enumerate(adapters):
         for projection, (a, b, scaling) in adapter.updates.items():
@@ -250,19 +265,21 @@ def attach_adapters(model: nn.Module, adapters: list[LoraAdapter], projections: 
     for module_name, parts in columns.items():
         parent_name, _, attribute = module_name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        width = sum(a.shape[0] for _, _, a, _, _ in parts)
-        stacked_a = torch.cat([a for _, _, a, _, _ in parts])  # (C, in)
-        stacked_b = torch.zeros(parts[0][1].width, width)  # (out, C)
-        owner, scaling = torch.empty(width, dtype=torch.long), torch.empty(width)
+        in_features, width = parts[0][1].in_features, parts[0][1].width
+        rank_total = sum(a.shape[0] for _, _, a, _, _ in parts)
+        stacked_a = torch.zeros(rank_total, -(-in_features // 16) * 16)  # (C, Kp)
+        stacked_b_t = torch.zeros(rank_total, width)  # (C, N)
+        segments = []
         column = 0
-        for index, where, a, b, scale in parts:
+        for index, where, a, b, scale in sorted(parts, key=lambda part: part[0]):
             rank = a.shape[0]
-            stacked_b[where.rows[0]: where.rows[1], column: column + rank] = b
-            owner[column: column + rank], scaling[column: column + rank] = index, scale
+            stacked_a[column: column + rank, :in_features] = a
+            stacked_b_t[column: column + rank, where.rows[0]: where.rows[1]] = b.T * scale
+            segments.append((index, column, column + rank, *where.rows))
             column += rank
-        setattr(parent, attribute, LoraLinear(getattr(parent, attribute), stacked_a.to(device, dtype),
-                                              stacked_b.to(device, dtype), owner.to(device),
-                                              scaling.to(device, dtype), bank))
+        setattr(parent, attribute, LoraLinear(getattr(parent, attribute), stacked_a.to(device, update_dtype),
+                                              stacked_b_t.to(device, update_dtype),
+                                              torch.tensor(segments, dtype=torch.long), in_features, bank))
     model.adapter_bank = bank
     return bank
 

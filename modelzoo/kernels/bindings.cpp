@@ -21,5 +21,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x (..., K) rounded to bfloat16 @ W^T (+ bias) for a bfloat16 W packed by modelzoo/precision.py, summed and "
         "returned in float32 (..., out_features)",
         py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(), py::arg("out_features"));
+  m.def("lora_update_", &zoo::lora_update_,
+        "out (M, N) += each row's LoRA update B_g A_g x (M, K) for its adapter g = row_adapter (M,) (-1: none), from "
+        "every adapter's stacked a (C, K padded to 16) and b_t (C, N) float32 and segments (S, 5) int64 (adapter, "
+        "columns, outputs); the layout is modelzoo/lora.py's",
+        py::arg("out"), py::arg("x"), py::arg("row_adapter"), py::arg("a"), py::arg("b_t"), py::arg("segments"));
   m.def("silu_mul", &zoo::silu_mul, "silu(gate) * up for gate_up = gate | up along the last dimension");
 }

@@ -25,6 +25,9 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, c
 bool bf16_dot_available();
 torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                           int64_t out_features);
+// lora_update.cpp: out[m] += B_g A_g x[m], the update of each row's own LoRA adapter g (modelzoo/lora.py).
+void lora_update_(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& row_adapter, const torch::Tensor& a,
+                  const torch::Tensor& b_t, const torch::Tensor& segments);
 // out[0, d) = x * cos + rotate_half(x) * sin in float32 for one head of d values of T (the two halves' layout).
 template <typename T>
 void rotate_half(const T* x, const T* cos, const T* sin, float* out, int64_t d);
