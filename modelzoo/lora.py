@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -251,17 +251,35 @@ class LoraLinear(nn.Module):
         return out + update.to(out.dtype)
 
 
+def rank_share(a: torch.Tensor, b: torch.Tensor, where: Projection, part: Any,
+               ranks: int) -> tuple[torch.Tensor, torch.Tensor, Projection]:
+    """A tensor-parallel rank's share of an update A (r, in), B (out, r), split like its base weight: `part` is the
+    part of the Hugging Face weight the rank holds (LlamaTensorParallel.index): None, all of it; (rows,), a column-
+    parallel projection's output rows (B's rows, and 1/ranks of every piece of a fused weight); (all, columns), a
+    row-parallel one's inputs (A's columns: the rank's update is a partial sum, completed by the layer's all-reduce
+    like the base's product)."""
+    if part is None:
+        return a, b, where
+    if len(part) == 1:
+        rows = (where.rows[0] // ranks, where.rows[1] // ranks)
+        return a, b[part[0]], replace(where, rows=rows, width=where.width // ranks)
+    return a[:, part[1]], b, replace(where, in_features=where.in_features // ranks)
+
+
 def attach_adapters(model: nn.Module, adapters: list[LoraAdapter], projections: dict[str, Projection],
-                    num_slots: int, dtype: torch.dtype, device: torch.device) -> AdapterBank:
+                    num_slots: int, dtype: torch.dtype, device: torch.device, shard: Any = None) -> AdapterBank:
     """Wraps every adapted module of `model` in a LoraLinear holding all `adapters`' updates of it (adapter i of the
-    bank is adapters[i]); returns the bank the engine sets each slot's adapter in."""
+    bank is adapters[i]); returns the bank the engine sets each slot's adapter in. Under tensor parallel, `shard`
+    (modelzoo.tensor_parallel.LlamaTensorParallel) says which share of each update this rank holds."""
     bank = AdapterBank([adapter.name for adapter in adapters], num_slots, device)
     update_dtype = torch.float32 if device.type == "cpu" else dtype  # the C++ kernel's, on the CPU
     columns: dict[str, list[tuple[int, Projection, torch.Tensor, torch.Tensor, float]]] = {}
     for index, adapter in enumerate(adapters):
         for projection, (a, b, scaling) in adapter.updates.items():
-            columns.setdefault(projections[projection].module, []).append((index, projections[projection], a, b,
-                                                                            scaling))
+            where = projections[projection]
+            if shard is not None:
+                a, b, where = rank_share(a, b, where, shard.index(f"{projection}.weight"), shard.tp.size)
+            columns.setdefault(where.module, []).append((index, where, a, b, scaling))
     for module_name, parts in columns.items():
         parent_name, _, attribute = module_name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

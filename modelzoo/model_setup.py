@@ -136,7 +136,7 @@ class ModelSetup:
                             f"data's max_seq_len")
         if self.adapters is not None and self.adapters.bank:
             attach_adapters(model, self.adapters.bank, self.adapters.projections, self.rows_in_flight, self.dtype,
-                            self.device)
+                            self.device, shard_plan(self.params.model.checkpoint_path, tp))
             log.info("LoRA adapters per row: %s (each row's update added to the base projections' output)",
                      ", ".join(f"{a.name} ({len(a.updates)} projections)" for a in self.adapters.bank))
         self.small_step_rows = self._choose_gemm(model, weight_dtype, spare_bytes=(free - cache) // 2)

@@ -92,9 +92,6 @@ class InferenceJob:
         model = self.params.model
         plan = plan_adapters(model.adapters, model.adapter, self.data.distinct_values("adapter"), model.checkpoint_path)
         if plan is not None and plan.bank:
-            if self.params.runconfig.tensor_parallel > 1:
-                raise UserError("rows of the data name different LoRA adapters, which tensor parallel does not run "
-                                "yet; run with tensor_parallel 1, or one adapter per job (model.adapter)")
             if "continuation_length" in self.data.per_row:
                 raise UserError("scoring data cannot name a LoRA adapter per row yet; score with one adapter for "
                                 "the whole job (model.adapter)")

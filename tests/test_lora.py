@@ -406,21 +406,31 @@ def test_adapter_field_errors(tmp_path, capsys):
     assert not (tmp_path / "data").exists()
 
 
-def test_a_merged_adapter_under_tensor_parallel(three_adapters, tmp_path):
-    """Each rank merges its slice of every update (rows of q/k/v/gate/up, columns of o/down) as it reads its slice of
-    the weights: the tokens of one process."""
+@pytest.mark.parametrize("mixed", [False, True], ids=["merged", "per-row"])
+def test_adapters_under_tensor_parallel(three_adapters, tmp_path, mixed):
+    """Each rank holds its slice of every update (rows of q/k/v/gate/up, columns of o/down, whose partial updates
+    the layer's all-reduce completes): merged as it reads its slice of the weights, or per row. The tokens of one
+    process."""
+    fields = ["attn", "", "mlp", "all", "base", "all", "mlp"] if mixed else None
     data = tmp_path / "data"
     write_h5(data, prompt_rows(PROMPTS, MAX_SEQ_LEN, START))
+    if fields is not None:
+        with h5py.File(data / "data.h5", "a") as h5:
+            h5.create_dataset("adapter", data=fields, dtype=h5py.string_dtype())
+    keys = three_adapters["keys"] if mixed else {**three_adapters["keys"], "adapter": "all"}
     params = write_params(tmp_path / "tp2.yaml", three_adapters["base"], data, 3, START, max_tokens=MAX_TOKENS,
-                          model_keys={**three_adapters["keys"], "adapter": "all"}, tensor_parallel=2)
+                          model_keys=keys, tensor_parallel=2)
     finish(torchrun(2, params, tmp_path / "run"))
-    alone = three_adapters["alone"]["all"]
+    seen = 0
     for arrays in load_predictions(tmp_path / "run").values():
         for row, index in enumerate(arrays["sample_index"].tolist()):
             if index >= 0:
+                name = "all" if fields is None else ("" if fields[index] == "base" else fields[index])
                 begin = int(arrays["prompt_length"][row])
                 tokens = arrays["predictions"][row, begin: begin + int(arrays["num_generated"][row])].tolist()
-                assert (tokens, str(arrays["adapter"][row])) == alone[index]
+                assert (tokens, str(arrays["adapter"][row])) == three_adapters["alone"][name][index], index
+                seen += 1
+    assert seen == len(PROMPTS)
 
 
 def test_bfloat16_rows_mixing_adapters_do_not_depend_on_the_batch(three_adapters):
