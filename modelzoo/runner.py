@@ -95,8 +95,6 @@ class InferenceJob:
             if "continuation_length" in self.data.per_row:
                 raise UserError("scoring data cannot name a LoRA adapter per row yet; score with one adapter for "
                                 "the whole job (model.adapter)")
-            if model.speculative is not None:
-                raise UserError("model.speculative cannot be combined with LoRA adapters per row yet")
         return plan
 
     def steps(self) -> list[int]:

@@ -199,6 +199,26 @@ def test_lora_update_kernel_rejects_bad_inputs(change, message):
                                    tensors["segments"])
 
 
+@pytest.mark.parametrize("method", ["prompt_lookup", "draft_model"])
+def test_speculative_rows_mixing_adapters_get_what_each_gets_alone(three_adapters, method):
+    """Verifying drafted tokens runs each row's own adapter (the draft model, the bare base, only proposes)."""
+    speculative = {"method": method, "num_tokens": 3}
+    if method == "draft_model":
+        speculative["checkpoint_path"] = str(three_adapters["base"])
+    fields = ["attn", "", "mlp", "all", "base"] * 2
+    prompts = [PROMPTS[i % len(PROMPTS)] * 2 for i in range(len(fields))]  # repeats: prompt lookup finds drafts
+    alone = {name: run_rows(three_adapters["root"], f"spec-alone-{name or 'base'}", three_adapters["base"], prompts, 4,
+                            {**three_adapters["keys"], "adapter": name} if name else {})
+             for name in ("attn", "mlp", "all", "")}
+    got = run_rows(three_adapters["root"], f"spec-{method}", three_adapters["base"], prompts, 4,
+                   {**three_adapters["keys"], "speculative": speculative}, adapters=fields)
+    summary = json.loads((three_adapters["root"] / f"spec-{method}" / "artifacts" / "summary.json").read_text())
+    assert summary["accepted_tokens"] > 0  # drafts were verified, and some kept
+    for index, field in enumerate(fields):
+        name = "" if field == "base" else field
+        assert got[index] == (alone[name][index][0], name), (index, field)
+
+
 def test_rows_naming_none_take_model_adapter(three_adapters):
     fields = ["", "attn", "", "base"]
     got = run_rows(three_adapters["root"], "default", three_adapters["base"], PROMPTS[:4], 2,
