@@ -192,10 +192,12 @@ class ModelSetup:
         eager under speculative decoding, whose verification step is a forward of its own."""
         requested = self.params.runconfig.decode_step
         if self.adapters is not None and self.adapters.bank:
-            if requested in ("compiled", "cuda_graph"):
-                raise UserError(f"runconfig.decode_step {requested} does not take LoRA adapters per row yet; use auto "
-                                f"or eager (or one adapter for the whole job, model.adapter, merged into the weights)")
-            return "eager"
+            if requested == "cuda_graph":
+                raise UserError(f"runconfig.decode_step {requested} does not take LoRA adapters per row yet; use auto, "
+                                f"eager or compiled (or one adapter for the whole job, model.adapter, merged into the "
+                                f"weights)")
+            if requested == "auto":
+                return "eager"
         if self.params.model.speculative:
             if requested in ("compiled", "cuda_graph"):
                 raise UserError(f"runconfig.decode_step {requested} does not apply to speculative decoding, whose "

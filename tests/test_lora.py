@@ -49,15 +49,17 @@ def make_adapter(base: Path, folder: Path, targets: Any = "all-linear", r: int =
 
 def run_rows(root: Path, name: str, checkpoint: Path, prompts: list[list[int]], batch_size: int,
              model_keys: dict[str, Any], adapters: list[str] | None = None, dtype: str = "float32",
-             max_seq_len: int = MAX_SEQ_LEN, start: int = START) -> dict[int, tuple[list[int], str]]:
-    """A job over `prompts` (each row's adapter field from `adapters`): sample_index -> (generated tokens, adapter)."""
+             max_seq_len: int = MAX_SEQ_LEN, start: int = START,
+             **runconfig: Any) -> dict[int, tuple[list[int], str]]:
+    """A job over `prompts` (each row's adapter field from `adapters`; `runconfig`: more runconfig keys):
+    sample_index -> (generated tokens, adapter)."""
     data = root / f"{name}-data"
     write_h5(data, prompt_rows(prompts, max_seq_len, start))
     if adapters is not None:
         with h5py.File(data / "data.h5", "a") as h5:
             h5.create_dataset("adapter", data=adapters, dtype=h5py.string_dtype())
     params = write_params(root / f"{name}.yaml", checkpoint, data, batch_size, start, max_tokens=MAX_TOKENS,
-                          dtype=dtype, model_keys=model_keys)
+                          dtype=dtype, model_keys=model_keys, **runconfig)
     assert run_job(params, root / name) == 0
     rows = {}
     for arrays in load_predictions(root / name).values():
@@ -219,6 +221,24 @@ def test_speculative_rows_mixing_adapters_get_what_each_gets_alone(three_adapter
         assert got[index] == (alone[name][index][0], name), (index, field)
 
 
+def test_rows_mixing_adapters_in_the_compiled_decode_step(three_adapters):
+    """decode_step compiled: the step reads each slot's adapter inside the graph (the updates' PyTorch path, as
+    torch.compile cannot trace the C++ kernel) and gives what each adapter gives alone."""
+    fields = ["attn", "", "mlp", "all", "base"] * 2
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(fields))]
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    got = run_rows(three_adapters["root"], "mixed-compiled", three_adapters["base"], prompts, 4, three_adapters["keys"],
+                   adapters=fields, decode_step="compiled")
+    summary = json.loads((three_adapters["root"] / "mixed-compiled" / "artifacts" / "summary.json").read_text())
+    assert summary["decode_step"]["mode"] == "compiled" and len(summary["decode_step"]["length_buckets"]) == 1
+    assert counters["stats"]["unique_graphs"] == 1  # one step shape: compiled once, whatever the rows' adapters
+    for index, field in enumerate(fields):
+        name = "" if field == "base" else field
+        assert got[index] == (three_adapters["alone"][name][index % len(PROMPTS)][0], name), (index, field)
+
+
 def test_rows_naming_none_take_model_adapter(three_adapters):
     fields = ["", "attn", "", "base"]
     got = run_rows(three_adapters["root"], "default", three_adapters["base"], PROMPTS[:4], 2,
@@ -283,14 +303,19 @@ def test_bad_adapters_are_one_line_errors_before_anything_is_written(three_adapt
                      capsys) == f"error: adapter 'tuned' ({folder}): {message}"
 
 
-def job_error(root: Path, base: Path, model_keys: dict[str, Any], capsys, adapters: list[str] | None = None) -> str:
-    """Runs a job expected to fail: its one stderr line; nothing written to its model_dir."""
+def job_error(root: Path, base: Path, model_keys: dict[str, Any], capsys, adapters: list[str] | None = None,
+              continuation_length: list[int] | None = None, **runconfig: Any) -> str:
+    """Runs a job expected to fail (its rows' adapters, the lengths of their continuations to score, more runconfig
+    keys): its one stderr line; nothing written to its model_dir."""
     data = root / "data"
     write_h5(data, prompt_rows(PROMPTS[:2], MAX_SEQ_LEN, START))
-    if adapters is not None:
-        with h5py.File(data / "data.h5", "a") as h5:
+    with h5py.File(data / "data.h5", "a") as h5:
+        if adapters is not None:
             h5.create_dataset("adapter", data=adapters, dtype=h5py.string_dtype())
-    params = write_params(root / "params.yaml", base, data, 2, START, max_tokens=MAX_TOKENS, model_keys=model_keys)
+        if continuation_length is not None:
+            h5.create_dataset("continuation_length", data=np.array(continuation_length, dtype=np.int32))
+    params = write_params(root / "params.yaml", base, data, 2, START, max_tokens=MAX_TOKENS, model_keys=model_keys,
+                          **runconfig)
     assert run_job(params, root / "run") == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
@@ -303,6 +328,20 @@ def test_rows_naming_an_unlisted_adapter_are_an_error(three_adapters, tmp_path, 
     assert err == "error: rows name adapters the params do not list: ['math'] (model.adapters: all, attn, mlp)"
     err = job_error(tmp_path, three_adapters["base"], {}, capsys, adapters=["attn", ""])
     assert err == "error: rows name adapters ['attn'] but the params list none (model.adapters)"
+
+
+def test_adapters_per_row_refuse_the_cuda_graph_step(three_adapters, tmp_path, capsys):
+    err = job_error(tmp_path, three_adapters["base"], three_adapters["keys"], capsys, adapters=["attn", "mlp"],
+                    decode_step="cuda_graph")
+    assert err == ("error: runconfig.decode_step cuda_graph does not take LoRA adapters per row yet; use auto, eager "
+                   "or compiled (or one adapter for the whole job, model.adapter, merged into the weights)")
+
+
+def test_scoring_rows_cannot_name_adapters_yet(three_adapters, tmp_path, capsys):
+    err = job_error(tmp_path, three_adapters["base"], three_adapters["keys"], capsys, adapters=["attn", "mlp"],
+                    continuation_length=[1, 2])
+    assert err == ("error: scoring data cannot name a LoRA adapter per row yet; score with one adapter for the whole "
+                   "job (model.adapter)")
 
 
 def test_model_adapter_must_be_listed(three_adapters, tmp_path, capsys):
