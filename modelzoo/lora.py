@@ -201,23 +201,23 @@ def check_adapter(adapter: LoraAdapter, projections: dict[str, Projection], fami
 
 
 class AdapterBank:
-    """Which adapter each KV-cache slot's row uses (-1: the bare base), and the adapter of each token of the forward
-    running now, read by every LoraLinear of the model."""
+    """The adapters' names, and the adapter of each token of the forward running now, read by every LoraLinear of
+    the model. Which adapter a row uses is its KV-cache slot's (KVCache.slot_adapter, -1: the bare base), so the
+    engine's cache and a scorer's each say it for their own slots."""
 
-    def __init__(self, names: list[str], num_slots: int, device: torch.device) -> None:
+    def __init__(self, names: list[str]) -> None:
         self.names = names
-        self.slot_adapter = torch.full((num_slots,), -1, dtype=torch.long, device=device)
         self.current: torch.Tensor | None = None  # (B, 1) or (1, T) long: each row's (or packed token's) adapter
 
-    def select(self, slots: torch.Tensor | None, shape: torch.Size) -> None:
-        """Before a forward of tokens `shape` (B, T): slots (B,) cache rows, None for every slot in order, or (1, T)
-        packed tokens' slots. No host sync."""
+    def select(self, slot_adapter: torch.Tensor, slots: torch.Tensor | None, shape: torch.Size) -> None:
+        """Before a forward of tokens `shape` (B, T) over a cache whose slots run `slot_adapter` (S,): slots (B,)
+        cache rows, None for every slot in order, or (1, T) packed tokens' slots. No host sync."""
         if slots is None:
-            self.current = self.slot_adapter[: shape[0], None]
+            self.current = slot_adapter[: shape[0], None]
         elif slots.dim() == 2:
-            self.current = self.slot_adapter[slots]
+            self.current = slot_adapter[slots]
         else:
-            self.current = self.slot_adapter[slots][:, None]
+            self.current = slot_adapter[slots][:, None]
 
 
 class LoraLinear(nn.Module):
@@ -267,11 +267,11 @@ def rank_share(a: torch.Tensor, b: torch.Tensor, where: Projection, part: Any,
 
 
 def attach_adapters(model: nn.Module, adapters: list[LoraAdapter], projections: dict[str, Projection],
-                    num_slots: int, dtype: torch.dtype, device: torch.device, shard: Any = None) -> AdapterBank:
+                    dtype: torch.dtype, device: torch.device, shard: Any = None) -> AdapterBank:
     """Wraps every adapted module of `model` in a LoraLinear holding all `adapters`' updates of it (adapter i of the
-    bank is adapters[i]); returns the bank the engine sets each slot's adapter in. Under tensor parallel, `shard`
-    (modelzoo.tensor_parallel.LlamaTensorParallel) says which share of each update this rank holds."""
-    bank = AdapterBank([adapter.name for adapter in adapters], num_slots, device)
+    bank is adapters[i]); returns the bank. Under tensor parallel, `shard` (modelzoo.tensor_parallel.
+    LlamaTensorParallel) says which share of each update this rank holds."""
+    bank = AdapterBank([adapter.name for adapter in adapters])
     update_dtype = torch.float32 if device.type == "cpu" else dtype  # the C++ kernel's, on the CPU
     columns: dict[str, list[tuple[int, Projection, torch.Tensor, torch.Tensor, float]]] = {}
     for index, adapter in enumerate(adapters):

@@ -135,8 +135,8 @@ class ModelSetup:
                             f"{self.device}; lower runconfig.rows_in_flight (or inference_input.batch_size) or the "
                             f"data's max_seq_len")
         if self.adapters is not None and self.adapters.bank:
-            attach_adapters(model, self.adapters.bank, self.adapters.projections, self.rows_in_flight, self.dtype,
-                            self.device, shard_plan(self.params.model.checkpoint_path, tp))
+            attach_adapters(model, self.adapters.bank, self.adapters.projections, self.dtype, self.device,
+                            shard_plan(self.params.model.checkpoint_path, tp))
             log.info("LoRA adapters per row: %s (each row's update added to the base projections' output)",
                      ", ".join(f"{a.name} ({len(a.updates)} projections)" for a in self.adapters.bank))
         self.small_step_rows = self._choose_gemm(model, weight_dtype, spare_bytes=(free - cache) // 2)

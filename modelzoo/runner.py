@@ -87,15 +87,9 @@ class InferenceJob:
         self.scorer: Scorer | None = None  # for scoring data: the continuations' log-probabilities
 
     def _plan_adapters(self) -> AdapterPlan | None:
-        """The job's LoRA adapters (model.adapters, the rows' `adapter` fields), each checked against the checkpoint;
-        adapters per row only where the job's other parts take them."""
+        """The job's LoRA adapters (model.adapters, the rows' `adapter` fields), each checked against the checkpoint."""
         model = self.params.model
-        plan = plan_adapters(model.adapters, model.adapter, self.data.distinct_values("adapter"), model.checkpoint_path)
-        if plan is not None and plan.bank:
-            if "continuation_length" in self.data.per_row:
-                raise UserError("scoring data cannot name a LoRA adapter per row yet; score with one adapter for "
-                                "the whole job (model.adapter)")
-        return plan
+        return plan_adapters(model.adapters, model.adapter, self.data.distinct_values("adapter"), model.checkpoint_path)
 
     def steps(self) -> list[int]:
         """Global steps this run processes: all, or the first `inference_steps` (clamped, with a warning)."""
@@ -253,10 +247,11 @@ class InferenceJob:
             if continuation[row] >= starts[row]:
                 raise UserError(f"sample {int(batch.sample_index[row])}: its continuation_length {continuation[row]} "
                                 f"leaves no context token in its prompt of {starts[row]} tokens")
+            adapter = self.adapters.index(batch.adapter[row] if batch.adapter else "") if self.adapters else -1
             if continuation[row]:  # scoring data: the prompt is a context, then the continuation to score
-                scored.append(ScoreRequest(int(row), prompt[: -continuation[row]], prompt[-continuation[row]:]))
+                scored.append(ScoreRequest(int(row), prompt[: -continuation[row]], prompt[-continuation[row]:],
+                                           adapter))
             else:
-                adapter = self.adapters.index(batch.adapter[row] if batch.adapter else "") if self.adapters else -1
                 requests.append(Request(int(batch.sample_index[row]), prompt, batch.options(row, self.defaults),
                                         adapter))
         assembly = StepAssembly(predictions, batch.sample_index, prompt_length, np.zeros(size, dtype=np.int32),

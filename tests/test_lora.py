@@ -337,11 +337,48 @@ def test_adapters_per_row_refuse_the_cuda_graph_step(three_adapters, tmp_path, c
                    "or compiled (or one adapter for the whole job, model.adapter, merged into the weights)")
 
 
-def test_scoring_rows_cannot_name_adapters_yet(three_adapters, tmp_path, capsys):
-    err = job_error(tmp_path, three_adapters["base"], three_adapters["keys"], capsys, adapters=["attn", "mlp"],
-                    continuation_length=[1, 2])
-    assert err == ("error: scoring data cannot name a LoRA adapter per row yet; score with one adapter for the whole "
-                   "job (model.adapter)")
+def score_rows(root: Path, name: str, checkpoint: Path, prompts: list[list[int]], model_keys: dict[str, Any],
+               adapters: list[str] | None = None) -> dict[int, tuple[list[float], bool, str]]:
+    """A scoring job: each prompt's last two tokens scored after the rest (its adapter field from `adapters`):
+    sample_index -> (log-probabilities, is_greedy, adapter)."""
+    data = root / f"{name}-data"
+    write_h5(data, prompt_rows(prompts, MAX_SEQ_LEN, START))
+    with h5py.File(data / "data.h5", "a") as h5:
+        h5.create_dataset("continuation_length", data=np.full(len(prompts), 2, dtype=np.int32))
+        if adapters is not None:
+            h5.create_dataset("adapter", data=adapters, dtype=h5py.string_dtype())
+    params = write_params(root / f"{name}.yaml", checkpoint, data, 3, START, max_tokens=MAX_TOKENS,
+                          model_keys=model_keys)
+    assert run_job(params, root / name) == 0
+    rows = {}
+    for arrays in load_predictions(root / name).values():
+        for row, index in enumerate(arrays["sample_index"].tolist()):
+            if index >= 0:
+                begin, count = int(arrays["prompt_length"][row]), int(arrays["num_generated"][row])
+                rows[index] = (arrays["logprobs"][row, begin: begin + count].tolist(), bool(arrays["is_greedy"][row]),
+                               str(arrays["adapter"][row]) if "adapter" in arrays else "")
+    return rows
+
+
+def test_scoring_rows_mixing_adapters_score_what_each_scores_alone(three_adapters):
+    """Scoring data naming an adapter per row (the same context under two adapters is prefilled once for each):
+    each row's log-probabilities those of a job with its adapter alone."""
+    root, base, keys = three_adapters["root"], three_adapters["base"], three_adapters["keys"]
+    prompts = [p for p in PROMPTS if len(p) >= 3]
+    fields = ["attn", "", "mlp", "all"] * len(prompts)
+    mixed_prompts = [prompts[i // 4] for i in range(len(fields))]  # each prompt under the four models in turn
+    got = score_rows(root, "score-mixed", base, mixed_prompts, keys, adapters=fields)
+    assert len(got) == len(fields)
+    for name in ("attn", "mlp", "all", ""):
+        alone = score_rows(root, f"score-alone-{name or 'base'}", base, prompts, {**keys, "adapter": name} if name else {})
+        for index, field in enumerate(fields):
+            if field == name:
+                logprobs, greedy, adapter = got[index]
+                expected = alone[index // 4]
+                assert adapter == name and len(logprobs) == 2 and greedy == expected[1], (index, name)
+                np.testing.assert_allclose(logprobs, expected[0], atol=1e-4, err_msg=f"row {index}, {name!r}")
+    # the four models score differently
+    assert len({json.dumps(np.round(got[i][0], 3).tolist()) for i in range(4)}) == 4
 
 
 def test_model_adapter_must_be_listed(three_adapters, tmp_path, capsys):

@@ -194,7 +194,7 @@ class GenerationEngine:
         state = self.state
         state.active[[slot for slot, _ in admitted]] = True
         if self.adapters is not None:
-            self.adapters.slot_adapter[[slot for slot, _ in admitted]] = torch.tensor(
+            self.cache.slot_adapter[[slot for slot, _ in admitted]] = torch.tensor(
                 [request.adapter for _, request in admitted], device=self.device)
         copies = self._repeated_prompts(admitted)  # first slot of a prompt -> the other slots given it
         copied = {slot for repeats in copies.values() for slot, _ in repeats}

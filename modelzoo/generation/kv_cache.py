@@ -18,6 +18,8 @@ class KVCache:
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.num_slots = num_slots
         self.max_len = max_len
+        # The LoRA adapter each slot's row runs with (index into the model's AdapterBank, -1: none; modelzoo/lora.py).
+        self.slot_adapter = torch.full((num_slots,), -1, dtype=torch.long, device=device)
 
     @staticmethod
     def nbytes(num_layers: int, num_slots: int, num_kv_heads: int, max_len: int, head_dim: int,

@@ -21,11 +21,13 @@ from modelzoo.generation.kv_cache import KVCache
 
 @dataclass
 class ScoreRequest:
-    """Score `continuation` (k,) after `context` (c,), c, k >= 1; `index` is the caller's key."""
+    """Score `continuation` (k,) after `context` (c,), c, k >= 1; `index` is the caller's key; `adapter` the LoRA
+    adapter of the model's adapter bank to score with (-1: none)."""
 
     index: int
     context: np.ndarray
     continuation: np.ndarray
+    adapter: int = -1
 
 
 @dataclass
@@ -81,6 +83,11 @@ def _row(first: _Picked, rest: _Picked | None, name: str, row: int, k: int) -> n
     return torch.cat((head[row:row + 1], tail)).cpu().numpy()
 
 
+def _context_key(request: ScoreRequest) -> bytes:
+    """What requests must share to share a context's prefill: its tokens and the adapter they run with."""
+    return np.append(request.context.astype(np.int64), request.adapter).tobytes()
+
+
 class Scorer:
     """Scores requests with `model` in the slots of `cache` (its rows are overwritten), `token_budget` tokens of
     logits and prefill per forward at most; top_k > 0 also keeps each position's top_k likeliest tokens."""
@@ -119,7 +126,7 @@ class Scorer:
         """Whether one round holds `requests`: a slot each; within the budget both the contexts' prefill (padded
         rows) and the continuations' logits (the widest row's length, every row); and every row's padding inside
         the window (a padded position past it would overwrite a real one)."""
-        contexts = {request.context.tobytes(): len(request.context) for request in requests}
+        contexts = {_context_key(request): len(request.context) for request in requests}
         width = max(len(request.continuation) for request in requests)
         return (len(requests) <= self.cache.num_slots and len(contexts) * max(contexts.values()) <= self.token_budget
                 and len(requests) * width <= self.token_budget
@@ -128,8 +135,9 @@ class Scorer:
     def _run(self, requests: list[ScoreRequest]) -> list[Score]:
         """One round: the distinct contexts prefilled (each in its first request's slot, then copied to the others'
         slots), then every continuation but its last token in one forward over the cached contexts."""
-        keys = [request.context.tobytes() for request in requests]
+        keys = [_context_key(request) for request in requests]
         distinct = list(dict.fromkeys(keys))
+        self.cache.slot_adapter[: len(requests)] = torch.tensor([r.adapter for r in requests], device=self.device)
         first_slot = {key: keys.index(key) for key in distinct}
         group = torch.tensor([distinct.index(key) for key in keys], device=self.device)  # (R,) each row's context
         contexts = [requests[first_slot[key]].context for key in distinct]

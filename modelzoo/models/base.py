@@ -99,8 +99,8 @@ class CausalLM(nn.Module):
         Returns the logits (B, vocab) of position `last` of each row (default: the final one), or
         (B, N, vocab).
         """
-        if self.adapter_bank is not None:  # each row's (or packed token's) LoRA adapter, from its cache slot
-            self.adapter_bank.select(slots, tokens.shape)
+        if self.adapter_bank is not None:  # each row's (or packed token's) LoRA adapter, its cache slot's
+            self.adapter_bank.select(cache.slot_adapter, slots, tokens.shape)
         x, contexts, extra = self.prepare(tokens, positions, cache, slots, last, length)
         for layer, ctx in zip(self.get_submodule(self.layers_name), contexts):
             x = layer(x, *extra, ctx)
