@@ -26,6 +26,7 @@ from modelzoo.checkpoint import load_hf_config, resolve_dtype
 from modelzoo.generation.engine import GenerationEngine, Request
 from modelzoo.generation.options import GenerationOptions, RequestVariety
 from modelzoo.generation.scoring import Score, Scorer, ScoreRequest
+from modelzoo.lora import plan_adapters
 from modelzoo.model_setup import ModelSetup, resolve_device
 from modelzoo.params import parse_params
 from modelzoo.tensor_parallel import TensorParallelGroup
@@ -50,11 +51,13 @@ class ZooModel:
     checkpoint: a Hugging Face folder; dtype: auto, float32, bfloat16, float16; device: auto, cpu, cuda;
     max_seq_len: the longest prompt + completion (or context + continuation) a row may hold; rows_in_flight:
     rows run together (auto: as the job's `runconfig.rows_in_flight` sizes them); num_threads: CPU threads
-    (default: every core available).
+    (default: every core available); adapter: a PEFT LoRA adapter folder of the checkpoint, merged into the
+    weights as they load (checked as a job checks `model.adapter`).
     """
 
     def __init__(self, checkpoint: str | Path, dtype: str = "auto", device: str = "auto", max_seq_len: int = 2048,
-                 rows_in_flight: int | str = "auto", num_threads: int | None = None) -> None:
+                 rows_in_flight: int | str = "auto", num_threads: int | None = None,
+                 adapter: str | Path | None = None) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoTokenizer
 
@@ -69,7 +72,9 @@ class ZooModel:
         self.device = resolve_device(device)
         torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
         weights_dtype = resolve_dtype(dtype, hf_config)
-        self.setup = ModelSetup(self.params, self.device, weights_dtype, max_seq_len, vocab_size)
+        name = Path(adapter).name if adapter else ""
+        plan = plan_adapters({name: str(adapter)}, name, None, self.checkpoint) if adapter else None
+        self.setup = ModelSetup(self.params, self.device, weights_dtype, max_seq_len, vocab_size, plan)
         self.max_seq_len = max_seq_len
         rows = rows_in_flight if rows_in_flight != "auto" else 1 << 30  # auto: as many as memory holds, capped
         self.model, self.engine = self.setup.build(TensorParallelGroup(device=self.device), rows_to_do=rows)

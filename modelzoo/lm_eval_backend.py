@@ -15,7 +15,8 @@ cuts. Tokenisation is lm-eval's (TemplateLM: trailing spaces of a context move t
 context takes the prefix token); a context too long for the window is left-truncated, as lm-eval's backends do,
 and counted (`truncated_contexts`, logged at the end of each call). Model arguments: pretrained, dtype, device,
 max_length (the window: default the model's positions, at most 2048), max_gen_toks (256), add_bos_token,
-num_threads; `--batch_size` caps the rows run together (auto: as many as memory holds).
+num_threads, peft (a PEFT LoRA adapter folder, merged into the weights at load, as with lm-eval's `hf`
+backend's peft); `--batch_size` caps the rows run together (auto: as many as memory holds).
 """
 from __future__ import annotations
 
@@ -43,14 +44,14 @@ class ZooInferLM(TemplateLM):
 
     def __init__(self, pretrained: str, dtype: str = "auto", device: str = "cpu", batch_size: int | str = "auto",
                  max_length: int | None = None, max_gen_toks: int = 256, add_bos_token: bool | None = None,
-                 num_threads: int | None = None, **_: Any) -> None:
+                 num_threads: int | None = None, peft: str | None = None, **_: Any) -> None:
         super().__init__()
         positions = getattr(load_hf_config(pretrained), "max_position_embeddings", None) or DEFAULT_MAX_LENGTH
         self.max_length = int(max_length or min(positions, DEFAULT_MAX_LENGTH))
         self.max_gen_toks = int(max_gen_toks)
         rows = "auto" if batch_size in (None, "auto") or str(batch_size).startswith("auto") else int(batch_size)
         self.zoo = ZooModel(pretrained, dtype=dtype, device=_device(device), max_seq_len=self.max_length, rows_in_flight=rows,
-                            num_threads=int(num_threads) if num_threads else None)
+                            num_threads=int(num_threads) if num_threads else None, adapter=peft or None)
         self.tokenizer = self.zoo.tokenizer
         self.add_bos_token = add_bos_token if add_bos_token is None else str(add_bos_token).lower() in ("true", "1")
         self.truncated_contexts = 0  # contexts left-truncated to fit the window, over this model's life

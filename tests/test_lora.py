@@ -557,3 +557,35 @@ def test_a_shared_prefix_is_prefilled_once_per_adapter(three_adapters, tmp_path)
         for index, field in enumerate(fields):
             if field == name:
                 assert got[index] == (alone[index][0], name), (index, name)
+
+
+def test_python_api_and_lm_eval_backend_take_an_adapter(smollm2_adapters):
+    """ZooModel(adapter=) generates what transformers + peft generates; lm-eval's zoo-infer backend with
+    peft= scores each continuation as transformers + peft's log-softmax does."""
+    from modelzoo.api import ZooModel
+    from modelzoo.lm_eval_backend import ZooInferLM
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from modelzoo.errors import UserError
+
+    folder = smollm2_adapters["a"]
+    with pytest.raises(UserError, match=r"adapter 'missing' \(.*missing\): the folder does not exist"):
+        ZooModel(SMOLLM2_DIR, dtype="float32", max_seq_len=64, adapter=folder.parent / "missing")
+    prompts = [[1, 504, 3575, 282, 4649, 314], [1, 378, 7600, 30]]
+    zoo = ZooModel(SMOLLM2_DIR, dtype="float32", max_seq_len=64, rows_in_flight=2, adapter=folder)
+    got = [out.token_ids for out in zoo.generate(prompts, zoo.default_options(max_tokens=MAX_TOKENS))]
+    assert got == hf_greedy(SMOLLM2_DIR, prompts, MAX_TOKENS, stop_sequences=[[2]], adapter=folder)
+    assert got != hf_greedy(SMOLLM2_DIR, prompts, MAX_TOKENS, stop_sequences=[[2]])  # the adapter changes them
+
+    lm = ZooInferLM(pretrained=str(SMOLLM2_DIR), dtype="float32", max_length=64, batch_size=2, peft=str(folder))
+    pairs = [(prompts[0], [28, 1345]), (prompts[1], [216])]
+    scores = lm._loglikelihood_tokens([((None, None), context, continuation) for context, continuation in pairs])
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(SMOLLM2_DIR, dtype=torch.float32),
+                                      folder).eval()
+    for (context, continuation), (total, _) in zip(pairs, scores):
+        ids = torch.tensor([context + continuation])
+        with torch.inference_mode():
+            logprobs = model(ids).logits[0].log_softmax(-1)
+        expected = sum(float(logprobs[len(context) - 1 + i, token]) for i, token in enumerate(continuation))
+        assert total == pytest.approx(expected, abs=1e-4)
