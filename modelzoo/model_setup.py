@@ -189,7 +189,8 @@ class ModelSetup:
     def _decode_step_mode(self) -> str:
         """runconfig.decode_step, checked against the job; auto: a CUDA graph on CUDA, eager on the CPU (its C++
         kernels and measured GEMMs run faster than the inductor-compiled step there: benchmarks/decode_step.py);
-        eager under speculative decoding, whose verification step is a forward of its own."""
+        eager under speculative decoding, whose verification step is a forward of its own, and with LoRA adapters per
+        row (not captured in a CUDA graph yet)."""
         requested = self.params.runconfig.decode_step
         if self.adapters is not None and self.adapters.bank:
             if requested == "cuda_graph":
