@@ -50,8 +50,10 @@ void tile(const uint32_t* xb, int64_t pairs, const uint16_t* packed, float* out)
     for (int64_t b = 0; b < Blocks; ++b)
       weights[b] = (__m512bh)_mm512_loadu_si512(packed + b * block_values + p * 2 * kBlock);
     for (int64_t r = 0; r < Rows; ++r) {
-      const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(xb[r * pairs + p]));
-      for (int64_t b = 0; b < Blocks; ++b) sums[r][b] = _mm512_dpbf16_ps(sums[r][b], x, weights[b]);
+      // The row's pair read straight into each product ({1to16}: an embedded broadcast), not broadcast into a
+      // register first: compilers do not fold it, and the separate broadcast takes a vector slot per row.
+      for (int64_t b = 0; b < Blocks; ++b)
+        asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(sums[r][b]) : "v"(weights[b]), "m"(xb[r * pairs + p]));
     }
   }
   for (int64_t r = 0; r < Rows; ++r)
