@@ -314,7 +314,8 @@ class ModelSetup:
                             "outputs; see modelzoo/precision.py)", backend)
             self.gemm = GemmPlan(backend, layers=apply_bf16_gemm(model))
             log.info("GEMMs: bf16_linear (bfloat16 weights and inputs, float32 sums and outputs) for %s",
-                     ", ".join(self.gemm.layers))
+                     ", ".join(key if kernel == "bf16_linear" else f"{key} (SiLU gate fused: {kernel})"
+                               for key, kernel in self.gemm.layers.items()))
             return SMALL_STEP_ROWS if rows > SMALL_STEP_ROWS and not spec else None
         self.gemm = apply_gemm_backend(model, self.dtype, self.device, backend,
                                        decode_rows=rows * (1 + (spec.num_tokens if spec else 0)),

@@ -3,7 +3,8 @@
 - float32: everything in float32.
 - bfloat16 on a CPU with AVX512-BF16 (AMX-BF16 CPUs have it too) and the C++ kernels built: **bfloat16
   GEMMs, float32 everywhere else.** The linear layers keep bfloat16 weights and multiply with bf16_linear
-  (modelzoo/kernels/bf16_gemm.cpp): inputs rounded to bfloat16, products summed and returned in float32. The
+  (modelzoo/kernels/bf16_gemm.cpp): inputs rounded to bfloat16, products summed and returned in float32 (a SiLU
+  GatedMLP's gate | up with bf16_silu_gate, which returns silu(gate) * up with silu_mul's bits). The
   residual stream, norms, rotary, attention's softmax, biases and embeddings' outputs are float32; the KV cache
   stores bfloat16. Chosen by benchmarks/precision_study.py, which adds one rounding at a time to the float32
   path (figures in benchmarks/README.md): rounding the GEMM outputs to bfloat16 costs far more rows than
@@ -29,6 +30,7 @@ from modelzoo.cpu import cpu_flags
 # dtype -> CPU flags (/proc/cpuinfo) of which any one means native matrix multiplies.
 NATIVE_CPU_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
 GEMM_BLOCK = 16  # output rows per packed block of bf16_linear's weights
+SILU_GATE_TILE = 32  # features per register tile of bf16_silu_gate (its 4 blocks: 2 of gate rows, 2 of up rows)
 
 
 @dataclass(frozen=True)
@@ -123,6 +125,36 @@ class BF16Linear(nn.Module):
         return self.packed.numel() * self.packed.element_size()
 
 
+class SiluGatedBF16Linear(BF16Linear):
+    """The gate | up projection of a SwiGLU MLP multiplied by bf16_silu_gate: returns silu(gate) * up (..., N/2)
+    float32, with silu_mul's bits, without writing gate | up. Its weight's blocks of 16 rows are reordered so that
+    each register tile of 4 blocks holds 32 features' gate rows, then their up rows."""
+
+    applies_silu_gate = True  # GatedMLP feeds its output straight to down_proj
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__(layer)
+        half = self.out_features // 2
+        rows = torch.arange(2 * half).view(2, half // SILU_GATE_TILE, SILU_GATE_TILE)  # (gate | up, tile, feature)
+        order = rows.transpose(0, 1).reshape(-1)  # tile by tile: its gate rows, then its up rows
+        self.packed = pack_bf16_weight(layer.weight.detach()[order])
+        self.out_features = half
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from modelzoo.kernels import cpu_kernels
+
+        return cpu_kernels().bf16_silu_gate(x, self.packed, self.out_features)  # (..., N/2) float32
+
+
+def silu_gate_fusable(parent: nn.Module, name: str, layer: nn.Module) -> bool:
+    """Whether `layer` is the gate | up projection of a SiLU GatedMLP whose gate can be applied in the GEMM: no bias
+    (none of our families has one there) and a width in whole tiles."""
+    from modelzoo.models.layers import GatedMLP
+
+    return (isinstance(parent, GatedMLP) and name == "gate_up_proj" and parent.act is F.silu and layer.bias is None
+            and isinstance(layer, nn.Linear) and layer.out_features % (2 * SILU_GATE_TILE) == 0)
+
+
 def pack_bf16_weight(weight: torch.Tensor) -> torch.Tensor:
     """W (N, K) -> (ceil(N/16), ceil(K/2), 16, 2) bfloat16: for each pair of inputs, 16 output rows' two values
     side by side (zero rows and a zero column pad N and K)."""
@@ -133,15 +165,19 @@ def pack_bf16_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def apply_bf16_gemm(model: nn.Module) -> dict[str, str]:
-    """Replaces every linear layer of `model` by a BF16Linear, one at a time (each old weight dropped at once);
-    returns {shape key: 'bf16_linear'} for the GEMM plan."""
+    """Replaces every linear layer of `model` by a BF16Linear (a SiluGatedBF16Linear for a SiLU GatedMLP's gate | up),
+    one at a time (each old weight dropped at once); returns {shape key: kernel} for the GEMM plan."""
     layers = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
               if linear_like(child)]
     shapes = {}
     while layers:
         parent, name, layer = layers.pop()
-        packed = BF16Linear(layer)
+        if silu_gate_fusable(parent, name, layer):
+            packed = SiluGatedBF16Linear(layer)
+            shapes[f"bfloat16 {packed.in_features}x{2 * packed.out_features}"] = "bf16_silu_gate"
+        else:
+            packed = BF16Linear(layer)
+            shapes[f"bfloat16 {packed.in_features}x{packed.out_features}"] = "bf16_linear"
         setattr(parent, name, packed)
-        shapes[f"bfloat16 {packed.in_features}x{packed.out_features}"] = "bf16_linear"
         del layer
     return shapes

@@ -96,6 +96,59 @@ def test_bf16_linear_rejects_bad_inputs():
 
 
 @needs_bf16
+@pytest.mark.parametrize("rows, in_features, intermediate", [(1, 64, 32), (7, 575, 96), (40, 96, 64)])
+def test_silu_gated_bf16_linear_has_silu_muls_bits_and_is_batch_invariant(rows, in_features, intermediate):
+    from modelzoo.kernels import cpu_kernels
+
+    generator = torch.Generator().manual_seed(rows)
+    linear = nn.Linear(in_features, 2 * intermediate, bias=False, dtype=BF16)
+    with torch.no_grad():
+        linear.weight.normal_(generator=generator)
+    gated, plain = precision.SiluGatedBF16Linear(linear), precision.BF16Linear(linear)
+    assert gated.packed.shape == plain.packed.shape
+    assert torch.equal(gated.packed, plain.packed) == (intermediate == 32)  # one tile: gate | up as it was
+    x = torch.randn(rows, in_features, generator=generator) * 3
+    got = gated(x)
+    assert got.dtype == F32 and got.shape == (rows, intermediate)
+    assert torch.equal(got, cpu_kernels().silu_mul(plain(x)))  # the same bits as the two calls it fuses
+    larger = torch.randn(rows + 70, in_features, generator=generator)
+    for offset in (0, 5, 70):
+        larger[offset: offset + rows] = x
+        assert torch.equal(gated(larger)[offset: offset + rows], got)
+        larger[offset: offset + rows] = torch.randn(rows, in_features, generator=generator)
+
+
+@needs_bf16
+def test_only_a_silu_gated_mlps_gate_up_projection_is_fused():
+    from modelzoo.models.layers import GatedMLP
+
+    model = nn.ModuleDict({"silu": GatedMLP(64, 96, "silu", bias=False), "gelu": GatedMLP(64, 96, "gelu", bias=False),
+                           "bias": GatedMLP(64, 96, "silu", bias=True), "narrow": GatedMLP(64, 48, "silu", bias=False)})
+    model.to(BF16)
+    x = torch.randn(5, 64)
+    want = {name: mlp(x.to(BF16)).float() for name, mlp in model.items()}
+    shapes = precision.apply_bf16_gemm(model)
+    assert isinstance(model["silu"].gate_up_proj, precision.SiluGatedBF16Linear)
+    for name in ("gelu", "bias", "narrow"):  # another activation, a bias, 48 features (not whole 32-feature tiles)
+        assert type(model[name].gate_up_proj) is precision.BF16Linear
+    assert shapes["bfloat16 64x192"] in ("bf16_linear", "bf16_silu_gate") and shapes["bfloat16 64x96"] == "bf16_linear"
+    for name, mlp in model.items():
+        torch.testing.assert_close(mlp(x), want[name], rtol=0.05, atol=0.05)
+
+
+@needs_bf16
+def test_bf16_silu_gate_rejects_a_weight_not_in_gated_tiles():
+    from modelzoo.kernels import cpu_kernels
+
+    layer = precision.BF16Linear(nn.Linear(32, 48, bias=False, dtype=BF16))  # 3 blocks: no whole tile of 2 + 2
+    with pytest.raises(RuntimeError, match="packs gate | up of out_features each"):
+        cpu_kernels().bf16_silu_gate(torch.randn(2, 32), layer.packed, 24)
+    gated = precision.SiluGatedBF16Linear(nn.Linear(32, 64, bias=False, dtype=BF16))
+    with pytest.raises(RuntimeError, match="does not match the packed weight"):
+        gated(torch.randn(2, 30))
+
+
+@needs_bf16
 def test_float32_queries_over_a_bfloat16_cache_equal_the_pytorch_path(monkeypatch):
     """The C++ kernel (q float32, cache bfloat16) stores and attends over the same rounded keys and values as the
     PyTorch path."""
@@ -146,6 +199,7 @@ def test_bfloat16_policy_keeps_each_tensor_in_its_dtype(tmp_path):
     assert not any(isinstance(m, nn.Linear) for m in modules)
     gemms = [m for m in modules if isinstance(m, precision.BF16Linear)]
     assert len(gemms) == 4 * model.config.num_layers + 1  # qkv, o, gate_up, down per layer; the head
+    assert all(isinstance(layer.mlp.gate_up_proj, precision.SiluGatedBF16Linear) for layer in model.model.layers)
     assert all(m.packed.dtype == BF16 for m in gemms)
     assert all(m.weight.dtype == F32 for m in modules if isinstance(m, RMSNorm))
     embedding = model.model.embed_tokens

@@ -9,6 +9,10 @@
 //   operand). N is padded with zero rows to a multiple of 16 and K with a zero column to an even count.
 // Each output sums the pairs of inputs in ascending order in one float32 lane (vdpbf16ps), whatever the other
 // rows of the call: the result does not depend on the batch.
+//
+// bf16_silu_gate is the same GEMM for a SwiGLU MLP's gate | up projection, whose SiLU gate it applies to each
+// register tile as it leaves (silu(gate) * up, silu_mul's bits): the tile pairs 32 features' gate and up blocks
+// (modelzoo/precision.py packs them so), and the full gate | up output is never written.
 #include "kernels.h"
 #include "storage.h"
 
@@ -95,19 +99,28 @@ void round_row(const T* x, int64_t k, int64_t pairs, float* wide, uint32_t* out)
 
 }  // namespace
 
-torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
-                          int64_t out_features) {
+namespace {
+
+// y = x @ W^T (+ bias), or with `silu_gate` silu(gate) * up of the gate | up projection packed by
+// modelzoo/precision.py with each tile's 4 blocks 2 gate blocks then the same 2 features' up blocks: (..., out_features).
+torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
+                       int64_t out_features, bool silu_gate) {
   TORCH_CHECK(x.device().is_cpu() && is_storage_type(x.scalar_type()) && x.dim() >= 1,
               "x must be a float32, bfloat16 or float16 CPU tensor (..., K)");
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.size(2) == kBlock &&
                   packed.size(3) == 2 && packed.is_contiguous(), "packed must be contiguous bfloat16 (N/16, K/2, 16, 2)");
   const int64_t blocks = packed.size(0), pairs = packed.size(1), k = x.size(-1);
   TORCH_CHECK(k == 2 * pairs || k == 2 * pairs - 1, "x's last dimension does not match the packed weight");
-  TORCH_CHECK(out_features > 0 && out_features <= blocks * kBlock && out_features > (blocks - 1) * kBlock,
-              "out_features does not match the packed weight");
+  if (silu_gate) {
+    TORCH_CHECK(blocks % kBlocksTile == 0 && out_features * 2 == blocks * kBlock,
+                "a SiLU-gated weight packs gate | up of out_features each, in tiles of 2 + 2 blocks");
+  } else {
+    TORCH_CHECK(out_features > 0 && out_features <= blocks * kBlock && out_features > (blocks - 1) * kBlock,
+                "out_features does not match the packed weight");
+  }
   if (bias) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->scalar_type() == at::kFloat &&
-                    bias->is_contiguous(), "bias must be contiguous float32 (out_features,)");
+    TORCH_CHECK(!silu_gate && bias->dim() == 1 && bias->size(0) == out_features && bias->scalar_type() == at::kFloat &&
+                    bias->is_contiguous(), "bias must be contiguous float32 (out_features,), and none with a SiLU gate");
   }
   const auto input = x.contiguous();
   const int64_t rows = k ? input.numel() / k : 0;
@@ -127,18 +140,26 @@ torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, c
   float* yp = out.data_ptr<float>();
   const int64_t column_tiles = (blocks + kBlocksTile - 1) / kBlocksTile;
   const int64_t row_tiles = (rows + kRowsTile - 1) / kRowsTile;
+  constexpr int64_t kGated = kBlocksTile / 2 * kBlock;  // a gated tile's output features
   // Output columns outer, rows inner: each thread streams its share of the weights once.
   at::parallel_for(0, column_tiles * row_tiles, 1, [&](int64_t begin, int64_t end) {
     float result[kRowsTile * kBlocksTile * kBlock];
+    float silu[kGated];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t block = task / row_tiles * kBlocksTile, row = task % row_tiles * kRowsTile;
       const int64_t tile_rows_count = std::min(kRowsTile, rows - row);
       const int64_t tile_blocks = std::min(kBlocksTile, blocks - block);
       tile_any(tile_rows_count, tile_blocks, xb.get() + row * pairs, pairs, wp + block * pairs * 2 * kBlock, result);
-      const int64_t first = block * kBlock, last = std::min(out_features, (block + tile_blocks) * kBlock);
       for (int64_t r = 0; r < tile_rows_count; ++r) {
         float* y = yp + (row + r) * out_features;
         const float* values = result + r * kBlocksTile * kBlock;
+        if (silu_gate) {  // silu(gate) * up, as silu_mul computes it from the full output
+          const int64_t first = block / 2 * kBlock;
+          silu_row(values, silu, kGated);
+          for (int64_t n = 0; n < kGated; ++n) y[first + n] = silu[n] * values[kGated + n];
+          continue;
+        }
+        const int64_t first = block * kBlock, last = std::min(out_features, (block + tile_blocks) * kBlock);
         if (bp) {
           for (int64_t n = first; n < last; ++n) y[n] = values[n - first] + bp[n];
         } else {
@@ -149,9 +170,24 @@ torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, c
   });
   return out;
 }
+
+}  // namespace
+
+torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
+                          int64_t out_features) {
+  return multiply(x, packed, bias, out_features, false);
+}
+
+torch::Tensor bf16_silu_gate(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features) {
+  return multiply(x, packed, c10::nullopt, out_features, true);
+}
 #else
 torch::Tensor bf16_linear(const torch::Tensor&, const torch::Tensor&, const c10::optional<torch::Tensor>&, int64_t) {
   TORCH_CHECK(false, "bf16_linear needs AVX512-BF16, which this build's CPU lacks");
+}
+
+torch::Tensor bf16_silu_gate(const torch::Tensor&, const torch::Tensor&, int64_t) {
+  TORCH_CHECK(false, "bf16_silu_gate needs AVX512-BF16, which this build's CPU lacks");
 }
 #endif
 

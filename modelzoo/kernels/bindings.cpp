@@ -21,6 +21,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x (..., K) rounded to bfloat16 @ W^T (+ bias) for a bfloat16 W packed by modelzoo/precision.py, summed and "
         "returned in float32 (..., out_features)",
         py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(), py::arg("out_features"));
+  m.def("bf16_silu_gate", &zoo::bf16_silu_gate,
+        "silu(gate) * up of x (..., K) rounded to bfloat16 @ [gate | up]^T, for the gate | up weight packed by "
+        "modelzoo/precision.py in tiles of 2 gate + 2 up blocks; float32 (..., out_features), silu_mul's bits",
+        py::arg("x"), py::arg("packed"), py::arg("out_features"));
   m.def("lora_update_", &zoo::lora_update_,
         "out (M, N) += each row's LoRA update B_g A_g x (M, K) for its adapter g = row_adapter (M,) (-1: none), from "
         "every adapter's stacked a (C, K padded to 16) and b_t (C, N) float32 and segments (S, 5) int64 (adapter, "

@@ -113,6 +113,8 @@ const float* as_floats(const T* values, std::vector<float>& buffer, int64_t n) {
 
 constexpr int64_t kRowsPerTask = 16;  // a decode step's 32 rows are two tasks, a prefill's thousand many
 
+}  // namespace
+
 // silu(gate) = gate / (1 + exp(-gate)) over n floats, in ATen's order: 8-lane blocks two vectors at a
 // time with SLEEF's exp, then one element at a time with glibc's.
 void silu_row(const float* gate, float* out, int64_t n) {
@@ -129,8 +131,6 @@ void silu_row(const float* gate, float* out, int64_t n) {
   }
   for (int64_t i = blocks; i < n; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i]));
 }
-
-}  // namespace
 
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
   check_rows(x, weight);

@@ -16,6 +16,8 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& new_
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& delta, const torch::Tensor& weight, double eps);
 torch::Tensor silu_mul(const torch::Tensor& gate_up);
+// out[0, n) = silu(gate[0, n)), as ATen computes it (silu_mul's and bf16_linear's SiLU gate).
+void silu_row(const float* gate, float* out, int64_t n);
 // int8_gemm.cpp: group-wise int8 weights times activations quantized per row and chunk to 8 or 16 bits,
 // on AVX512-VNNI.
 bool int8_vnni_available();
@@ -25,6 +27,8 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, c
 bool bf16_dot_available();
 torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                           int64_t out_features);
+// The same for a gate | up projection packed in tiles of 2 gate + 2 up blocks: silu(gate) * up (..., out_features).
+torch::Tensor bf16_silu_gate(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features);
 // lora_update.cpp: out[m] += B_g A_g x[m], the update of each row's own LoRA adapter g (modelzoo/lora.py).
 void lora_update_(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& row_adapter, const torch::Tensor& a,
                   const torch::Tensor& b_t, const torch::Tensor& segments);

@@ -378,6 +378,8 @@ class GatedMLP(nn.Module):
         self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if getattr(self.gate_up_proj, "applies_silu_gate", False):  # bf16_silu_gate (modelzoo/precision.py)
+            return self.down_proj(self.gate_up_proj(x))
         gate_up = self.gate_up_proj(x)
         kernels = fused_kernels(gate_up) if self.act is F.silu else None
         if kernels is not None:
