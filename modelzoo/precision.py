@@ -113,7 +113,7 @@ class BF16Linear(nn.Module):
         if getattr(layer, "weight_is_in_out", False):
             weight = weight.t()  # (in, out) -> (out, in)
         self.out_features, self.in_features = weight.shape
-        self.packed = pack_bf16_weight(weight)
+        self.packed = pack_bf16_weight(self.arrange(weight))
         self.bias = None if layer.bias is None else nn.Parameter(layer.bias.detach().float(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -123,6 +123,10 @@ class BF16Linear(nn.Module):
 
     def packed_bytes(self) -> int:
         return self.packed.numel() * self.packed.element_size()
+
+    def arrange(self, weight: torch.Tensor) -> torch.Tensor:
+        """The weight's rows (N, K) in the order the kernel reads them: as they are."""
+        return weight
 
 
 class SiluGatedBF16Linear(BF16Linear):
@@ -134,11 +138,13 @@ class SiluGatedBF16Linear(BF16Linear):
 
     def __init__(self, layer: nn.Module) -> None:
         super().__init__(layer)
-        half = self.out_features // 2
+        self.out_features //= 2  # silu(gate) * up: one output per gate | up pair
+
+    def arrange(self, weight: torch.Tensor) -> torch.Tensor:
+        """gate | up rows (2I, K) tile by tile: each tile's 32 gate rows, then the same features' up rows."""
+        half = weight.shape[0] // 2
         rows = torch.arange(2 * half).view(2, half // SILU_GATE_TILE, SILU_GATE_TILE)  # (gate | up, tile, feature)
-        order = rows.transpose(0, 1).reshape(-1)  # tile by tile: its gate rows, then its up rows
-        self.packed = pack_bf16_weight(layer.weight.detach()[order])
-        self.out_features = half
+        return weight[rows.transpose(0, 1).reshape(-1)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from modelzoo.kernels import cpu_kernels
