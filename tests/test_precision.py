@@ -131,7 +131,7 @@ def test_only_a_silu_gated_mlps_gate_up_projection_is_fused():
     assert isinstance(model["silu"].gate_up_proj, precision.SiluGatedBF16Linear)
     for name in ("gelu", "bias", "narrow"):  # another activation, a bias, 48 features (not whole 32-feature tiles)
         assert type(model[name].gate_up_proj) is precision.BF16Linear
-    assert shapes["bfloat16 64x192"] in ("bf16_linear", "bf16_silu_gate") and shapes["bfloat16 64x96"] == "bf16_linear"
+    assert "bf16_silu_gate" in shapes.values() and shapes["bfloat16 64x96"] == "bf16_linear"  # the narrow one
     for name, mlp in model.items():
         torch.testing.assert_close(mlp(x), want[name], rtol=0.05, atol=0.05)
 
