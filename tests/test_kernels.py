@@ -74,8 +74,8 @@ def random_call(group: int, head_dim: int, positions: torch.Tensor, window: int 
 def check_against_reference(q, new_keys, new_values, keys, values, slots, start, end):
     expected_keys, expected_values = keys.clone(), values.clone()
     for b, slot in enumerate(slots.tolist()):  # the call stores the forward's keys and values first
-        expected_keys[slot, :, end[b] - 1] = new_keys[b].transpose(0, 1)
-        expected_values[slot, :, end[b] - 1] = new_values[b].transpose(0, 1)
+        expected_keys[slot, :, end[b] - 1] = new_keys[b].transpose(0, 1).to(keys.dtype)  # rounded to a 16-bit cache
+        expected_values[slot, :, end[b] - 1] = new_values[b].transpose(0, 1).to(values.dtype)
     scale = 1 / math.sqrt(q.shape[-1])
     out = kernels.cached_attention(q, new_keys, new_values, keys, values, slots, start, end, scale)
     assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)
@@ -83,11 +83,15 @@ def check_against_reference(q, new_keys, new_values, keys, values, slots, start,
 
 
 @needs_kernels
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 6, 7, 8])
 @pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
-def test_decode_step_matches_float64_softmax(group, head_dim):
+def test_decode_step_matches_float64_softmax(group, head_dim, cache_dtype):
+    """float32 queries over a float32 cache, or a 16-bit one the kernel widens as it reads."""
     positions = torch.tensor([[0], [16], [69], [32], [15]])  # around the 16-key blocks; one row full
-    check_against_reference(*random_call(group, head_dim, positions, seed=group * 1000 + head_dim))
+    q, new_keys, new_values, keys, values, slots, start, end = random_call(group, head_dim, positions,
+                                                                           seed=group * 1000 + head_dim)
+    check_against_reference(q, new_keys, new_values, keys.to(cache_dtype), values.to(cache_dtype), slots, start, end)
 
 
 @needs_kernels
@@ -248,7 +252,7 @@ def test_half_precision_silu_mul_rounds_like_torch(dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_attention_is_the_float32_kernel_rounded(dtype):
     """Inputs and cache in `dtype`: the cache gets the keys rotated in float32 and rounded once, and the
-    output is the float32 kernel's, on the widened inputs and the rounded keys, rounded once."""
+    output is the float32 queries' kernel's over that cache, on the widened inputs, rounded once."""
     generator = torch.Generator().manual_seed(7)
     batch, width, heads, kv_heads, head_dim = 3, 4, 6, 2, 64
     qkv = torch.randn(batch, width, (heads + 2 * kv_heads) * head_dim, generator=generator).to(dtype)
@@ -269,7 +273,7 @@ def test_half_precision_attention_is_the_float32_kernel_rounded(dtype):
     assert torch.equal(half_keys, float_keys.to(dtype)) and torch.equal(half_values, float_values.to(dtype))
     q_rotated = apply_rotary(q.float().transpose(1, 2), cos.float(), sin.float()).transpose(1, 2).contiguous()
     stored_keys = half_keys[slots[:, None], :, end - 1].float()  # (B, T, Hkv, hd): what the kernel wrote
-    expected = kernels.cached_attention(q_rotated, stored_keys, v.float(), half_keys.float(), half_values.float(), slots,
+    expected = kernels.cached_attention(q_rotated, stored_keys, v.float(), half_keys.clone(), half_values.clone(), slots,
                                         start, end, 0.125)
     assert torch.equal(out, expected.to(dtype))
 

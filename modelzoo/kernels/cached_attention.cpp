@@ -81,8 +81,14 @@ inline vec16 exp_nonpositive(vec16 x) {
 // row[0, n) <- softmax(row[0, n)); room for n rounded up to 16 (the tail is padded and ignored).
 inline void softmax_in_place(float* row, int64_t n) {
   const int64_t padded = (n + W - 1) / W * W;
-  const float peak = *std::max_element(row, row + n);
   std::fill(row + n, row + padded, -std::numeric_limits<float>::infinity());
+  vec16 peaks = load16(row);
+  for (int64_t j = W; j < padded; j += W) {
+    const vec16 scores = load16(row + j);
+    peaks = scores > peaks ? scores : peaks;
+  }
+  float peak = peaks[0];
+  for (int64_t i = 1; i < W; ++i) peak = std::max(peak, peaks[i]);
   vec16 totals{};
   for (int64_t j = 0; j < padded; j += W) {
     const vec16 e = exp_nonpositive(load16(row + j) - peak);

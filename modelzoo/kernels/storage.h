@@ -28,11 +28,19 @@ inline vec16 load16(const float* p) {
   return v;
 }
 
-// bfloat16 is the high half of a float32: widen and shift.
+// bfloat16 is the high half of a float32: each value moved into one (AVX512-BW: one word permute, with the
+// low halves zeroed by its mask), else widened and shifted.
 inline vec16 load16(const c10::BFloat16* p) {
+#if defined(__AVX512BW__)
+  const __m512i high_halves = _mm512_set_epi16(15, 0, 14, 0, 13, 0, 12, 0, 11, 0, 10, 0, 9, 0, 8, 0, 7, 0, 6, 0, 5, 0,
+                                               4, 0, 3, 0, 2, 0, 1, 0, 0, 0);  // word 2i + 1 <- value i
+  const __m512i values = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i bits = _mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, high_halves, values);
+#else
   u16x16 half;
   std::memcpy(&half, p, sizeof half);
   const u32x16 bits = __builtin_convertvector(half, u32x16) << 16;
+#endif
   vec16 v;
   std::memcpy(&v, &bits, sizeof v);
   return v;
