@@ -7,6 +7,7 @@ runs this same job in lockstep; only the group's rank 0 writes files and logs.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -124,6 +125,7 @@ class InferenceJob:
                              self.params.inference_input.batch_size, self.shard.index, self.shard.count,
                              len(self.steps_of_shard), len(todo), self.data.max_seq_len, self.predictions_dir)
                 stop = AgreedStop(request, self.tp) if self.tp.size > 1 else request
+                gc.freeze()  # the garbage collector's full passes skip the objects of imports and set-up from here on
                 with self._out_of_memory_named("generating"):
                     self._generate(engine, todo, stop)
             except Interrupted as interrupted:

@@ -22,7 +22,6 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
-#include <vector>
 
 namespace zoo {
 
@@ -85,16 +84,14 @@ void tile_any(int64_t rows, int64_t blocks, const uint32_t* xb, int64_t pairs, c
   }
 }
 
-// Row r of x (k values of T) as bfloat16 pairs, rounded to nearest even, a zero appended for an odd k.
-// `wide`: room for 2 * pairs floats.
+// A row of x (k values of T) as bfloat16 pairs, rounded to nearest even, a zero appended for an odd k.
 template <typename T>
-void round_row(const T* x, int64_t k, int64_t pairs, float* wide, uint32_t* out) {
-  widen(x, wide, k);
-  if (k < 2 * pairs) wide[k] = 0.f;
+void round_row(const T* x, int64_t k, int64_t pairs, uint32_t* out) {
   auto* halves = reinterpret_cast<c10::BFloat16*>(out);
   int64_t i = 0;
-  for (; i + W <= pairs * 2; i += W) store16(halves + i, load16(wide + i));
-  for (; i < pairs * 2; ++i) halves[i] = c10::BFloat16(wide[i]);
+  for (; i + W <= k; i += W) store16(halves + i, load16(x + i));
+  for (; i < k; ++i) halves[i] = c10::BFloat16(to_float(x[i]));
+  if (k < 2 * pairs) halves[k] = c10::BFloat16(0.f);
 }
 
 }  // namespace
@@ -131,8 +128,7 @@ torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, cons
   ZOO_DISPATCH_FLOATS(x.scalar_type(), "bf16_linear", [&] {
     const scalar_t* xp = input.data_ptr<scalar_t>();
     at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-      std::vector<float> wide(2 * pairs);
-      for (int64_t r = begin; r < end; ++r) round_row(xp + r * k, k, pairs, wide.data(), xb.get() + r * pairs);
+      for (int64_t r = begin; r < end; ++r) round_row(xp + r * k, k, pairs, xb.get() + r * pairs);
     });
   });
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
