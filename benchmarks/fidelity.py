@@ -12,11 +12,13 @@ For each prompt set (the HumanEval prompts raw, then in the model's chat templat
      (--vllm_python), llama.cpp `llama-server` with bf16 and f16 GGUF files made from the same Hugging Face
      folder (--llama_cpp_dir: benchmarks/peers/setup_llamacpp.sh builds it); with --baseline_repo, zoo-infer
      bfloat16 from another checkout too (an older commit, to compare speed and fidelity with);
-  3. per engine: rows equal to the reference, and teacher-forced top-1 agreement: over the reference's
-     continuation tokens, the share where the engine's most likely next token, after the reference's tokens
-     before it, is the reference's (every engine reads the same context, so one early divergence does not hide
-     how the rest of the row goes). zoo-infer scores through modelzoo.api.ZooModel.score_tokens, the others
-     after their timed generation (the scripts' --teacher_forced), each in a process of its own.
+  3. per engine: rows equal to the reference, paired with zoo-infer bfloat16's row by row (the rows only the engine
+     keeps equal, those only zoo-infer bfloat16 keeps, and the exact two-sided sign test's p over those two counts:
+     whether the two engines' rows-equal counts differ by more than chance), and teacher-forced top-1 agreement:
+     over the reference's continuation tokens, the share where the engine's most likely next token, after the
+     reference's tokens before it, is the reference's (every engine reads the same context, so one early divergence
+     does not hide how the rest of the row goes). zoo-infer scores through modelzoo.api.ZooModel.score_tokens, the
+     others after their timed generation (the scripts' --teacher_forced), each in a process of its own.
 Prints one table per prompt set, with tokens/s (generation only) and its ratios to vLLM's and llama.cpp's
 bfloat16 in the same run, and the peak RSS; writes <out>/fidelity.json.
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing
 import os
 import sys
@@ -43,6 +46,25 @@ PROMPT_SETS = {"raw": False, "chat": True}  # name -> chat template
 PEER_DTYPES = {"vllm": ("bfloat16",), "llamacpp": ("bfloat16", "float16"), "ctranslate2": ()}
 
 
+def sign_test(wins: int, losses: int) -> float:
+    """Exact two-sided sign test: the chance of a split at least this uneven over wins + losses fair coin flips."""
+    n = wins + losses
+    tail = sum(math.comb(n, k) for k in range(min(wins, losses) + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
+
+
+def paired(row: dict, rows: list[dict]) -> str:
+    """`row`'s rows equal to the reference against zoo-infer bfloat16's, row by row: '+a -b p=P', a the rows only
+    `row`'s engine keeps equal, b those only zoo-infer bfloat16 keeps, P the sign test's; '' for zoo-infer bfloat16
+    itself."""
+    zoo = next((r for r in rows if r["engine"] == "zoo-infer" and r["dtype"] == "bfloat16"), None)
+    if zoo is None or zoo is row or row.get("equal_rows") is None or zoo.get("equal_rows") is None:
+        return ""
+    wins = sum(mine and not theirs for mine, theirs in zip(row["equal_rows"], zoo["equal_rows"]))
+    losses = sum(theirs and not mine for mine, theirs in zip(row["equal_rows"], zoo["equal_rows"]))
+    return f"+{wins} -{losses} p={sign_test(wins, losses):.2f}"
+
+
 def agreement(flags: list[list[bool]]) -> float | None:
     """The share of True over every row's flags."""
     total = sum(len(row) for row in flags)
@@ -58,15 +80,18 @@ def run_set(args: argparse.Namespace, name: str, out: Path, threads: int, peers:
                                          threads)
     if reference is None:
         sys.exit(f"error: the transformers float32 reference failed: {reference_row['note']}")
-    rows.append({**reference_row, "rows_equal": len(reference), "teacher_forced": None})
+    rows.append({**reference_row, "rows_equal": len(reference), "equal_rows": [True] * len(reference),
+                 "teacher_forced": None})
     sequences = [prompt + continuation for prompt, continuation in zip(prep.token_ids, reference)]
     forced_path = out / "teacher_forced.json"
     forced_path.write_text(json.dumps({"sequences": sequences, "starts": list(map(len, prep.token_ids))}))
     forced_option = ["--teacher_forced", str(forced_path)]
 
     def record(row: dict, tokens: list | None, forced: list[list[bool]] | None) -> None:
-        equal = None if tokens is None else sum(a == b for a, b in zip(tokens, reference))
-        rows.append({**row, "rows_equal": equal, "teacher_forced": None if forced is None else agreement(forced)})
+        flags = None if tokens is None else [a == b for a, b in zip(tokens, reference)]
+        equal = None if flags is None else sum(flags)
+        rows.append({**row, "rows_equal": equal, "equal_rows": flags,
+                     "teacher_forced": None if forced is None else agreement(forced)})
         print(f"  {name:<5} {row['engine']:<18} {row['dtype']:<9} {row['status']:<8} rows equal {equal} "
               f"teacher-forced {rows[-1]['teacher_forced']}", flush=True)
 
@@ -105,15 +130,16 @@ def ratio(row: dict, rows: list[dict], engine: str) -> str:
 def format_table(name: str, rows: list[dict], num_prompts: int) -> str:
     """A markdown table of one prompt set."""
     lines = [f"prompt set: {name}",
-             "| engine | dtype | rows equal to transformers fp32 | teacher-forced top-1 | tokens/s | vs vLLM bf16 | "
-             "vs llama.cpp bf16 | peak RSS MiB | note |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| engine | dtype | rows equal to transformers fp32 | rows equal, paired with zoo-infer bf16 | "
+             "teacher-forced top-1 | tokens/s | vs vLLM bf16 | vs llama.cpp bf16 | peak RSS MiB | note |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         equal = "" if row["rows_equal"] is None else f"{row['rows_equal']} of {num_prompts}"
         forced = "" if row["teacher_forced"] is None else f"{100 * row['teacher_forced']:.2f}%"
         rate = f"{row['tokens_per_s']:.1f}" if row["tokens_per_s"] else row["status"]
         rss = f"{row['peak_rss_mib']:.0f}" if row["peak_rss_mib"] else ""
-        lines.append(f"| {row['engine']} | {row['dtype']} | {equal} | {forced} | {rate} | {ratio(row, rows, 'vllm')} | "
+        lines.append(f"| {row['engine']} | {row['dtype']} | {equal} | {paired(row, rows)} | {forced} | {rate} | "
+                     f"{ratio(row, rows, 'vllm')} | "
                      f"{ratio(row, rows, 'llama.cpp')} | {rss} | {row['note']} |")
     return "\n".join(lines)
 

@@ -12,6 +12,7 @@ import csv
 import json
 import importlib.util
 import platform
+import re
 import tempfile
 import sys
 from pathlib import Path
@@ -256,17 +257,44 @@ def test_fidelity_report(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     printed = capsys.readouterr().out
     assert code == 0, printed
     rows = {tuple(cells[1:3]): cells for cells in (line.split("|") for line in printed.splitlines())
-            if len(cells) == 11}
+            if len(cells) == 12}
     rows = {(engine.strip(), dtype.strip()): [c.strip() for c in cells] for (engine, dtype), cells in rows.items()}
     assert {("transformers", "float32"), ("transformers", "bfloat16"), ("zoo-infer", "float32"),
             ("zoo-infer", "bfloat16")} <= set(rows), printed
-    assert rows["zoo-infer", "float32"][3:5] == ["3 of 3", "100.00%"]  # float32 is token-exact with transformers
-    assert rows["transformers", "float32"][3] == "3 of 3" and rows["transformers", "bfloat16"][4].endswith("%")
+    assert rows["zoo-infer", "float32"][3] == "3 of 3"  # float32 is token-exact with transformers
+    assert rows["zoo-infer", "float32"][5] == "100.00%"
+    assert rows["transformers", "float32"][3] == "3 of 3" and rows["transformers", "bfloat16"][5].endswith("%")
+    # Paired with zoo-infer bfloat16: the rows only each side keeps equal account for the difference of the counts.
+    assert rows["zoo-infer", "bfloat16"][4] == ""
+    bf16_equal = int(rows["zoo-infer", "bfloat16"][3].split()[0])
+    for key in (("transformers", "float32"), ("zoo-infer", "float32"), ("transformers", "bfloat16")):
+        found = re.fullmatch(r"\+(\d+) -(\d+) p=(\d\.\d\d)", rows[key][4])
+        assert found, rows[key]
+        wins, losses = int(found[1]), int(found[2])
+        assert wins - losses == int(rows[key][3].split()[0]) - bf16_equal
     saved = json.loads((tmp_path / "fidelity.json").read_text())
     assert [row["engine"] for row in saved["tables"]["raw"]] == ["transformers", "transformers", "zoo-infer",
                                                                  "zoo-infer"]
+    assert [len(row["equal_rows"]) for row in saved["tables"]["raw"]] == [3, 3, 3, 3]
     with pytest.raises(SystemExit, match="--prompt_sets takes raw, chat or both"):
         fidelity.main(["--prompt_sets", "plain", "--out", str(tmp_path)])
+
+
+def test_fidelity_sign_test_and_pairing() -> None:
+    """The exact two-sided sign test against hand-computed binomial tails, and the paired column counting the rows only
+    one of two engines keeps equal to the reference."""
+    fidelity = load_script("benchmarks/fidelity.py")
+    assert fidelity.sign_test(0, 0) == 1.0
+    assert fidelity.sign_test(0, 5) == fidelity.sign_test(5, 0) == 2 / 32
+    assert fidelity.sign_test(1, 9) == 2 * (1 + 10) / 1024
+    assert fidelity.sign_test(4, 4) == 1.0  # an even split: capped at 1
+    zoo = {"engine": "zoo-infer", "dtype": "bfloat16", "equal_rows": [True, True, False, False, True]}
+    peer = {"engine": "llama.cpp", "dtype": "bfloat16", "equal_rows": [True, False, True, True, True]}
+    failed = {"engine": "vllm", "dtype": "bfloat16", "equal_rows": None}
+    rows = [zoo, peer, failed]
+    assert fidelity.paired(peer, rows) == f"+2 -1 p={fidelity.sign_test(2, 1):.2f}" == "+2 -1 p=1.00"
+    assert fidelity.paired(zoo, rows) == "" and fidelity.paired(failed, rows) == ""
+    assert fidelity.paired(peer, [peer]) == ""  # no zoo-infer bfloat16 row to pair with
 
 
 CRASHING_CHILD = """
