@@ -297,6 +297,40 @@ def test_fidelity_sign_test_and_pairing() -> None:
     assert fidelity.paired(peer, [peer]) == ""  # no zoo-infer bfloat16 row to pair with
 
 
+def test_kernel_builds(capsys: pytest.CaptureFixture) -> None:
+    """benchmarks/kernel_builds.py on tiny shapes: this checkout's build under two labels measures every figure for
+    both and finds their outputs identical; a malformed build argument or a folder without a library is refused."""
+    kernel_builds = load_script("benchmarks/kernel_builds.py")
+    from modelzoo.kernels import cpu_kernels, kernel_build_dir
+
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("the C++ kernels cannot be built here")
+    folder = kernel_build_dir()
+    tiny = ["--rounds", "1", "--layers", "2", "--rows", "5", "--prefill_tokens", "40", "--min_context", "3",
+            "--max_context", "20", "--hidden", "64", "--intermediate", "64", "--heads", "4", "--kv_heads", "2",
+            "--head_dim", "16", "--vocab", "48", "--threads", "2"]
+    assert kernel_builds.main([f"a={folder}", f"b={folder}", *tiny]) == 0
+    printed = capsys.readouterr().out
+    lines = {line.split(":")[0]: line for line in printed.splitlines() if line.startswith(("a:", "b:"))}
+    assert set(lines) == {"a", "b"}, printed
+    expected = ["decode attention ms/layer", "prefill attention ms/layer"]
+    if kernels.bf16_dot_available():
+        expected += [f"{phase} {name} GFLOP/s" for phase in ("decode", "prefill") for name in ("qkv", "o", "gate_up",
+                                                                                               "down")]
+        expected.append("decode lm_head GFLOP/s")
+    for line in lines.values():
+        assert line.endswith("identical to a: True"), line
+        for name in expected:
+            assert re.search(re.escape(name) + r" \d+(\.\d+)? ", line), (name, line)
+    with pytest.raises(SystemExit, match="a build is label=folder"):
+        kernel_builds.main([str(folder), *tiny])
+    with pytest.raises(SystemExit, match="no built kernel library in"):
+        kernel_builds.main(["a=/nonexistent/folder", *tiny])
+    with pytest.raises(SystemExit, match="--min_context <= --max_context <= --prefill_tokens"):
+        kernel_builds.main(["--max_context", "2000"])
+
+
 CRASHING_CHILD = """
 import json, os, sys
 out = sys.argv[sys.argv.index("--out") + 1]
