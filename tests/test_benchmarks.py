@@ -309,7 +309,7 @@ def test_kernel_builds(capsys: pytest.CaptureFixture) -> None:
     folder = kernel_build_dir()
     tiny = ["--rounds", "1", "--layers", "2", "--rows", "5", "--prefill_tokens", "40", "--min_context", "3",
             "--max_context", "20", "--hidden", "64", "--intermediate", "64", "--heads", "4", "--kv_heads", "2",
-            "--head_dim", "16", "--vocab", "48", "--threads", "2"]
+            "--head_dim", "16", "--vocab", "48"]
     assert kernel_builds.main([f"a={folder}", f"b={folder}", *tiny]) == 0
     printed = capsys.readouterr().out
     lines = {line.split(":")[0]: line for line in printed.splitlines() if line.startswith(("a:", "b:"))}
