@@ -18,7 +18,7 @@ from modelzoo.generation.options import GenerationOptions, RequestVariety
 from modelzoo.generation.speculative import DraftModelDrafter, Drafter, PromptLookupDrafter
 from modelzoo.generation.structured import FormatCompiler, FormatError, StructuredRows
 from modelzoo.int8_compute import apply_int8_backend
-from modelzoo.kernels import machine_dir
+from modelzoo.kernels import cpu_kernels, machine_dir
 from modelzoo.lora import AdapterPlan, attach_adapters
 from modelzoo.memory import available_host_memory
 from modelzoo.params import InferenceParams
@@ -313,7 +313,8 @@ class ModelSetup:
                 log.warning("runconfig.gemm_backend %s ignored: bfloat16 multiplies with bf16_linear here (float32 "
                             "outputs; see modelzoo/precision.py)", backend)
             self.gemm = GemmPlan(backend, layers=apply_bf16_gemm(model))
-            log.info("GEMMs: bf16_linear (bfloat16 weights and inputs, float32 sums and outputs) for %s",
+            log.info("GEMMs: bf16_linear (bfloat16 weights and inputs, float32 sums and outputs; input pairs broadcast "
+                     "%s, the faster here as timed) for %s", cpu_kernels().bf16_gemm_broadcast(),
                      ", ".join(key if kernel == "bf16_linear" else f"{key} (SiLU gate fused: {kernel})"
                                for key, kernel in self.gemm.layers.items()))
             return SMALL_STEP_ROWS if rows > SMALL_STEP_ROWS and not spec else None

@@ -68,6 +68,21 @@ def test_a_read_only_checkout_loads_its_build_without_the_lock(tmp_path, roots, 
 
 
 @needs_build
+def test_builds_in_two_folders_load_as_two_modules(tmp_path):
+    """benchmarks/kernel_builds.py loads several builds in one process: each must run its own library, not the first
+    one loaded under the same module name."""
+    from modelzoo.kernels import _built_library, _load_library
+
+    libraries = []
+    for name in ("kernels-before", "kernels-after"):
+        (tmp_path / name).mkdir()
+        libraries.append(Path(shutil.copy2(_built_library(BUILT), tmp_path / name)))
+    first, second = (_load_library(library) for library in libraries)
+    assert first is not second and first.cached_attention is not second.cached_attention
+    assert [Path(first.__file__), Path(second.__file__)] == libraries
+
+
+@needs_build
 def test_a_build_in_the_chosen_folder_comes_first(tmp_path, roots, monkeypatch, caplog):
     caplog.set_level("INFO", logger="zoo-infer")
     monkeypatch.setenv("ZOO_INFER_KERNEL_DIR", str(tmp_path / "chosen"))

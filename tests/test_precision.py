@@ -73,6 +73,32 @@ def test_bf16_linear_sums_bf16_inputs_in_float32_and_is_batch_invariant(rows, in
 
 
 @needs_bf16
+def test_both_broadcasts_of_the_bf16_gemms_give_the_same_bits():
+    """The kernel times its two ways of broadcasting the input pairs and keeps the faster; either gives the same
+    sums, on every tile shape (1-6 rows, 1-4 blocks, the SiLU-gated one), so the choice changes speed only."""
+    from modelzoo.kernels import cpu_kernels
+
+    kernels = cpu_kernels()
+    chosen = kernels.bf16_gemm_broadcast()
+    assert chosen in ("embedded", "register")
+    torch.manual_seed(0)
+    # 7 blocks of outputs (a tile of 4, then 3), 2 blocks, 1 block, and the SiLU-gated tiles; rows in tiles of 6, 6, 5
+    layers = [precision.BF16Linear(nn.Linear(96, out, dtype=BF16)) for out in (112, 24, 16)]
+    layers.append(precision.SiluGatedBF16Linear(nn.Linear(96, 128, bias=False, dtype=BF16)))
+    x = torch.randn(17, 96)
+    outputs = {}
+    try:
+        for use in ("embedded", "register"):
+            assert kernels.bf16_gemm_broadcast(use) == use
+            outputs[use] = [layer(x[:rows]) for layer in layers for rows in (1, 2, 3, 4, 17)]
+    finally:
+        kernels.bf16_gemm_broadcast(chosen)
+    assert all(torch.equal(a, b) for a, b in zip(outputs["embedded"], outputs["register"]))
+    with pytest.raises(RuntimeError, match="broadcast is embedded or register, not sideways"):
+        kernels.bf16_gemm_broadcast("sideways")
+
+
+@needs_bf16
 def test_bf16_linear_of_a_conv1d_layer_takes_its_in_out_weight():
     from modelzoo.models.gpt2 import Conv1D
 

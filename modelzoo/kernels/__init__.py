@@ -106,8 +106,11 @@ def kernel_build_dir(root: Path | None = None) -> Path:
 
 def _load_library(library: Path) -> ModuleType:
     """Imports a built library as torch's loader does, without its build lock (torch is imported, so
-    the library's libtorch symbols resolve)."""
-    spec = importlib.util.spec_from_file_location(library.stem, library)
+    the library's libtorch symbols resolve). The module is named after its build folder as well: loaded under
+    its bare name, a second build would come back as the module of the first one loaded (benchmarks/
+    kernel_builds.py loads several builds in one process)."""
+    name = f"{library.parent.name.replace('-', '_')}.{library.stem}"  # the PyInit symbol is the last part's
+    spec = importlib.util.spec_from_file_location(name, library)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -10,6 +10,11 @@
 // Each output sums the pairs of inputs in ascending order in one float32 lane (vdpbf16ps), whatever the other
 // rows of the call: the result does not depend on the batch.
 //
+// Each input pair reaches the 4 products of its row one of two ways, chosen by timing both once per process
+// (`broadcast_mode`): read from memory by each product ({1to16}, an embedded broadcast: no extra instruction,
+// but 24 loads per 24 products), or broadcast into a register once (6 loads, 6 more instructions). Which is faster
+// depends on the CPU's load ports and vector pipes; the sums are the same bits either way.
+//
 // bf16_silu_gate is the same GEMM for a SwiGLU MLP's gate | up projection, whose SiLU gate it applies to each
 // register tile as it leaves (silu(gate) * up, silu_mul's bits): the tile pairs 32 features' gate and up blocks
 // (modelzoo/precision.py packs them so), and the full gate | up output is never written.
@@ -20,6 +25,8 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstring>
 #include <memory>
 
@@ -40,9 +47,11 @@ constexpr int64_t kBlock = 16;      // output rows per packed block (one registe
 constexpr int64_t kRowsTile = 6;    // activation rows per register tile
 constexpr int64_t kBlocksTile = 4;  // packed blocks per register tile: 6 x 4 float32 accumulators
 
+enum class Broadcast { kEmbedded, kRegister };
+
 // rows (<= kRowsTile) x blocks (<= kBlocksTile) -> out[r * kBlocksTile * 16 + b * 16 + j]. xb: the rows'
 // inputs as bfloat16 pairs (one uint32 per pair), pairs per row; packed: the first block's weights.
-template <int64_t Rows, int64_t Blocks>
+template <int64_t Rows, int64_t Blocks, Broadcast Mode>
 void tile(const uint32_t* xb, int64_t pairs, const uint16_t* packed, float* out) {
   const int64_t block_values = pairs * 2 * kBlock;
   __m512 sums[Rows][Blocks];
@@ -53,34 +62,38 @@ void tile(const uint32_t* xb, int64_t pairs, const uint16_t* packed, float* out)
     for (int64_t b = 0; b < Blocks; ++b)
       weights[b] = (__m512bh)_mm512_loadu_si512(packed + b * block_values + p * 2 * kBlock);
     for (int64_t r = 0; r < Rows; ++r) {
-      // The row's pair read straight into each product ({1to16}: an embedded broadcast), not broadcast into a
-      // register first: compilers do not fold it, and the separate broadcast takes a vector slot per row.
-      for (int64_t b = 0; b < Blocks; ++b)
-        asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(sums[r][b]) : "v"(weights[b]), "m"(xb[r * pairs + p]));
+      if constexpr (Mode == Broadcast::kRegister) {
+        const __m512bh pair = (__m512bh)_mm512_set1_epi32(static_cast<int>(xb[r * pairs + p]));
+        for (int64_t b = 0; b < Blocks; ++b) sums[r][b] = _mm512_dpbf16_ps(sums[r][b], pair, weights[b]);
+      } else {  // the pair read straight into each product (compilers do not fold a broadcast into it)
+        for (int64_t b = 0; b < Blocks; ++b)
+          asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(sums[r][b]) : "v"(weights[b]), "m"(xb[r * pairs + p]));
+      }
     }
   }
   for (int64_t r = 0; r < Rows; ++r)
     for (int64_t b = 0; b < Blocks; ++b) _mm512_storeu_ps(out + r * kBlocksTile * kBlock + b * kBlock, sums[r][b]);
 }
 
-template <int64_t Blocks>
+template <int64_t Blocks, Broadcast Mode>
 void tile_rows(int64_t rows, const uint32_t* xb, int64_t pairs, const uint16_t* packed, float* out) {
   switch (rows) {
-    case 6: return tile<6, Blocks>(xb, pairs, packed, out);
-    case 5: return tile<5, Blocks>(xb, pairs, packed, out);
-    case 4: return tile<4, Blocks>(xb, pairs, packed, out);
-    case 3: return tile<3, Blocks>(xb, pairs, packed, out);
-    case 2: return tile<2, Blocks>(xb, pairs, packed, out);
-    default: return tile<1, Blocks>(xb, pairs, packed, out);
+    case 6: return tile<6, Blocks, Mode>(xb, pairs, packed, out);
+    case 5: return tile<5, Blocks, Mode>(xb, pairs, packed, out);
+    case 4: return tile<4, Blocks, Mode>(xb, pairs, packed, out);
+    case 3: return tile<3, Blocks, Mode>(xb, pairs, packed, out);
+    case 2: return tile<2, Blocks, Mode>(xb, pairs, packed, out);
+    default: return tile<1, Blocks, Mode>(xb, pairs, packed, out);
   }
 }
 
+template <Broadcast Mode>
 void tile_any(int64_t rows, int64_t blocks, const uint32_t* xb, int64_t pairs, const uint16_t* packed, float* out) {
   switch (blocks) {
-    case 4: return tile_rows<4>(rows, xb, pairs, packed, out);
-    case 3: return tile_rows<3>(rows, xb, pairs, packed, out);
-    case 2: return tile_rows<2>(rows, xb, pairs, packed, out);
-    default: return tile_rows<1>(rows, xb, pairs, packed, out);
+    case 4: return tile_rows<4, Mode>(rows, xb, pairs, packed, out);
+    case 3: return tile_rows<3, Mode>(rows, xb, pairs, packed, out);
+    case 2: return tile_rows<2, Mode>(rows, xb, pairs, packed, out);
+    default: return tile_rows<1, Mode>(rows, xb, pairs, packed, out);
   }
 }
 
@@ -101,7 +114,7 @@ namespace {
 // y = x @ W^T (+ bias), or with `silu_gate` silu(gate) * up of the gate | up projection packed by
 // modelzoo/precision.py with each tile's 4 blocks 2 gate blocks then the same 2 features' up blocks: (..., out_features).
 torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
-                       int64_t out_features, bool silu_gate) {
+                       int64_t out_features, bool silu_gate, Broadcast mode) {
   TORCH_CHECK(x.device().is_cpu() && is_storage_type(x.scalar_type()) && x.dim() >= 1,
               "x must be a float32, bfloat16 or float16 CPU tensor (..., K)");
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.size(2) == kBlock &&
@@ -138,6 +151,7 @@ torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, cons
   const int64_t row_tiles = (rows + kRowsTile - 1) / kRowsTile;
   constexpr int64_t kGated = kBlocksTile / 2 * kBlock;  // a gated tile's output features
   // Output columns outer, rows inner: each thread streams its share of the weights once.
+  const bool in_register = mode == Broadcast::kRegister;
   at::parallel_for(0, column_tiles * row_tiles, 1, [&](int64_t begin, int64_t end) {
     float result[kRowsTile * kBlocksTile * kBlock];
     float silu[kGated];
@@ -145,7 +159,12 @@ torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, cons
       const int64_t block = task / row_tiles * kBlocksTile, row = task % row_tiles * kRowsTile;
       const int64_t tile_rows_count = std::min(kRowsTile, rows - row);
       const int64_t tile_blocks = std::min(kBlocksTile, blocks - block);
-      tile_any(tile_rows_count, tile_blocks, xb.get() + row * pairs, pairs, wp + block * pairs * 2 * kBlock, result);
+      const uint16_t* weights = wp + block * pairs * 2 * kBlock;
+      if (in_register) {  // a branch, not a function pointer: each tile stays inlined, its sums in registers
+        tile_any<Broadcast::kRegister>(tile_rows_count, tile_blocks, xb.get() + row * pairs, pairs, weights, result);
+      } else {
+        tile_any<Broadcast::kEmbedded>(tile_rows_count, tile_blocks, xb.get() + row * pairs, pairs, weights, result);
+      }
       for (int64_t r = 0; r < tile_rows_count; ++r) {
         float* y = yp + (row + r) * out_features;
         const float* values = result + r * kBlocksTile * kBlock;
@@ -167,15 +186,53 @@ torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, cons
   return out;
 }
 
+// The faster broadcast on this CPU: the GEMM itself timed with each, alternately, on a decode-sized call whose
+// weights stay in the L2 cache (the steady state of a GEMM), the least time of each over the rounds.
+Broadcast measure_broadcast() {
+  constexpr int64_t kRows = 96, kIn = 576, kOut = 256, kRounds = 7;
+  const auto x = torch::full({kRows, kIn}, 0.5f);
+  const auto packed = torch::full({kOut / kBlock, kIn / 2, kBlock, 2}, 0.25f, torch::dtype(at::kBFloat16));
+  double least[2] = {1e30, 1e30};
+  for (int64_t round = 0; round < kRounds; ++round) {
+    for (const Broadcast mode : {Broadcast::kEmbedded, Broadcast::kRegister}) {
+      const auto start = std::chrono::steady_clock::now();
+      multiply(x, packed, c10::nullopt, kOut, false, mode);
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      least[static_cast<int>(mode)] = std::min(least[static_cast<int>(mode)], seconds);
+    }
+  }
+  return least[1] < least[0] ? Broadcast::kRegister : Broadcast::kEmbedded;
+}
+
+// 0: not chosen yet; else 1 + the Broadcast in use.
+std::atomic<int> chosen_broadcast{0};
+
+Broadcast broadcast_mode() {
+  int chosen = chosen_broadcast.load();
+  if (!chosen) {
+    chosen = 1 + static_cast<int>(measure_broadcast());
+    int expected = 0;
+    if (!chosen_broadcast.compare_exchange_strong(expected, chosen)) chosen = expected;
+  }
+  return static_cast<Broadcast>(chosen - 1);
+}
+
 }  // namespace
 
 torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                           int64_t out_features) {
-  return multiply(x, packed, bias, out_features, false);
+  return multiply(x, packed, bias, out_features, false, broadcast_mode());
 }
 
 torch::Tensor bf16_silu_gate(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features) {
-  return multiply(x, packed, c10::nullopt, out_features, true);
+  return multiply(x, packed, c10::nullopt, out_features, true, broadcast_mode());
+}
+
+std::string bf16_gemm_broadcast(const std::string& use) {
+  TORCH_CHECK(use.empty() || use == "embedded" || use == "register", "broadcast is embedded or register, not ", use);
+  if (!use.empty()) chosen_broadcast.store(1 + static_cast<int>(use == "register" ? Broadcast::kRegister
+                                                                                   : Broadcast::kEmbedded));
+  return broadcast_mode() == Broadcast::kRegister ? "register" : "embedded";
 }
 #else
 torch::Tensor bf16_linear(const torch::Tensor&, const torch::Tensor&, const c10::optional<torch::Tensor>&, int64_t) {
@@ -184,6 +241,10 @@ torch::Tensor bf16_linear(const torch::Tensor&, const torch::Tensor&, const c10:
 
 torch::Tensor bf16_silu_gate(const torch::Tensor&, const torch::Tensor&, int64_t) {
   TORCH_CHECK(false, "bf16_silu_gate needs AVX512-BF16, which this build's CPU lacks");
+}
+
+std::string bf16_gemm_broadcast(const std::string&) {
+  TORCH_CHECK(false, "bf16_gemm_broadcast needs AVX512-BF16, which this build's CPU lacks");
 }
 #endif
 

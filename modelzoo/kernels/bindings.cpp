@@ -25,6 +25,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "silu(gate) * up of x (..., K) rounded to bfloat16 @ [gate | up]^T, for the gate | up weight packed by "
         "modelzoo/precision.py in tiles of 2 gate + 2 up blocks; float32 (..., out_features), silu_mul's bits",
         py::arg("x"), py::arg("packed"), py::arg("out_features"));
+  m.def("bf16_gemm_broadcast", &zoo::bf16_gemm_broadcast,
+        "How bf16_linear and bf16_silu_gate broadcast each input pair on this CPU: 'embedded' (read by every "
+        "product) or 'register' (broadcast once), the faster of the two timed at the first call; `use` sets it "
+        "instead. The outputs are the same bits either way.",
+        py::arg("use") = "");
   m.def("lora_update_", &zoo::lora_update_,
         "out (M, N) += each row's LoRA update B_g A_g x (M, K) for its adapter g = row_adapter (M,) (-1: none), from "
         "every adapter's stacked a (C, K padded to 16) and b_t (C, N) float32 and segments (S, 5) int64 (adapter, "

@@ -29,6 +29,9 @@ torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, c
                           int64_t out_features);
 // The same for a gate | up projection packed in tiles of 2 gate + 2 up blocks: silu(gate) * up (..., out_features).
 torch::Tensor bf16_silu_gate(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features);
+// How the two GEMMs broadcast each input pair, "embedded" or "register": the faster on this CPU, timed at the first
+// call; `use` ("embedded" or "register") sets it instead. Either gives the same bits.
+std::string bf16_gemm_broadcast(const std::string& use);
 // lora_update.cpp: out[m] += B_g A_g x[m], the update of each row's own LoRA adapter g (modelzoo/lora.py).
 void lora_update_(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& row_adapter, const torch::Tensor& a,
                   const torch::Tensor& b_t, const torch::Tensor& segments);
