@@ -215,23 +215,26 @@ void attend_all(const torch::Tensor& q, const torch::Tensor& new_keys, const tor
   // The cache row of query i = b * T + t.
   auto slot_of = [&](int64_t i) { return slot[slots_per_row == 1 ? i / std::max<int64_t>(T_, 1) : i]; };
 
-  // The new keys first: a query reads those of earlier queries of its row.
-  std::vector<float> rotated(D);
-  for (int64_t i = 0; i < B * T_; ++i) {
-    const int64_t b = i / T_, t = i % T_;
-    for (int64_t h = 0; h < Hkv; ++h) {
-      const Q* key = nkp + b * new_keys.stride(0) + t * new_keys.stride(1) + h * new_keys.stride(2);
-      const Q* value = nvp + b * new_values.stride(0) + t * new_values.stride(1) + h * new_values.stride(2);
-      T* key_slot = kp + slot_of(i) * ks0 + h * ks1 + (end[i] - 1) * D;
-      if (rotary) {
-        rotate_half(key, cosp + i * D, sinp + i * D, rotated.data(), D);
-        narrow(rotated.data(), key_slot, D);
-      } else {
-        store_row(key, key_slot, D, rotated.data());
+  // The new keys first, every query's at its own position, split over the threads: a query reads those of earlier
+  // queries of its row.
+  at::parallel_for(0, B * T_, 64, [&](int64_t begin, int64_t finish) {
+    std::vector<float> rotated(D);
+    for (int64_t i = begin; i < finish; ++i) {
+      const int64_t b = i / T_, t = i % T_;
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const Q* key = nkp + b * new_keys.stride(0) + t * new_keys.stride(1) + h * new_keys.stride(2);
+        const Q* value = nvp + b * new_values.stride(0) + t * new_values.stride(1) + h * new_values.stride(2);
+        T* key_slot = kp + slot_of(i) * ks0 + h * ks1 + (end[i] - 1) * D;
+        if (rotary) {
+          rotate_half(key, cosp + i * D, sinp + i * D, rotated.data(), D);
+          narrow(rotated.data(), key_slot, D);
+        } else {
+          store_row(key, key_slot, D, rotated.data());
+        }
+        store_row(value, vp + slot_of(i) * vs0 + h * vs1 + (end[i] - 1) * D, D, rotated.data());
       }
-      store_row(value, vp + slot_of(i) * vs0 + h * vs1 + (end[i] - 1) * D, D, rotated.data());
     }
-  }
+  });
   // Tasks (row, kv head, query), consecutive ones sharing a row's keys while they are in cache.
   const int64_t tasks = B * Hkv * T_;
   // float32 queries are read in place when the G heads are one contiguous block; others are gathered.
