@@ -28,6 +28,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from modelzoo.generation.kv_cache import zeroed_cache_tensor  # noqa: E402
 from modelzoo.kernels import _built_library, _load_library, kernel_build_dir  # noqa: E402
 from modelzoo.precision import SILU_GATE_TILE, pack_bf16_weight  # noqa: E402
 
@@ -63,8 +64,11 @@ class Workload:
         self.lm_head = pack_bf16_weight(bf16(args.vocab, hidden)) if gemms else None
         lengths = torch.randint(args.min_context, args.max_context + 1, (args.rows,), generator=g)
         max_len = args.max_context + 1
-        self.caches = [(bf16(args.rows, kv, max_len, dim), bf16(args.rows, kv, max_len, dim))
-                       for _ in range(args.layers)]
+        def cache() -> torch.Tensor:  # allocated as a job's KV cache is (huge pages where Linux gives them)
+            return zeroed_cache_tensor((args.rows, kv, max_len, dim), torch.bfloat16, torch.device("cpu")).copy_(
+                bf16(args.rows, kv, max_len, dim))
+
+        self.caches = [(cache(), cache()) for _ in range(args.layers)]
         rand = lambda *shape: torch.randn(*shape, generator=g)
         # Decode: one query per row after its context; prefill: prompts of the contexts' lengths packed in one row.
         self.decode = (rand(args.rows, 1, heads, dim), rand(args.rows, 1, kv, dim), rand(args.rows, 1, kv, dim),
