@@ -10,7 +10,7 @@
 // keys and values are written into the cache first, by the same call, rotated first where the
 // caller passes the rotary tables (so are the queries): q, k and v may be strided views of one
 // fused projection. Work is split over (row, kv head, query) triples on PyTorch's own OpenMP
-// threads, handed out one at a time since rows differ in length.
+// threads, handed out in runs of consecutive ones, about 16 runs per thread since rows differ in length.
 //
 // The arithmetic is softmax(q . k * scale) @ v with the maximum subtracted before exp, as in
 // PyTorch's attention; the summation order and exp's last bits differ (rounding at the 1e-7 level).
@@ -31,6 +31,7 @@ namespace zoo {
 namespace {
 
 typedef int32_t lanes16 __attribute__((vector_size(64)));
+constexpr float kInfinity = std::numeric_limits<float>::infinity();
 
 // Sixteen vectors in, their sixteen horizontal sums out (lane i = sum of v[i]), by four halving
 // steps of shuffles instead of sixteen separate reductions.
@@ -78,28 +79,32 @@ inline vec16 exp_nonpositive(vec16 x) {
   return y * power;
 }
 
-// row[0, n) <- softmax(row[0, n)); room for n rounded up to 16 (the tail is padded and ignored).
-inline void softmax_in_place(float* row, int64_t n) {
-  const int64_t padded = (n + W - 1) / W * W;
-  std::fill(row + n, row + padded, -std::numeric_limits<float>::infinity());
-  vec16 peaks = load16(row);
-  for (int64_t j = W; j < padded; j += W) {
-    const vec16 scores = load16(row + j);
-    peaks = scores > peaks ? scores : peaks;
+// The G rows of scores (G, stride) <- their softmax, G rows at a time so that their reductions overlap. peaks: each
+// row's lane-wise maxima; lanes past its n keys hold -inf (weight 0).
+template <int G>
+inline void softmax_rows(float* scores, int64_t stride, const vec16* peaks) {
+  float peak[G];
+  for (int g = 0; g < G; ++g) {
+    peak[g] = peaks[g][0];
+    for (int64_t i = 1; i < W; ++i) peak[g] = std::max(peak[g], peaks[g][i]);
   }
-  float peak = peaks[0];
-  for (int64_t i = 1; i < W; ++i) peak = std::max(peak, peaks[i]);
-  vec16 totals{};
-  for (int64_t j = 0; j < padded; j += W) {
-    const vec16 e = exp_nonpositive(load16(row + j) - peak);
-    const vec16 weights = load16(row + j) == -std::numeric_limits<float>::infinity() ? vec16{} : e;
-    store16(row + j, weights);
-    totals += weights;
+  vec16 totals[G] = {};
+  for (int64_t j = 0; j < stride; j += W) {
+    for (int g = 0; g < G; ++g) {
+      float* row = scores + g * stride + j;
+      const vec16 e = exp_nonpositive(load16(row) - peak[g]);
+      const vec16 weights = load16(row) == -kInfinity ? vec16{} : e;
+      store16(row, weights);
+      totals[g] += weights;
+    }
   }
-  float total = 0.f;
-  for (int64_t i = 0; i < W; ++i) total += totals[i];
-  const float inverse = 1.f / total;
-  for (int64_t j = 0; j < padded; j += W) store16(row + j, load16(row + j) * inverse);
+  float total[G] = {};
+  for (int64_t i = 0; i < W; ++i)
+    for (int g = 0; g < G; ++g) total[g] += totals[g][i];
+  for (int g = 0; g < G; ++g) {
+    const float inverse = 1.f / total[g];
+    for (int64_t j = 0; j < stride; j += W) store16(scores + g * stride + j, load16(scores + g * stride + j) * inverse);
+  }
 }
 
 // How far ahead of the key being scored attend_group asks for the next keys: about what one core has in flight
@@ -127,8 +132,12 @@ void attend_group(const float* q, const T* k, const T* v, O* out, int64_t n, flo
   // after the softmax.
   constexpr int64_t row_bytes = D * sizeof(T), ahead = std::max<int64_t>(1, PREFETCH_BYTES / row_bytes);
   prefetch_bytes<3>(k, std::min(n, ahead) * row_bytes);
-  // Scores, sixteen keys at a time: one dot-product vector per key and head, then reduced together.
+  // Scores, sixteen keys at a time: one dot-product vector per key and head, then reduced together; each head's
+  // lane-wise maxima kept for its softmax.
   vec16 dots[G][W];
+  vec16 peaks[G];
+  for (int g = 0; g < G; ++g) peaks[g] = vec16{} - kInfinity;
+  const vec16 lane_index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   for (int64_t first = 0; first < n; first += W) {
     const int64_t count = std::min<int64_t>(W, n - first);
     for (int64_t i = 0; i < W; ++i) {
@@ -147,9 +156,14 @@ void attend_group(const float* q, const T* k, const T* v, O* out, int64_t n, flo
         dots[g][i] = dot;
       }
     }
-    for (int g = 0; g < G; ++g) store16(scores + g * stride + first, horizontal_sums(dots[g]) * scale);
+    for (int g = 0; g < G; ++g) {
+      vec16 sums = horizontal_sums(dots[g]) * scale;
+      if (count < W) sums = lane_index < static_cast<float>(count) ? sums : vec16{} - kInfinity;  // no key: weight 0
+      store16(scores + g * stride + first, sums);
+      peaks[g] = sums > peaks[g] ? sums : peaks[g];
+    }
   }
-  for (int g = 0; g < G; ++g) softmax_in_place(scores + g * stride, n);
+  softmax_rows<G>(scores, stride, peaks);
   // Weighted values: every head's sums, all C chunks, in registers over one pass of the values.
   vec16 acc[G][C] = {};
   for (int64_t j = 0; j < n; ++j) {
@@ -254,13 +268,14 @@ void attend_all(const torch::Tensor& q, const torch::Tensor& new_keys, const tor
   });
   // Tasks (row, kv head, query), consecutive ones sharing a row's keys while they are in cache.
   const int64_t tasks = B * Hkv * T_;
+  const int64_t chunk = std::max<int64_t>(1, tasks / (16 * threads));  // tasks per hand-out
   // float32 queries are read in place when the G heads are one contiguous block; others are gathered.
   const bool gather = !std::is_same_v<Q, float> || rotary || qs2 != D;
 #pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(threads, tasks)))
   {
     std::vector<float> scores;
     std::vector<float> queries(gather ? G * D : 0);
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, chunk)
     for (int64_t task = 0; task < tasks; ++task) {
       const int64_t b = task / (Hkv * T_), h = task / T_ % Hkv, t = task % T_;
       const int64_t i = b * T_ + t, lo = start[i], n = end[i] - lo;
