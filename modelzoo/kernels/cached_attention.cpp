@@ -111,7 +111,7 @@ inline void softmax_rows(float* scores, int64_t stride, const vec16* peaks) {
 // from memory in the time it takes (latency ~100 ns x ~40 GB/s).
 constexpr int64_t PREFETCH_BYTES = 4096;
 
-// Asks for the cache lines of `bytes` bytes from p into the CPU's caches; T0 into L1 (and every level).
+// Asks for the cache lines of `bytes` bytes from p into the CPU's caches (Locality 3: into L1).
 template <int Locality>
 inline void prefetch_bytes(const void* p, int64_t bytes) {
   for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(static_cast<const char*>(p) + line, 0, Locality);
@@ -128,8 +128,8 @@ void attend_group(const float* q, const T* k, const T* v, O* out, int64_t n, flo
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) qv[g][c] = load16(q + g * D + c * W);
   // The hardware's prefetchers follow each row's keys too late to hide memory's latency (a row's keys are short
-  // streams): while key j is scored, the one PREFETCH_BYTES further is fetched, and value j, which the weighted sum reads
-  // after the softmax.
+  // streams): while key j is scored, the key PREFETCH_BYTES further is fetched, and value j, which the weighted sum
+  // reads after the softmax.
   constexpr int64_t row_bytes = D * sizeof(T), ahead = std::max<int64_t>(1, PREFETCH_BYTES / row_bytes);
   prefetch_bytes<3>(k, std::min(n, ahead) * row_bytes);
   // Scores, sixteen keys at a time: one dot-product vector per key and head, then reduced together; each head's
