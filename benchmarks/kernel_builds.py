@@ -65,8 +65,9 @@ class Workload:
         lengths = torch.randint(args.min_context, args.max_context + 1, (args.rows,), generator=g)
         max_len = args.max_context + 1
         def cache() -> torch.Tensor:  # allocated as a job's KV cache is (huge pages where Linux gives them)
-            return zeroed_cache_tensor((args.rows, kv, max_len, dim), torch.bfloat16, torch.device("cpu")).copy_(
-                bf16(args.rows, kv, max_len, dim))
+            storage = getattr(torch, args.cache)
+            return zeroed_cache_tensor((args.rows, kv, max_len, dim), storage, torch.device("cpu")).copy_(
+                torch.randn(args.rows, kv, max_len, dim, generator=g).to(storage))
 
         self.caches = [(cache(), cache()) for _ in range(args.layers)]
         rand = lambda *shape: torch.randn(*shape, generator=g)
@@ -163,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prefill_tokens", type=int, default=1024, help="most tokens of a prefill chunk")
     parser.add_argument("--min_context", type=int, default=60, help="shortest context a row attends over")
     parser.add_argument("--max_context", type=int, default=400, help="longest context a row attends over")
+    parser.add_argument("--cache", choices=("float16", "bfloat16", "float32"), default="float16",
+                        help="the KV cache's storage (default: float16, the bfloat16 policy's)")
     for name, default in (("hidden", 576), ("intermediate", 1536), ("heads", 9), ("kv_heads", 3), ("head_dim", 64),
                           ("vocab", 49152)):
         parser.add_argument(f"--{name}", type=int, default=default, help=f"(default: {default}, SmolLM2-135M's)")
@@ -182,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     builds = load_builds(args.builds)
     print(f"{torch.get_num_threads()} threads, {args.layers} layers, {args.rows} decode rows over contexts of "
-          f"{args.min_context}-{args.max_context}, median of {args.rounds} rounds")
+          f"{args.min_context}-{args.max_context}, {args.cache} KV cache, median of {args.rounds} rounds")
     results = measure(builds, args)
     first = next(iter(builds))
     for label, result in results.items():

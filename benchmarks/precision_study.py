@@ -13,7 +13,7 @@ a time, in this process, and each variant's greedy rows are compared with plain 
   +gemm_inputs_but_<layer>  +gemm_inputs except the inputs of <layer> (qkv_proj, o_proj, gate_up_proj,
                    down_proj, lm_head), which stay float32: how much of the inputs' rounding that layer costs
   policy           the bfloat16 job as it runs (modelzoo/precision.py), where this CPU has AVX512-BF16
-  policy_kv_float16, policy_kv_float32  the policy with another KV cache storage
+  policy_kv_bfloat16, policy_kv_float32  the policy with another KV cache storage
   all_bfloat16     everything in bfloat16 (PyTorch's arithmetic, the C++ kernels in bfloat16 storage)
 Prints per variant: rows equal to float32; teacher-forced, over float32's own continuations, the mean absolute
 difference of each continuation token's log-probability from float32's (a finer measure than rows, which turn on
@@ -47,7 +47,7 @@ from modelzoo.models import layers  # noqa: E402
 GEMMS = (torch.nn.Linear, OneDNNLinear, MKLPackedLinear, RowBlockLinear)
 LAYERS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 VARIANTS = ("weights", "+gemm_inputs", *(f"+gemm_inputs_but_{layer}" for layer in LAYERS), "+gemm_outputs",
-            "+kv_bfloat16", "+kv_float16", "policy", "policy_kv_float16", "policy_kv_float32", "all_bfloat16")
+            "+kv_bfloat16", "+kv_float16", "policy", "policy_kv_bfloat16", "policy_kv_float32", "all_bfloat16")
 
 
 def rounded(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -6,10 +6,11 @@
   (modelzoo/kernels/bf16_gemm.cpp): inputs rounded to bfloat16, products summed and returned in float32 (a SiLU
   GatedMLP's gate | up with bf16_silu_gate, which returns silu(gate) * up with silu_mul's bits). The
   residual stream, norms, rotary, attention's softmax, biases and embeddings' outputs are float32; the KV cache
-  stores bfloat16. Chosen by benchmarks/precision_study.py, which adds one rounding at a time to the float32
-  path (figures in benchmarks/README.md): rounding the GEMM outputs to bfloat16 costs far more rows than
-  rounding their inputs, hence a GEMM with float32 outputs; a bfloat16 KV cache costs about what a float16 one
-  does, and far less than a float32 one's double bytes are worth.
+  stores float16 (values beyond its range saturate at its largest). Chosen by benchmarks/precision_study.py,
+  which adds one rounding at a time to the float32 path (figures in benchmarks/README.md): rounding the GEMM
+  outputs to bfloat16 costs far more rows than rounding their inputs, hence a GEMM with float32 outputs; a
+  float16 KV cache keeps float32's log-probabilities as closely as a float32 cache does, at half its bytes and
+  bfloat16's speed, where a bfloat16 cache adds about a tenth of the policy's difference from float32.
 - bfloat16 or float16 on a CPU without native multiplies for it: PyTorch emulates them, at less than half the
   float32 rate. The weights keep their half-precision values (rounded once, at load) and everything else,
   the GEMMs and the KV cache included, is float32: faster there, and closer to float32.
@@ -79,7 +80,7 @@ def precision_policy(dtype: torch.dtype, device: torch.device, int8_weights: boo
     if not native_multiplies(dtype):
         return PrecisionPolicy(dtype, torch.float32, torch.float32)
     if dtype == torch.bfloat16 and not int8_weights and not compiled and bf16_kernel_available():
-        return PrecisionPolicy(dtype, torch.float32, torch.bfloat16, bf16_gemm=True)
+        return PrecisionPolicy(dtype, torch.float32, torch.float16, bf16_gemm=True)
     return same
 
 

@@ -13,6 +13,7 @@ from torch import nn
 from harness import (family_prompts, hf_last_logits, last_logits, prompt_rows, relative_error, run_job, save_tiny_model,
                      stacked_predictions, write_h5, write_params)
 from modelzoo import precision
+from modelzoo.kernels import cpu_kernels
 from tiny_configs import INT8_FAMILIES, VOCAB, tiny_llama_config
 
 START = VOCAB  # outside the vocabulary, as recommended
@@ -20,9 +21,10 @@ POLICY_REL_TOL = 0.04  # the bfloat16 policy's last-position logits against floa
 
 
 BF16, F32, F16 = torch.bfloat16, torch.float32, torch.float16
-MIXED = precision.PrecisionPolicy(BF16, F32, BF16, bf16_gemm=True)
+MIXED = precision.PrecisionPolicy(BF16, F32, F16, bf16_gemm=True)
 needs_bf16 = pytest.mark.skipif(not precision.bf16_kernel_available(),
                                 reason="bf16_linear needs an AVX512-BF16 CPU and the C++ kernels")
+needs_kernels = pytest.mark.skipif(cpu_kernels() is None, reason="the C++ kernels could not be built here")
 
 
 @pytest.mark.parametrize("flags, kernel, dtype, device, int8, compiled, expected", [
@@ -174,10 +176,13 @@ def test_bf16_silu_gate_rejects_a_weight_not_in_gated_tiles():
         gated(torch.randn(2, 30))
 
 
-@needs_bf16
-def test_float32_queries_over_a_bfloat16_cache_equal_the_pytorch_path(monkeypatch):
-    """The C++ kernel (q float32, cache bfloat16) stores and attends over the same rounded keys and values as the
-    PyTorch path."""
+@needs_kernels
+@pytest.mark.parametrize("storage", [BF16, F16])
+@pytest.mark.parametrize("huge", [False, True])
+def test_float32_queries_over_a_16_bit_cache_equal_the_pytorch_path(storage, huge, monkeypatch):
+    """The C++ kernel (q float32, cache bfloat16 or float16) stores and attends over the same rounded keys and
+    values as the PyTorch path; keys and values beyond float16's range saturate at its largest value in a float16
+    cache (both paths), so attention stays finite."""
     from modelzoo.generation.kv_cache import KVCache
     from modelzoo.models import layers
 
@@ -185,16 +190,22 @@ def test_float32_queries_over_a_bfloat16_cache_equal_the_pytorch_path(monkeypatc
     batch, width, heads, kv_heads, head_dim = 2, 5, 4, 2, 32
     q = torch.randn(batch, heads, width, head_dim, generator=generator)
     k, v = (torch.randn(batch, kv_heads, width, head_dim, generator=generator) for _ in range(2))
+    if huge:  # one feature of one key and of one value past float16's range, both signs
+        k[0, 1, 2, 7], v[1, 0, 4, 3], v[1, 0, 4, 4] = 1e6, -3e5, 7e4
     outputs, caches = [], []
     for use_kernel in (True, False):
         if not use_kernel:
             monkeypatch.setattr(layers, "attention_kernel", lambda q, ctx: None)
-        cache = KVCache(1, batch, kv_heads, 16, head_dim, BF16, torch.device("cpu"))
+        cache = KVCache(1, batch, kv_heads, 16, head_dim, storage, torch.device("cpu"))
         positions = 3 + torch.arange(width).expand(batch, width)
         ctx = layers.ForwardContext.build(cache, None, positions)
         outputs.append(layers.cached_attention(q, k, v, 0, ctx))
-        caches.append(cache.keys[0].clone())
-    assert outputs[0].dtype == F32 and torch.equal(caches[0], caches[1])
+        caches.append((cache.keys[0].clone(), cache.values[0].clone()))
+    assert outputs[0].dtype == F32 and all(torch.equal(a, b) for a, b in zip(caches[0], caches[1]))
+    assert torch.isfinite(outputs[0]).all() and torch.isfinite(caches[0][0]).all()
+    if huge and storage == F16:
+        keys, values = caches[0]  # positions 3 .. 7 of each row
+        assert keys[0, 1, 3 + 2, 7] == 65504 and values[1, 0, 3 + 4, 3] == -65504 and values[1, 0, 3 + 4, 4] == 65504
     torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)
 
 
@@ -230,7 +241,7 @@ def test_bfloat16_policy_keeps_each_tensor_in_its_dtype(tmp_path):
     assert all(m.weight.dtype == F32 for m in modules if isinstance(m, RMSNorm))
     embedding = model.model.embed_tokens
     assert embedding.weight.dtype == BF16 and embedding(torch.tensor([[1, 2]])).dtype == F32
-    assert engine.cache.keys[0].dtype == BF16
+    assert engine.cache.keys[0].dtype == engine.cache.values[0].dtype == F16
     completions = list(engine.generate([Request(0, np.array([5, 9, 2]), GenerationOptions(max_tokens=4))]))
     assert len(completions[0].tokens) == 4
 

@@ -31,6 +31,15 @@ def zeroed_cache_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torc
     return raw[offset: offset + nbytes].view(dtype).view(shape).zero_()
 
 
+def to_cache_storage(x: torch.Tensor, storage: torch.dtype) -> torch.Tensor:
+    """x in the cache's `storage` dtype; into float16 from a wider type, values beyond float16's range saturate at
+    its largest finite value, as the C++ attention kernel stores them (a key of inf would make its row's scores NaN)."""
+    if storage == torch.float16 and x.dtype in (torch.float32, torch.bfloat16, torch.float64):
+        limit = torch.finfo(torch.float16).max
+        x = x.clamp(-limit, limit)
+    return x.to(storage)
+
+
 class KVCache:
     """Keys and values of every layer, shape (num_slots, num_kv_heads, max_len, head_dim) each.
 

@@ -210,13 +210,18 @@ AttendGroup<T, O> attend_group_for(int64_t G, int64_t D) {
   }
 }
 
-// n values of Q into T: a copy where they are one type, else widened and rounded.
+// n values of Q into T: a copy where they are one type, else widened and rounded. Into a float16 cache from a wider
+// type, values beyond float16's range saturate at its largest finite value (a key of inf would turn every score
+// of its row into NaN).
 template <typename Q, typename T>
 void store_row(const Q* in, T* out, int64_t n, float* scratch) {
   if constexpr (std::is_same_v<Q, T>) {
     std::memcpy(out, in, n * sizeof(T));
   } else {
     widen(in, scratch, n);
+    if constexpr (std::is_same_v<T, c10::Half>) {
+      for (int64_t i = 0; i < n; ++i) scratch[i] = std::clamp(scratch[i], -HALF_MAX, HALF_MAX);
+    }
     narrow(scratch, out, n);
   }
 }

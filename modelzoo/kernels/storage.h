@@ -21,6 +21,7 @@ typedef float vec16 __attribute__((vector_size(64)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 constexpr int64_t W = 16;
+constexpr float HALF_MAX = 65504.0f;  // float16's largest finite value
 
 inline vec16 load16(const float* p) {
   vec16 v;

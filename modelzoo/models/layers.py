@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from modelzoo.generation.kv_cache import KVCache
+from modelzoo.generation.kv_cache import KVCache, to_cache_storage
 from modelzoo.kernels import cpu_kernels
 from modelzoo.models.config import RopeConfig
 
@@ -284,7 +284,7 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: i
     if rotary is not None:
         q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
     storage = ctx.cache.keys[layer].dtype
-    k, v = k.to(storage), v.to(storage)  # a 16-bit cache under float32 queries: attend over the stored values
+    k, v = to_cache_storage(k, storage), to_cache_storage(v, storage)  # attend over the values as stored
     ctx.cache.update(layer, ctx.slots, ctx.positions, k, v)
     if ctx.fresh:  # new prompts: their own keys are all there is to attend to
         keys, values = k, v  # (B, kv_heads, T, hd), T == length
