@@ -29,6 +29,7 @@ every job on this machine type makes the same choice and produces the same bits.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -127,12 +128,25 @@ class RowBlockLinear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
 
+@functools.cache
+def onednn_reorders(dtype: torch.dtype) -> bool:
+    """Whether this torch build lays out a `dtype` weight for oneDNN on this CPU (its bfloat16 path needs AVX512-BW,
+    VL and DQ or AVX-NE-CONVERT: not on AVX2-only CPUs such as AMD Zen 3)."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), None)
+    except RuntimeError:
+        return False
+    return True
+
+
 def available_backends(device: torch.device, dtype: torch.dtype) -> list[str]:
     """The candidates this torch build offers for `dtype` on `device` (CUDA: torch only)."""
     if device.type != "cpu":
         return ["torch"]
     names = ["torch", "torch_blocks"]
-    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+    if onednn_reorders(dtype):
         names[:0] = ["onednn", "onednn_blocks"]
     if dtype == torch.float32 and torch._C.has_mkl and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"):
         names.insert(0, "mkl")

@@ -173,12 +173,33 @@ def test_mkl_second_copy_only_within_the_spare_memory(monkeypatch):
     assert plan.layers == {"float32 64x80": "onednn" if "onednn" in FLOAT32_BACKENDS else "torch"}
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_every_offered_backend_runs_its_dtype_here(dtype):
+    """available_backends offers only what runs on this CPU: each backend it lists for `dtype` wraps and multiplies a
+    layer in it (torch's oneDNN bfloat16 path refuses AVX2-only CPUs, so oneDNN is not offered there), and a forced
+    backend that is not offered is refused with the list."""
+    torch.manual_seed(0)
+    linear = nn.Linear(32, 48).to(dtype)
+    x = torch.randn(5, 32, dtype=dtype)
+    backends = available_backends(CPU, dtype)
+    assert {"torch", "torch_blocks"} <= set(backends)
+    with torch.inference_mode():
+        for backend in backends:
+            torch.testing.assert_close(wrap(linear, backend)(x).float(), linear(x).float(), rtol=2e-2, atol=2e-2)
+    missing = [b for b in ("onednn", "onednn_blocks", "mkl") if b not in backends]
+    for backend in missing:
+        with pytest.raises(UserError, match=f"gemm_backend {backend} is not available for "):
+            apply_gemm_backend(nn.Sequential(nn.Linear(32, 48).to(dtype)), dtype, CPU, backend)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("backend", [b for b in FLOAT32_BACKENDS if b.endswith("_blocks")])
 def test_row_blocks_give_every_row_the_same_bits_wherever_it_sits(backend, dtype):
     """The *_blocks backends call the library on fixed 64-row blocks: a row's bits do not depend on how many
     rows share the call or where it sits among them, whatever the library does with the row count (on this
     CPU or an AMX one), and the values are the plain layer's."""
+    if backend not in available_backends(CPU, dtype):
+        pytest.skip(f"{backend} has no {dtype} path on this CPU")
     torch.manual_seed(0)
     linear = nn.Linear(96, 200).to(dtype)
     layer = wrap(linear, backend)
