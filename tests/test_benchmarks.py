@@ -260,22 +260,25 @@ def test_fidelity_report(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
             if len(cells) == 12}
     rows = {(engine.strip(), dtype.strip()): [c.strip() for c in cells] for (engine, dtype), cells in rows.items()}
     assert {("transformers", "float32"), ("transformers", "bfloat16"), ("zoo-infer", "float32"),
-            ("zoo-infer", "bfloat16")} <= set(rows), printed
+            ("zoo-infer", "bfloat16"), ("zoo-infer", "float16")} <= set(rows), printed
     assert rows["zoo-infer", "float32"][3] == "3 of 3"  # float32 is token-exact with transformers
     assert rows["zoo-infer", "float32"][5] == "100.00%"
     assert rows["transformers", "float32"][3] == "3 of 3" and rows["transformers", "bfloat16"][5].endswith("%")
     # Paired with zoo-infer bfloat16: the rows only each side keeps equal account for the difference of the counts.
     assert rows["zoo-infer", "bfloat16"][4] == ""
     bf16_equal = int(rows["zoo-infer", "bfloat16"][3].split()[0])
-    for key in (("transformers", "float32"), ("zoo-infer", "float32"), ("transformers", "bfloat16")):
+    assert rows["zoo-infer", "float16"][5].endswith("%")
+    for key in (("transformers", "float32"), ("zoo-infer", "float32"), ("transformers", "bfloat16"),
+                ("zoo-infer", "float16")):
         found = re.fullmatch(r"\+(\d+) -(\d+) p=(\d\.\d\d)", rows[key][4])
         assert found, rows[key]
         wins, losses = int(found[1]), int(found[2])
         assert wins - losses == int(rows[key][3].split()[0]) - bf16_equal
     saved = json.loads((tmp_path / "fidelity.json").read_text())
-    assert [row["engine"] for row in saved["tables"]["raw"]] == ["transformers", "transformers", "zoo-infer",
-                                                                 "zoo-infer"]
-    assert [len(row["equal_rows"]) for row in saved["tables"]["raw"]] == [3, 3, 3, 3]
+    assert [(row["engine"], row["dtype"]) for row in saved["tables"]["raw"]] == [
+        ("transformers", "float32"), ("transformers", "bfloat16"), ("zoo-infer", "float32"), ("zoo-infer", "bfloat16"),
+        ("zoo-infer", "float16")]
+    assert [len(row["equal_rows"]) for row in saved["tables"]["raw"]] == [3, 3, 3, 3, 3]
     with pytest.raises(SystemExit, match="--prompt_sets takes raw, chat or both"):
         fidelity.main(["--prompt_sets", "plain", "--out", str(tmp_path)])
 
@@ -291,7 +294,7 @@ def test_fidelity_report_without_transformers_bfloat16(tmp_path: Path, capsys: p
     assert code == 0, capsys.readouterr().out
     rows = json.loads((tmp_path / "fidelity.json").read_text())["tables"]["raw"]
     assert [(row["engine"], row["dtype"]) for row in rows] == [("transformers", "float32"), ("zoo-infer", "float32"),
-                                                               ("zoo-infer", "bfloat16")]
+                                                               ("zoo-infer", "bfloat16"), ("zoo-infer", "float16")]
     assert not (tmp_path / "raw" / "transformers_bfloat16.json").exists()
 
 
