@@ -228,6 +228,14 @@ def ensure_ct2_model(args: argparse.Namespace, out: Path) -> tuple[Path | None, 
     return folder, ""
 
 
+def check_gguf_options(items: list[str]) -> None:
+    """Exits with an error unless every --gguf item is DTYPE=PATH with DTYPE a full dtype name (float32, bfloat16,
+    float16): any other name would never match a dtype, and the GGUF would be converted again instead."""
+    for item in items:
+        if "=" not in item or item.split("=", 1)[0] not in GGUF_OUTTYPE:
+            sys.exit(f"error: --gguf takes DTYPE=PATH with DTYPE in {', '.join(GGUF_OUTTYPE)}; got {item!r}")
+
+
 def find_gguf(args: argparse.Namespace, out: Path, dtype: str) -> tuple[Path | None, str]:
     """The GGUF for llama.cpp in `dtype`: --gguf DTYPE=PATH, else <out>/gguf/model-<type>.gguf,
     else made there (untimed) with llama.cpp's convert_hf_to_gguf.py from --llama_cpp_dir."""

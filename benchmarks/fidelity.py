@@ -40,7 +40,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from benchmarks import machine  # noqa: E402
 from benchmarks.engines import PEERS_DIR, Prepared, add_run_options, run_child, run_peer, run_zoo, select_peers  # noqa: E402
-from benchmarks.engines import start_run, zoo_teacher_forced  # noqa: E402
+from benchmarks.engines import check_gguf_options, start_run, zoo_teacher_forced  # noqa: E402
 from benchmarks.throughput import prepare  # noqa: E402
 
 PROMPT_SETS = {"raw": False, "chat": True}  # name -> chat template
@@ -160,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--vllm_python", default=sys.executable, help="the Python that imports vllm")
     parser.add_argument("--llama_cpp_dir", default=None, help="llama.cpp sources (convert_hf_to_gguf.py) for the "
                         "GGUF files; llama-server must be on PATH")
-    parser.add_argument("--gguf", action="append", default=[], metavar="DTYPE=PATH", help="a GGUF file to use")
+    parser.add_argument("--gguf", action="append", default=[], metavar="DTYPE=PATH",
+                        help="a GGUF file to use, DTYPE bfloat16 or float16 (repeatable)")
     parser.add_argument("--baseline_repo", default=None, help="another zoo-infer checkout to run in bfloat16 too")
     parser.add_argument("--baseline_label", default="baseline", help="its name in the table")
     parser.add_argument("--no_transformers_bfloat16", dest="transformers_bfloat16", action="store_false",
@@ -177,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(f"error: --prompt_sets takes raw, chat or both; got {args.prompt_sets!r}")
     if min(args.num_prompts, args.max_tokens, args.batch_size) < 1:
         sys.exit("error: --num_prompts, --max_tokens and --batch_size must be >= 1")
+    check_gguf_options(args.gguf)
     out, threads = start_run(args)
     if args.llama_cpp_dir:  # its llama-server, where benchmarks/peers/setup_llamacpp.sh builds it
         os.environ["PATH"] = f"{Path(args.llama_cpp_dir).resolve() / 'build' / 'bin'}{os.pathsep}{os.environ['PATH']}"

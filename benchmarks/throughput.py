@@ -68,8 +68,8 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks import machine, peak_rate  # noqa: E402
-from benchmarks.engines import (COLUMNS, PEERS, PEERS_DIR, Prepared, add_run_options, run_child, run_peer,  # noqa: E402
-                                run_zoo, select_peers, start_run)
+from benchmarks.engines import (COLUMNS, PEERS, PEERS_DIR, Prepared, add_run_options, check_gguf_options,  # noqa: E402
+                                run_child, run_peer, run_zoo, select_peers, start_run)
 from benchmarks.prompts import PYPI_NAME, load_prompts  # noqa: E402
 from benchmarks.random_model import RANDOM_PREFIX, SHAPES, ensure_random_model, is_random  # noqa: E402
 from data_tools.create_inference_h5 import build_rows, write_h5  # noqa: E402
@@ -312,9 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(f"error: --dtypes takes {', '.join(DTYPES)}; got {args.dtypes!r}")
     if min(args.num_prompts, args.max_tokens, args.batch_size) < 1:
         sys.exit("error: --num_prompts, --max_tokens and --batch_size must be >= 1")
-    for item in args.gguf:
-        if "=" not in item or item.split("=", 1)[0] not in DTYPES:
-            sys.exit(f"error: --gguf takes DTYPE=PATH with DTYPE in {', '.join(DTYPES)}; got {item!r}")
+    check_gguf_options(args.gguf)
     if os.sep in args.vllm_python:  # a path: absolute, since the engines run from the repo root (no
         args.vllm_python = os.path.abspath(args.vllm_python)  # symlink resolving: a venv's python is a link)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -281,6 +281,9 @@ def test_fidelity_report(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert [len(row["equal_rows"]) for row in saved["tables"]["raw"]] == [3, 3, 3, 3, 3]
     with pytest.raises(SystemExit, match="--prompt_sets takes raw, chat or both"):
         fidelity.main(["--prompt_sets", "plain", "--out", str(tmp_path)])
+    for bad in ("bf16=model-bf16.gguf", "model-bf16.gguf"):  # a short dtype name would never be used: refused
+        with pytest.raises(SystemExit, match="--gguf takes DTYPE=PATH with DTYPE in float32, bfloat16, float16"):
+            fidelity.main(["--gguf", bad, "--out", str(tmp_path)])
 
 
 def test_fidelity_report_without_transformers_bfloat16(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
