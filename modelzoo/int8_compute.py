@@ -1,13 +1,14 @@
 """How int8 linear layers multiply on this CPU, chosen by measuring: int8 weights times activations
 quantized to 16 or 8 bits, or the weight in floats.
 
-- `vnni16`: the weight repacked once for the C++ kernel (modelzoo/kernels/int8_gemm.cpp, AVX512-VNNI);
-            activations quantized per row and chunk of the weight's group to 16 bits on the fly (error
-            about 2^-16 of the chunk's absmax), integer dot products, both scales applied after: the
-            weight-only int8 answers, at 1.5-1.9x float32's multiply rate on AMD Zen 4. The packed weight
-            replaces the plain one.
-- `vnni8`:  the same packed weight, activations quantized to 8 bits (absmax / 127): 1.3-1.6x
-            `vnni16`'s rate, but 8-bit activations change noticeably more answers (README "int8
+- `vnni16`: the weight repacked once for the C++ kernel (modelzoo/kernels/int8_gemm.cpp); activations
+            quantized per row and chunk of the weight's group to 16 bits on the fly (error about 2^-16 of
+            the chunk's absmax), integer dot products, both scales applied after: the weight-only int8
+            answers. The packed weight replaces the plain one. On AVX512-VNNI the dot products are
+            vpdpwssd; on any other AVX2 CPU vpmaddwd + vpaddd, the same integer sums (the kernel times
+            both where it has both and keeps the faster; `int8_gemm_path`).
+- `vnni8`:  the same packed weight, activations quantized to 8 bits (absmax / 127), AVX512-VNNI only:
+            faster than `vnni16`, but 8-bit activations change noticeably more answers (README "int8
             weights"), so `auto` never picks it: it must be asked for.
 - `float`:  Int8Linear as loaded (modelzoo/quantization.py): the weight cast (per-channel) or dequantized
             (group-wise) to `model.dtype` at each call; activations stay exact. Works on every device.
@@ -109,10 +110,11 @@ class TiedInt8Embedding(nn.Module):
 
 
 def available_int8_backends(device: torch.device) -> list[str]:
-    """`vnni16` and `vnni8` where the C++ kernels were built with AVX512-VNNI (CPU), and `float` always."""
+    """On a CPU with the C++ kernels built, `vnni16`, and `vnni8` where they have AVX512-VNNI; `float` always."""
     kernels = cpu_kernels() if device.type == "cpu" else None
-    vnni = kernels is not None and hasattr(kernels, "int8_vnni_available") and kernels.int8_vnni_available()
-    return list(INT8_BACKENDS) if vnni else ["float"]
+    if kernels is None:
+        return ["float"]
+    return list(INT8_BACKENDS) if kernels.int8_vnni_available() else ["vnni16", "float"]
 
 
 def _candidate(linear: nn.Linear, backend: str, group_size: int) -> nn.Module:
@@ -141,8 +143,9 @@ def apply_int8_backend(model: nn.Module, dtype: torch.dtype, device: torch.devic
     layers = int8_layers(model)
     backends = available_int8_backends(device)
     if requested != "auto" and requested not in backends:
-        raise UserError(f"runconfig.int8_backend {requested} needs the C++ kernels built with AVX512-VNNI on a CPU "
-                        f"that has it; available here: {', '.join(backends)}")
+        needs = "built with AVX512-VNNI on a CPU that has it" if requested == "vnni8" else "built (a C++ compiler)"
+        raise UserError(f"runconfig.int8_backend {requested} needs the C++ kernels {needs}; available here: "
+                        f"{', '.join(backends)}")
     if not layers:
         return plan
     group_size = layers[0][2].group_size  # one model.int8_group_size for the whole model

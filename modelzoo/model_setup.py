@@ -22,7 +22,7 @@ from modelzoo.kernels import cpu_kernels, machine_dir
 from modelzoo.lora import AdapterPlan, attach_adapters
 from modelzoo.memory import available_host_memory
 from modelzoo.params import InferenceParams
-from modelzoo.precision import apply_bf16_gemm, keep_gemm_weights, precision_policy
+from modelzoo.precision import apply_bf16_gemm, apply_half_gemm, keep_gemm_weights, precision_policy
 from modelzoo.quantization import int8_summary
 from modelzoo.tensor_parallel import TensorParallelGroup, shard_plan
 
@@ -274,18 +274,18 @@ class ModelSetup:
              ) -> torch.nn.Module:
         """A checkpoint's model (this rank's share of it under tensor parallel), in the precision policy's dtypes.
 
-        Weights load in the policy's weight dtype; where the arithmetic is float32, the linear layers' weights keep
-        theirs under bf16_gemm (everything else becomes float32), or all become float32 (their half-precision values
-        kept) on a CPU without native half-precision multiplies. int8 weights are quantized from the checkpoint's
-        values, and their small companions (norms, biases, scales) load straight in the arithmetic dtype. A draft
-        model is whole on every rank.
+        Weights load in the policy's weight dtype; where the arithmetic is float32, the linear layers' and
+        embeddings' weights keep theirs under bf16_gemm or half_gemm (everything else becomes float32), or all become
+        float32 (their half-precision values kept) where neither kernel is built. int8 weights are quantized from the
+        checkpoint's values, and their small companions (norms, biases, scales) load straight in the arithmetic
+        dtype. A draft model is whole on every rank.
         """
         policy = self.policy
         mixed = policy.weights != policy.activations and not weight_dtype
         model, _ = load_model(checkpoint, policy.weights if mixed else self.dtype, self.device,
                               shard_plan(checkpoint, tensor_parallel), weight_dtype, self.params.model.int8_group_size,
                               update)
-        if mixed and policy.bf16_gemm:
+        if mixed and policy.packed_gemm:
             keep_gemm_weights(model, policy.activations)
         elif mixed:
             name = str(policy.weights).replace("torch.", "")
@@ -318,6 +318,15 @@ class ModelSetup:
                      ", ".join(key if kernel == "bf16_linear" else f"{key} (SiLU gate fused: {kernel})"
                                for key, kernel in self.gemm.layers.items()))
             return SMALL_STEP_ROWS if rows > SMALL_STEP_ROWS and not spec else None
+        if self.policy.half_gemm:
+            if backend != "auto":
+                log.warning("runconfig.gemm_backend %s ignored: %s weights multiply with half_linear here (widened to "
+                            "float32; see modelzoo/precision.py)", backend, str(self.policy.weights)[6:])
+            self.gemm = GemmPlan(backend, layers=apply_half_gemm(model))
+            log.info("GEMMs: half_linear (%s weights widened to float32 as read, float32 inputs, sums and outputs; "
+                     "%s code path, the faster here as timed) for %s", str(self.policy.weights)[6:],
+                     cpu_kernels().half_gemm_path(), ", ".join(self.gemm.layers))
+            return SMALL_STEP_ROWS if rows > SMALL_STEP_ROWS and not spec else None
         self.gemm = apply_gemm_backend(model, self.dtype, self.device, backend,
                                        decode_rows=rows * (1 + (spec.num_tokens if spec else 0)),
                                        spare_bytes=spare_bytes)
@@ -339,6 +348,8 @@ class ModelSetup:
         draft = self.load(spec.checkpoint_path)
         if self.policy.bf16_gemm:
             apply_bf16_gemm(draft)
+        elif self.policy.half_gemm:
+            apply_half_gemm(draft)
         if draft.config.vocab_size != self.vocab_size:
             log.warning("the draft model's vocabulary has %d entries, the model's %d: fine if they share a tokenizer "
                         "and differ only in padding, useless otherwise", draft.config.vocab_size, self.vocab_size)

@@ -11,14 +11,18 @@
   outputs to bfloat16 costs far more rows than rounding their inputs, hence a GEMM with float32 outputs; a
   float16 KV cache keeps float32's log-probabilities as closely as a float32 cache does, at half its bytes and
   bfloat16's speed, where a bfloat16 cache adds about a tenth of the policy's difference from float32.
-- bfloat16 or float16 on a CPU without native multiplies for it: PyTorch emulates them, at less than half the
-  float32 rate. The weights keep their half-precision values (rounded once, at load) and everything else,
-  the GEMMs and the KV cache included, is float32: faster there, and closer to float32.
+- bfloat16 or float16 on a CPU without native multiplies for it (PyTorch emulates them there, at less than half the
+  float32 rate): **16-bit weights, float32 arithmetic.** With the C++ kernels built, the linear layers keep their
+  weights in the dtype's 2 bytes and multiply with half_linear (modelzoo/kernels/half_gemm.cpp), which widens them
+  to float32 as it reads them: a float32 GEMM over the 16-bit values at half the bytes of weights held and read per
+  decode step. Without the kernels the weights are widened once, at load. Everything else, the KV cache included,
+  is float32: faster there, and closer to float32.
 - otherwise (CUDA, float16 on AVX512-FP16, int8 weights, a compiled CPU decode step, which cannot trace the C++
   GEMM): everything in the job's dtype, as PyTorch computes it.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,12 +42,18 @@ SILU_GATE_TILE = 32  # features per register tile of bf16_silu_gate (its 4 block
 class PrecisionPolicy:
     """weights: the values the weights keep; activations: the dtype of the residual stream, norms, rotary, softmax
     and GEMM outputs; kv_cache: the KV cache's storage; bf16_gemm: the linear layers multiply with bf16_linear
-    (bfloat16 weights, float32 in and out)."""
+    (bfloat16 weights, float32 in and out); half_gemm: with half_linear (16-bit weights widened to float32)."""
 
     weights: torch.dtype
     activations: torch.dtype
     kv_cache: torch.dtype
     bf16_gemm: bool = False
+    half_gemm: bool = False
+
+    @property
+    def packed_gemm(self) -> bool:
+        """Whether the linear layers keep their weights in `weights`' dtype, packed for a C++ GEMM."""
+        return self.bf16_gemm or self.half_gemm
 
     def describe(self) -> str:
         """'bfloat16' where one dtype holds everything, else what holds which."""
@@ -70,6 +80,13 @@ def bf16_kernel_available() -> bool:
     return kernels is not None and kernels.bf16_dot_available()
 
 
+def half_kernel_available() -> bool:
+    """Whether the C++ kernels are built (half_linear needs AVX2, which every build has)."""
+    from modelzoo.kernels import cpu_kernels
+
+    return cpu_kernels() is not None
+
+
 def precision_policy(dtype: torch.dtype, device: torch.device, int8_weights: bool = False,
                      compiled: bool = False) -> PrecisionPolicy:
     """The policy for a job in `dtype` on `device` (module docstring); int8_weights: model.weight_dtype int8;
@@ -78,7 +95,8 @@ def precision_policy(dtype: torch.dtype, device: torch.device, int8_weights: boo
     if device.type != "cpu" or dtype == torch.float32:
         return same
     if not native_multiplies(dtype):
-        return PrecisionPolicy(dtype, torch.float32, torch.float32)
+        half_gemm = not int8_weights and not compiled and half_kernel_available()
+        return PrecisionPolicy(dtype, torch.float32, torch.float32, half_gemm=half_gemm)
     if dtype == torch.bfloat16 and not int8_weights and not compiled and bf16_kernel_available():
         return PrecisionPolicy(dtype, torch.float32, torch.float16, bf16_gemm=True)
     return same
@@ -104,9 +122,9 @@ def keep_gemm_weights(model: nn.Module, activations: torch.dtype) -> None:
             module.register_forward_hook(lambda _module, _args, out: out.to(activations))
 
 
-class BF16Linear(nn.Module):
-    """A linear layer multiplied by bf16_linear: its weight packed into (N/16, K/2, 16, 2) bfloat16, a float32 bias,
-    float32 (or 16-bit) inputs, float32 outputs."""
+class PackedLinear(nn.Module):
+    """A linear layer whose weight a C++ GEMM reads in a layout of its own (`pack`), with a float32 bias and float32
+    outputs."""
 
     def __init__(self, layer: nn.Module) -> None:
         super().__init__()
@@ -114,16 +132,28 @@ class BF16Linear(nn.Module):
         if getattr(layer, "weight_is_in_out", False):
             weight = weight.t()  # (in, out) -> (out, in)
         self.out_features, self.in_features = weight.shape
-        self.packed = pack_bf16_weight(self.arrange(weight))
+        self.packed = self.pack(weight)
         self.bias = None if layer.bias is None else nn.Parameter(layer.bias.detach().float(), requires_grad=False)
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """W (N, K) -> the kernel's layout."""
+        raise NotImplementedError
+
+    def packed_bytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size()
+
+
+class BF16Linear(PackedLinear):
+    """A linear layer multiplied by bf16_linear: its weight packed into (N/16, K/2, 16, 2) bfloat16, a float32 bias,
+    float32 (or 16-bit) inputs, float32 outputs."""
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        return pack_bf16_weight(self.arrange(weight))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from modelzoo.kernels import cpu_kernels
 
         return cpu_kernels().bf16_linear(x, self.packed, self.bias, self.out_features)  # (..., N) float32
-
-    def packed_bytes(self) -> int:
-        return self.packed.numel() * self.packed.element_size()
 
     def arrange(self, weight: torch.Tensor) -> torch.Tensor:
         """The weight's rows (N, K) in the order the kernel reads them: as they are."""
@@ -171,20 +201,57 @@ def pack_bf16_weight(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(rows // GEMM_BLOCK, GEMM_BLOCK, cols // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
-def apply_bf16_gemm(model: nn.Module) -> dict[str, str]:
-    """Replaces every linear layer of `model` by a BF16Linear (a SiluGatedBF16Linear for a SiLU GatedMLP's gate | up),
-    one at a time (each old weight dropped at once); returns {shape key: kernel} for the GEMM plan."""
+def replace_linear_layers(model: nn.Module, pack: Callable[[nn.Module, str, nn.Module], tuple[PackedLinear, str]]
+                          ) -> dict[str, str]:
+    """Replaces every linear layer of `model` by pack(parent, name, layer) -> (packed layer, its kernel), one at a time
+    (each old weight dropped at once); returns {shape key: kernel} for the GEMM plan."""
     layers = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
               if linear_like(child)]
     shapes = {}
     while layers:
         parent, name, layer = layers.pop()
-        if silu_gate_fusable(parent, name, layer):
-            packed = SiluGatedBF16Linear(layer)
-            shapes[f"bfloat16 {packed.in_features}x{2 * packed.out_features}"] = "bf16_silu_gate"
-        else:
-            packed = BF16Linear(layer)
-            shapes[f"bfloat16 {packed.in_features}x{packed.out_features}"] = "bf16_linear"
+        packed, kernel = pack(parent, name, layer)
+        out_features = packed.out_features * (2 if isinstance(packed, SiluGatedBF16Linear) else 1)  # gate | up
+        shapes[f"{str(packed.packed.dtype).replace('torch.', '')} {packed.in_features}x{out_features}"] = kernel
         setattr(parent, name, packed)
         del layer
     return shapes
+
+
+def apply_bf16_gemm(model: nn.Module) -> dict[str, str]:
+    """Replaces every linear layer of `model` by a BF16Linear (a SiluGatedBF16Linear for a SiLU GatedMLP's gate | up);
+    returns {shape key: kernel} for the GEMM plan."""
+    def pack(parent: nn.Module, name: str, layer: nn.Module) -> tuple[PackedLinear, str]:
+        if silu_gate_fusable(parent, name, layer):
+            return SiluGatedBF16Linear(layer), "bf16_silu_gate"
+        return BF16Linear(layer), "bf16_linear"
+
+    return replace_linear_layers(model, pack)
+
+
+class HalfLinear(PackedLinear):
+    """A linear layer multiplied by half_linear: its bfloat16 or float16 weight packed into (N/16, K, 16) in its own
+    dtype, widened to float32 as the kernel reads it; a float32 bias, float32 inputs and outputs."""
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        return pack_half_weight(weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from modelzoo.kernels import cpu_kernels
+
+        return cpu_kernels().half_linear(x.float(), self.packed, self.bias, self.out_features)  # (..., N) float32
+
+
+def pack_half_weight(weight: torch.Tensor) -> torch.Tensor:
+    """W (N, K) bfloat16 or float16 -> (ceil(N/16), K, 16) in its dtype: for each input, 16 output rows' values side
+    by side (zero rows pad N)."""
+    out_features, in_features = weight.shape
+    rows = -(-out_features // GEMM_BLOCK) * GEMM_BLOCK
+    padded = F.pad(weight, (0, 0, 0, rows - out_features))  # (rows, K)
+    return padded.view(rows // GEMM_BLOCK, GEMM_BLOCK, in_features).transpose(1, 2).contiguous()
+
+
+def apply_half_gemm(model: nn.Module) -> dict[str, str]:
+    """Replaces every linear layer of `model` (16-bit weights) by a HalfLinear; returns {shape key: kernel} for the
+    GEMM plan."""
+    return replace_linear_layers(model, lambda parent, name, layer: (HalfLinear(layer), "half_linear"))

@@ -3,11 +3,13 @@ modelzoo/kernels/int8_gemm.cpp): the group-wise quantizer's bound, the kernel ag
 documents at 8- and 16-bit activations, batch invariance, every family through every backend, the choice,
 the params and the runner.
 
-The kernel tests need a CPU with AVX512-VNNI (and the C++ kernels); elsewhere they are skipped and the
-float path, the only one there, is what the other tests check.
+The kernel tests need the C++ kernels (16-bit activations: every AVX2 CPU, both code paths where the CPU has
+AVX512-VNNI; 8-bit activations: AVX512-VNNI only); elsewhere they are skipped and the float path, the only one
+there, is what the other tests check.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -27,8 +29,10 @@ from modelzoo.quantization import Int8Embedding, Int8Linear, dequantize_rows, qu
 from tiny_configs import INT8_FAMILIES, INT8_LOGITS_REL_TOL, VOCAB
 
 CPU = torch.device("cpu")
-HAS_VNNI = "vnni16" in available_int8_backends(CPU)
+HAS_VNNI = "vnni8" in available_int8_backends(CPU)
 needs_vnni = pytest.mark.skipif(not HAS_VNNI, reason="no AVX512-VNNI int8 kernel on this CPU / build")
+needs_kernel = pytest.mark.skipif("vnni16" not in available_int8_backends(CPU), reason="the C++ kernels are not built")
+INT16_PATHS = ["avx2", "vnni"] if HAS_VNNI else ["avx2"]  # int8_linear's code paths for 16-bit activations
 
 
 def int8_layer(out_features: int, in_features: int, group_size: int, bias: bool = True,
@@ -115,7 +119,25 @@ def test_group_wise_embedding_gathers_dequantized_rows():
 
 # --- the kernel -----------------------------------------------------------------------------------
 
-@needs_vnni
+@contextlib.contextmanager
+def int16_path(path: str):
+    """int8_linear's 16-bit activations on code path `path` (the one chosen before restored after)."""
+    from modelzoo.kernels import cpu_kernels
+
+    kernels = cpu_kernels()
+    chosen = kernels.int8_gemm_path()
+    assert kernels.int8_gemm_path(path) == path
+    try:
+        yield
+    finally:
+        kernels.int8_gemm_path(chosen)
+
+
+# (activation bits, 16-bit code path): 8 bits on VNNI; 16 bits on each path
+KERNEL_PATHS = [pytest.param(8, "vnni", marks=needs_vnni)] + [pytest.param(16, path, marks=needs_kernel)
+                                                               for path in INT16_PATHS]
+
+
 @pytest.mark.parametrize("out_features, in_features, group_size", [
     (40, 64, 32),   # N not a multiple of 16
     (96, 48, 32),   # K not a multiple of the group: a zero-padded last group
@@ -126,33 +148,58 @@ def test_group_wise_embedding_gathers_dequantized_rows():
     (33, 576, 32),  # two 16-row blocks and a partial third
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("bits", [8, 16])
-def test_kernel_computes_its_documented_arithmetic(out_features, in_features, group_size, dtype, bits):
+@pytest.mark.parametrize("bits, path", KERNEL_PATHS)
+def test_kernel_computes_its_documented_arithmetic(out_features, in_features, group_size, dtype, bits, path):
     layer, _ = int8_layer(out_features, in_features, group_size, dtype=dtype)
     x = torch.randn(2, 5, in_features).to(dtype)
     x[0, 1, :16] = 0  # an all-zero group of activations
-    got = VnniInt8Linear(layer, bits)(x)
+    with int16_path(path if bits == 16 else "avx2"):
+        got = VnniInt8Linear(layer, bits)(x)
     want = kernel_reference(x, layer, bits)
     assert got.dtype == dtype and got.shape == (2, 5, out_features)
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # integer sums exact; a float32 multiply-add per group
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * float(want.abs().max()))
 
 
-@needs_vnni
+@needs_kernel
 @pytest.mark.parametrize("group_size", [0, 32])
-@pytest.mark.parametrize("bits", [8, 16])
-def test_kernel_rows_do_not_depend_on_the_batch(group_size, bits):
+def test_both_16_bit_paths_give_the_same_bits(group_size):
+    """vpdpwssd (VNNI) and vpmaddwd + vpaddd (AVX2) make the same integer sums: the same outputs, whichever is timed
+    faster (on every tile shape: 1-4 rows and 1-2 blocks on VNNI, a partial last block)."""
+    from modelzoo.kernels import cpu_kernels
+
+    kernels = cpu_kernels()
+    layer, _ = int8_layer(72, 600, group_size)
+    vnni = VnniInt8Linear(layer, 16)
+    x = torch.randn(11, 600) * torch.logspace(-1, 1, 600)
+    chosen = kernels.int8_gemm_path()
+    try:
+        outputs = []
+        for path in INT16_PATHS:
+            kernels.int8_gemm_path(path)
+            outputs.append([vnni(x[:rows]) for rows in (1, 2, 3, 4, 11)])
+    finally:
+        kernels.int8_gemm_path(chosen)
+    assert all(torch.equal(a, b) for other in outputs[1:] for a, b in zip(outputs[0], other))
+    with pytest.raises(RuntimeError, match="path is avx2"):
+        kernels.int8_gemm_path("sse4")
+
+
+@pytest.mark.parametrize("group_size", [0, 32])
+@pytest.mark.parametrize("bits, path", KERNEL_PATHS)
+def test_kernel_rows_do_not_depend_on_the_batch(group_size, bits, path):
     layer, _ = int8_layer(200, 576, group_size)
     vnni = VnniInt8Linear(layer, bits)
     x = torch.randn(64, 576)
-    full = vnni(x)
-    for rows in (1, 2, 3, 5, 7, 32):
-        assert torch.equal(vnni(x[:rows]), full[:rows]), rows
-        assert torch.equal(vnni(x[-rows:]), full[-rows:]), rows
+    with int16_path(path if bits == 16 else "avx2"):
+        full = vnni(x)
+        for rows in (1, 2, 3, 5, 7, 32):
+            assert torch.equal(vnni(x[:rows]), full[:rows]), rows
+            assert torch.equal(vnni(x[-rows:]), full[-rows:]), rows
 
 
-@needs_vnni
-@pytest.mark.parametrize("bits, tolerance", [(8, 1e-2), (16, 2e-4)])
+@pytest.mark.parametrize("bits, tolerance", [pytest.param(8, 1e-2, marks=needs_vnni),
+                                             pytest.param(16, 2e-4, marks=needs_kernel)])
 def test_kernel_is_close_to_the_float_layer(bits, tolerance):
     """Activation quantization costs a little precision: 8 bits within 1% of the float path, 16 bits 0.02%."""
     layer, _ = int8_layer(256, 576, 32)
@@ -160,7 +207,7 @@ def test_kernel_is_close_to_the_float_layer(bits, tolerance):
     assert relative_error(VnniInt8Linear(layer, bits)(x), layer(x)).max() < tolerance
 
 
-@needs_vnni
+@needs_kernel
 def test_packed_rows_read_back_the_int8_weight():
     for group_size in (0, 32):
         layer, _ = int8_layer(50, 80, group_size)
@@ -177,10 +224,10 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     return {name: save_tiny_model(make(), root / name) for name, make in INT8_FAMILIES.items()}
 
 
-@needs_vnni
 @pytest.mark.parametrize("family", list(INT8_FAMILIES))
 @pytest.mark.parametrize("group_size", [0, 32])
-@pytest.mark.parametrize("backend", ["vnni8", "vnni16"])
+@pytest.mark.parametrize("backend", [pytest.param("vnni8", marks=needs_vnni),
+                                     pytest.param("vnni16", marks=needs_kernel)])
 def test_vnni_backend_is_close_to_float32(family, group_size, backend, checkpoints):
     prompts = family_prompts(VOCAB)
     model, _ = load_model(checkpoints[family], torch.float32, CPU, weight_dtype="int8", int8_group_size=group_size)
@@ -196,7 +243,7 @@ def test_vnni_backend_is_close_to_float32(family, group_size, backend, checkpoin
         assert relative_error(logits, last_logits(weight_only, prompts)).max() < 1e-3
 
 
-@needs_vnni
+@needs_kernel
 @pytest.mark.parametrize("family, head, embedding", [
     ("llama_tied", "lm_head", "model.embed_tokens"), ("gpt2", "lm_head", "transformer.wte")])
 def test_tied_embedding_reads_the_packed_head(family, head, embedding, checkpoints):
@@ -214,9 +261,14 @@ def test_tied_embedding_reads_the_packed_head(family, head, embedding, checkpoin
 def test_vnni_refused_where_unavailable(checkpoints, monkeypatch):
     monkeypatch.setattr(int8_compute, "available_int8_backends", lambda device: ["float"])
     model, _ = load_model(checkpoints["llama_tied"], torch.float32, CPU, weight_dtype="int8")
-    with pytest.raises(UserError, match="runconfig.int8_backend vnni16 needs the C\\+\\+ kernels built with "
-                                        "AVX512-VNNI on a CPU that has it; available here: float"):
+    with pytest.raises(UserError, match="runconfig.int8_backend vnni16 needs the C\\+\\+ kernels built \\(a C\\+\\+ "
+                                        "compiler\\); available here: float"):
         apply_int8_backend(model, torch.float32, CPU, "vnni16")
+    monkeypatch.setattr(int8_compute, "available_int8_backends", lambda device: ["vnni16", "float"])
+    with pytest.raises(UserError, match="runconfig.int8_backend vnni8 needs the C\\+\\+ kernels built with "
+                                        "AVX512-VNNI on a CPU that has it; available here: vnni16, float"):
+        apply_int8_backend(model, torch.float32, CPU, "vnni8")
+    monkeypatch.setattr(int8_compute, "available_int8_backends", lambda device: ["float"])
     plan = apply_int8_backend(model, torch.float32, CPU, "auto")  # auto: the float path, measured alone
     assert set(plan.layers.values()) == {"float"} and isinstance(model.lm_head, Int8Linear)
 
@@ -276,8 +328,8 @@ def run_int8(tmp_path: Path, checkpoint: Path, name: str, batch_size: int, backe
     return tmp_path / name
 
 
-@pytest.mark.parametrize("backend", [pytest.param("vnni16", marks=needs_vnni), pytest.param("vnni8", marks=needs_vnni),
-                                     "float"])
+@pytest.mark.parametrize("backend", [pytest.param("vnni16", marks=needs_kernel),
+                                     pytest.param("vnni8", marks=needs_vnni), "float"])
 def test_runner_records_the_int8_choice(backend, checkpoints, tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="zoo-infer"):
         run = run_int8(tmp_path, checkpoints["llama_tied"], "run", 3, backend)
@@ -289,8 +341,8 @@ def test_runner_records_the_int8_choice(backend, checkpoints, tmp_path, caplog):
     assert f"int8 backends ({backend}): int8 g32 float32 64x" in caplog.text
 
 
-@needs_vnni
-@pytest.mark.parametrize("backend", ["vnni16", "vnni8"])
+@pytest.mark.parametrize("backend", [pytest.param("vnni16", marks=needs_kernel),
+                                     pytest.param("vnni8", marks=needs_vnni)])
 def test_vnni_files_do_not_depend_on_the_batch_size(backend, checkpoints, tmp_path):
     """Each row's tokens are the same whichever rows share its batch: identical predictions at batch 1, 2, 7."""
     runs = [run_int8(tmp_path, checkpoints["llama_tied"], f"b{b}", b, backend) for b in (1, 2, 7)]

@@ -27,14 +27,32 @@ needs_bf16 = pytest.mark.skipif(not precision.bf16_kernel_available(),
 needs_kernels = pytest.mark.skipif(cpu_kernels() is None, reason="the C++ kernels could not be built here")
 
 
+HALF = {dtype: precision.PrecisionPolicy(dtype, F32, F32, half_gemm=True) for dtype in (BF16, F16)}
+WIDENED = {dtype: precision.PrecisionPolicy(dtype, F32, F32) for dtype in (BF16, F16)}  # weights widened at load
+
+
+def assert_rows_do_not_depend_on_the_batch(layer: nn.Module, x: torch.Tensor, got: torch.Tensor,
+                                           generator: torch.Generator) -> None:
+    """layer's rows of x (rows, K) are got's bits wherever x sits in a larger call (first, inside, last)."""
+    rows, in_features = x.shape
+    larger = torch.randn(rows + 70, in_features, generator=generator)
+    for offset in (0, 5, 70):
+        larger[offset: offset + rows] = x
+        assert torch.equal(layer(larger)[offset: offset + rows], got)
+        larger[offset: offset + rows] = torch.randn(rows, in_features, generator=generator)
+
+
 @pytest.mark.parametrize("flags, kernel, dtype, device, int8, compiled, expected", [
-    (set(), False, BF16, "cpu", False, False, precision.PrecisionPolicy(BF16, F32, F32)),
+    (set(), False, BF16, "cpu", False, False, HALF[BF16]),
+    (set(), False, F16, "cpu", False, False, HALF[F16]),
+    (set(), False, BF16, "cpu", True, False, WIDENED[BF16]),  # int8 weights: no 16-bit GEMM
+    (set(), False, F16, "cpu", False, True, WIDENED[F16]),  # compiled step: no C++ GEMM
     ({"avx512_bf16"}, True, BF16, "cpu", False, False, MIXED),
     ({"amx_bf16", "avx512_bf16"}, True, BF16, "cpu", False, False, MIXED),
     ({"avx512_bf16"}, False, BF16, "cpu", False, False, precision.PrecisionPolicy(BF16, BF16, BF16)),  # no kernels
     ({"avx512_bf16"}, True, BF16, "cpu", True, False, precision.PrecisionPolicy(BF16, BF16, BF16)),  # int8 weights
     ({"avx512_bf16"}, True, BF16, "cpu", False, True, precision.PrecisionPolicy(BF16, BF16, BF16)),  # compiled step
-    ({"avx512_bf16"}, True, F16, "cpu", False, False, precision.PrecisionPolicy(F16, F32, F32)),
+    ({"avx512_bf16"}, True, F16, "cpu", False, False, HALF[F16]),
     ({"avx512_fp16"}, True, F16, "cpu", False, False, precision.PrecisionPolicy(F16, F16, F16)),
     (set(), False, F32, "cpu", False, False, precision.PrecisionPolicy(F32, F32, F32)),
     ({"avx512_bf16"}, True, BF16, "cuda", False, False, precision.PrecisionPolicy(BF16, BF16, BF16)),
@@ -42,7 +60,15 @@ needs_kernels = pytest.mark.skipif(cpu_kernels() is None, reason="the C++ kernel
 def test_precision_policy(monkeypatch, flags, kernel, dtype, device, int8, compiled, expected):
     monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset(flags))
     monkeypatch.setattr(precision, "bf16_kernel_available", lambda: kernel)
+    monkeypatch.setattr(precision, "half_kernel_available", lambda: True)
     assert precision.precision_policy(dtype, torch.device(device), int8, compiled) == expected
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_without_the_kernels_16_bit_weights_are_widened_at_load(monkeypatch, dtype):
+    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset())
+    monkeypatch.setattr(precision, "half_kernel_available", lambda: False)
+    assert precision.precision_policy(dtype, torch.device("cpu")) == WIDENED[dtype]
 
 
 def test_packed_bf16_weight_layout():
@@ -67,11 +93,7 @@ def test_bf16_linear_sums_bf16_inputs_in_float32_and_is_batch_invariant(rows, in
     want = x.to(BF16).double() @ linear.weight.double().T + linear.bias.double()
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     assert (got.double() - want).abs().max() < (got.to(BF16).double() - want).abs().max()  # finer than a bf16 output
-    larger = torch.randn(rows + 70, in_features, generator=generator)
-    for offset in (0, 5, 70):
-        larger[offset: offset + rows] = x
-        assert torch.equal(layer(larger)[offset: offset + rows], got)  # a row's bits do not depend on the batch
-        larger[offset: offset + rows] = torch.randn(rows, in_features, generator=generator)
+    assert_rows_do_not_depend_on_the_batch(layer, x, got, generator)
 
 
 @needs_bf16
@@ -139,11 +161,7 @@ def test_silu_gated_bf16_linear_has_silu_muls_bits_and_is_batch_invariant(rows, 
     got = gated(x)
     assert got.dtype == F32 and got.shape == (rows, intermediate)
     assert torch.equal(got, cpu_kernels().silu_mul(plain(x)))  # the same bits as the two calls it fuses
-    larger = torch.randn(rows + 70, in_features, generator=generator)
-    for offset in (0, 5, 70):
-        larger[offset: offset + rows] = x
-        assert torch.equal(gated(larger)[offset: offset + rows], got)
-        larger[offset: offset + rows] = torch.randn(rows, in_features, generator=generator)
+    assert_rows_do_not_depend_on_the_batch(gated, x, got, generator)
 
 
 @needs_bf16
@@ -174,6 +192,80 @@ def test_bf16_silu_gate_rejects_a_weight_not_in_gated_tiles():
     gated = precision.SiluGatedBF16Linear(nn.Linear(32, 64, bias=False, dtype=BF16))
     with pytest.raises(RuntimeError, match="does not match the packed weight"):
         gated(torch.randn(2, 30))
+
+
+def test_packed_half_weight_layout():
+    weight = torch.arange(17 * 5, dtype=F16).view(17, 5)  # N = 17: padded to 32 rows
+    packed = precision.pack_half_weight(weight)
+    assert packed.shape == (2, 5, 16) and packed.dtype == F16
+    assert packed[0, 2, 3] == weight[3, 2] and packed[1, 4, 0] == weight[16, 4] and packed[1, :, 1:].abs().sum() == 0
+
+
+def half_gemm_paths() -> list[str]:
+    """The code paths of half_linear this build has."""
+    return ["avx2", "avx512"] if "avx512f" in precision.cpu_flags() else ["avx2"]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [BF16, F16])
+@pytest.mark.parametrize("rows, in_features, out_features", [(1, 64, 48), (7, 575, 1531), (40, 96, 33)])
+def test_half_linear_is_float32_arithmetic_over_16_bit_weights_and_batch_invariant(dtype, rows, in_features,
+                                                                                    out_features):
+    """Every code path: float32 sums of float32 inputs times the 16-bit weights (as a float32 GEMM over the widened
+    weights, within float32 rounding), the same bits on each path, and a row's bits whatever rows share its call."""
+    kernels = cpu_kernels()
+    chosen = kernels.half_gemm_path()
+    generator = torch.Generator().manual_seed(rows)
+    linear = nn.Linear(in_features, out_features, dtype=dtype)
+    with torch.no_grad():
+        linear.bias.normal_(generator=generator)
+    layer = precision.HalfLinear(linear)
+    assert layer.packed.dtype == dtype and layer.packed_bytes() == -(-out_features // 16) * 16 * in_features * 2
+    x = torch.randn(rows, in_features, generator=generator)
+    want = x.double() @ linear.weight.double().T + linear.bias.double()
+    outputs = []
+    try:
+        for path in half_gemm_paths():
+            assert kernels.half_gemm_path(path) == path
+            got = layer(x)
+            assert got.dtype == F32 and got.shape == (rows, out_features)
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+            assert_rows_do_not_depend_on_the_batch(layer, x, got, generator)
+            outputs.append(got)
+    finally:
+        kernels.half_gemm_path(chosen)
+    assert all(torch.equal(outputs[0], other) for other in outputs[1:])
+
+
+@needs_kernels
+def test_half_linear_of_a_conv1d_layer_takes_its_in_out_weight():
+    from modelzoo.models.gpt2 import Conv1D
+
+    layer = Conv1D(48, 80).to(F16)
+    with torch.no_grad():
+        layer.weight.normal_()
+        layer.bias.normal_()
+    x = torch.randn(3, 5, 48)
+    want = x.double() @ layer.weight.double() + layer.bias.double()
+    torch.testing.assert_close(precision.HalfLinear(layer)(x).double(), want, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_half_linear_rejects_bad_inputs():
+    kernels = cpu_kernels()
+    layer = precision.HalfLinear(nn.Linear(32, 16, dtype=BF16))
+    with pytest.raises(RuntimeError, match="does not match the packed weight"):
+        layer(torch.randn(2, 30))
+    with pytest.raises(RuntimeError, match="bias must be contiguous float32"):
+        kernels.half_linear(torch.randn(2, 32), layer.packed, torch.zeros(16, dtype=BF16), 16)
+    with pytest.raises(RuntimeError, match="packed must be contiguous bfloat16 or float16"):
+        kernels.half_linear(torch.randn(2, 32), layer.packed.float(), None, 16)
+    with pytest.raises(RuntimeError, match="out_features does not match"):
+        kernels.half_linear(torch.randn(2, 32), layer.packed, None, 17)
+    with pytest.raises(RuntimeError, match="x must be a float32 CPU tensor"):
+        kernels.half_linear(torch.randn(2, 32, dtype=F16), layer.packed, None, 16)
+    with pytest.raises(RuntimeError, match="path is avx2"):
+        kernels.half_gemm_path("sse2")
 
 
 @needs_kernels
@@ -209,16 +301,17 @@ def test_float32_queries_over_a_16_bit_cache_equal_the_pytorch_path(storage, hug
     torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)
 
 
-def bfloat16_setup(checkpoint):
-    """A job's model and engine in bfloat16 (4 rows in flight, max_seq_len 64), as the runner builds them."""
+def bfloat16_setup(checkpoint, dtype: torch.dtype = BF16):
+    """A job's model and engine in bfloat16 (or `dtype`; 4 rows in flight, max_seq_len 64), as the runner builds
+    them."""
     from modelzoo.model_setup import ModelSetup
     from modelzoo.params import parse_params
     from modelzoo.tensor_parallel import TensorParallelGroup
 
-    params = parse_params({"model": {"checkpoint_path": str(checkpoint), "dtype": "bfloat16", "start_token": VOCAB},
+    params = parse_params({"model": {"checkpoint_path": str(checkpoint), "dtype": str(dtype)[6:], "start_token": VOCAB},
                            "inference_input": {"data_dir": "-", "batch_size": 1},
                            "runconfig": {"device": "cpu", "rows_in_flight": 4}})
-    setup = ModelSetup(params, torch.device("cpu"), BF16, 64, VOCAB)
+    setup = ModelSetup(params, torch.device("cpu"), dtype, 64, VOCAB)
     model, engine = setup.build(TensorParallelGroup(device=torch.device("cpu")), rows_to_do=4)
     return setup, model, engine
 
@@ -305,3 +398,66 @@ def test_bfloat16_draft_model_speculation_equals_plain_greedy(tmp_path):
         runs[name] = stacked_predictions(tmp_path / name)
     np.testing.assert_array_equal(runs["spec"], runs["plain"])
     assert json.loads((tmp_path / "spec" / "artifacts" / "summary.json").read_text())["speculative_acceptance_rate"] > 0.9
+
+
+@pytest.fixture
+def avx2_cpu(monkeypatch):
+    """The precision policy as on an AVX2 CPU (no native 16-bit multiplies), half_linear on its AVX2 path."""
+    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
+    kernels = cpu_kernels()
+    chosen = kernels.half_gemm_path()
+    kernels.half_gemm_path("avx2")
+    yield
+    kernels.half_gemm_path(chosen)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_16_bit_weights_stay_16_bit_without_native_multiplies(dtype, tmp_path, avx2_cpu):
+    from modelzoo.generation.engine import Request
+    from modelzoo.generation.options import GenerationOptions
+    from modelzoo.gemm import weight_bytes
+    from modelzoo.models.layers import RMSNorm
+
+    checkpoint = save_tiny_model(tiny_llama_config(), tmp_path / "model")
+    setup, model, engine = bfloat16_setup(checkpoint, dtype)
+    assert setup.policy == HALF[dtype]
+    modules = list(model.modules())
+    assert not any(isinstance(m, nn.Linear) for m in modules)
+    gemms = [m for m in modules if isinstance(m, precision.HalfLinear)]
+    assert len(gemms) == 4 * model.config.num_layers + 1 and all(m.packed.dtype == dtype for m in gemms)
+    assert all(m.weight.dtype == F32 for m in modules if isinstance(m, RMSNorm))
+    embedding = model.model.embed_tokens
+    assert embedding.weight.dtype == dtype and embedding(torch.tensor([[1, 2]])).dtype == F32
+    assert engine.cache.keys[0].dtype == F32
+    # every weight in 2 bytes but the norms' (float32) and the packing's padding rows
+    parameters = sum(t.numel() for t in load_file(checkpoint / "model.safetensors").values())
+    assert weight_bytes(model) < 2.1 * parameters
+    completions = list(engine.generate([Request(0, np.array([5, 9, 2]), GenerationOptions(max_tokens=4))]))
+    assert len(completions[0].tokens) == 4
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_16_bit_job_without_native_multiplies_is_batch_invariant_and_keeps_todays_rows(dtype, tmp_path, avx2_cpu,
+                                                                                        monkeypatch):
+    """half_linear's rows do not depend on the batch, and equal those of float32 arithmetic over the weights widened
+    at load (the policy where the kernels are not built)."""
+    checkpoint = save_tiny_model(tiny_llama_config(), tmp_path / "model")
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in (4, 9, 2, 15, 7, 1, 30)]
+    write_h5(tmp_path / "data", prompt_rows(prompts, 48, START))
+    runs = {}
+    for name, batch in (("b1", 1), ("b7", 7), ("widened", 7)):
+        if name == "widened":
+            monkeypatch.setattr(precision, "half_kernel_available", lambda: False)
+        params = write_params(tmp_path / f"{name}.yaml", checkpoint, tmp_path / "data", batch, START, dtype=dtype,
+                              max_tokens=12, rows_in_flight=batch)
+        assert run_job(params, tmp_path / name) == 0
+        runs[name] = stacked_predictions(tmp_path / name)[: len(prompts)]
+    summary = json.loads((tmp_path / "b7" / "artifacts" / "summary.json").read_text())
+    assert summary["dtype"] == HALF[getattr(torch, dtype)].describe()
+    assert summary["dtype"] == f"{dtype} weights, float32 arithmetic and KV cache"
+    assert set(summary["gemm"]["layers"].values()) == {"half_linear"}
+    np.testing.assert_array_equal(runs["b1"], runs["b7"])
+    np.testing.assert_array_equal(runs["b7"], runs["widened"])

@@ -20,13 +20,12 @@
 // (modelzoo/precision.py packs them so), and the full gate | up output is never written.
 #include "kernels.h"
 #include "storage.h"
+#include "timed_choice.h"
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
-#include <chrono>
 #include <cstring>
 #include <memory>
 
@@ -186,35 +185,19 @@ torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, cons
   return out;
 }
 
-// The faster broadcast on this CPU: the GEMM itself timed with each, alternately, on a decode-sized call whose
-// weights stay in the L2 cache (the steady state of a GEMM), the least time of each over the rounds.
-Broadcast measure_broadcast() {
-  constexpr int64_t kRows = 96, kIn = 576, kOut = 256, kRounds = 7;
-  const auto x = torch::full({kRows, kIn}, 0.5f);
-  const auto packed = torch::full({kOut / kBlock, kIn / 2, kBlock, 2}, 0.25f, torch::dtype(at::kBFloat16));
-  double least[2] = {1e30, 1e30};
-  for (int64_t round = 0; round < kRounds; ++round) {
-    for (const Broadcast mode : {Broadcast::kEmbedded, Broadcast::kRegister}) {
-      const auto start = std::chrono::steady_clock::now();
-      multiply(x, packed, c10::nullopt, kOut, false, mode);
-      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      least[static_cast<int>(mode)] = std::min(least[static_cast<int>(mode)], seconds);
-    }
-  }
-  return least[1] < least[0] ? Broadcast::kRegister : Broadcast::kEmbedded;
-}
+TimedChoice broadcast_choice;
 
-// 0: not chosen yet; else 1 + the Broadcast in use.
-std::atomic<int> chosen_broadcast{0};
-
+// The faster broadcast on this CPU: the GEMM itself timed with each on a decode-sized call whose weights stay in the
+// L2 cache (the steady state of a GEMM).
 Broadcast broadcast_mode() {
-  int chosen = chosen_broadcast.load();
-  if (!chosen) {
-    chosen = 1 + static_cast<int>(measure_broadcast());
-    int expected = 0;
-    if (!chosen_broadcast.compare_exchange_strong(expected, chosen)) chosen = expected;
-  }
-  return static_cast<Broadcast>(chosen - 1);
+  return static_cast<Broadcast>(broadcast_choice.get([] {
+    constexpr int64_t kRows = 96, kIn = 576, kOut = 256;
+    const auto x = torch::full({kRows, kIn}, 0.5f);
+    const auto packed = torch::full({kOut / kBlock, kIn / 2, kBlock, 2}, 0.25f, torch::dtype(at::kBFloat16));
+    return std::function<void(int)>([=](int mode) {
+      multiply(x, packed, c10::nullopt, kOut, false, static_cast<Broadcast>(mode));
+    });
+  }, true));
 }
 
 }  // namespace
@@ -230,8 +213,8 @@ torch::Tensor bf16_silu_gate(const torch::Tensor& x, const torch::Tensor& packed
 
 std::string bf16_gemm_broadcast(const std::string& use) {
   TORCH_CHECK(use.empty() || use == "embedded" || use == "register", "broadcast is embedded or register, not ", use);
-  if (!use.empty()) chosen_broadcast.store(1 + static_cast<int>(use == "register" ? Broadcast::kRegister
-                                                                                   : Broadcast::kEmbedded));
+  if (!use.empty())
+    broadcast_choice.set(static_cast<int>(use == "register" ? Broadcast::kRegister : Broadcast::kEmbedded));
   return broadcast_mode() == Broadcast::kRegister ? "register" : "embedded";
 }
 #else

@@ -10,12 +10,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("starts"), py::arg("ends"), py::arg("scale"), py::arg("cos") = py::none(), py::arg("sin") = py::none());
   m.def("rms_norm", &zoo::rms_norm, "weight * x * rsqrt(mean(x^2, -1) + eps), as transformers' RMSNorm computes it");
   m.def("add_rms_norm_", &zoo::add_rms_norm_, "x += delta in place, then returns rms_norm(x, weight, eps)");
-  m.def("int8_vnni_available", &zoo::int8_vnni_available, "Whether int8_linear was built (AVX512-VNNI)");
+  m.def("int8_vnni_available", &zoo::int8_vnni_available,
+        "Whether int8_linear was built with AVX512-VNNI (8-bit activations need it; 16-bit ones run on AVX2 too)");
   m.def("int8_linear", &zoo::int8_linear,
         "x (..., K) @ W^T (+ bias) for a group-wise int8 W packed by modelzoo/int8_compute.py, x quantized per row "
         "and chunk to activation_bits (8 or 16) on the fly; (..., out_features) in x's dtype",
         py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("bias") = py::none(),
         py::arg("out_features"), py::arg("activation_bits"));
+  m.def("int8_gemm_path", &zoo::int8_gemm_path,
+        "The code path of int8_linear's 16-bit activations on this CPU: 'avx2' or 'vnni' (where built), the faster of "
+        "the two timed at the first call; `use` sets it instead. The outputs are the same bits either way.",
+        py::arg("use") = "");
   m.def("bf16_dot_available", &zoo::bf16_dot_available, "Whether bf16_linear was built (AVX512-BF16)");
   m.def("bf16_linear", &zoo::bf16_linear,
         "x (..., K) rounded to bfloat16 @ W^T (+ bias) for a bfloat16 W packed by modelzoo/precision.py, summed and "
@@ -29,6 +34,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "How bf16_linear and bf16_silu_gate broadcast each input pair on this CPU: 'embedded' (read by every "
         "product) or 'register' (broadcast once), the faster of the two timed at the first call; `use` sets it "
         "instead. The outputs are the same bits either way.",
+        py::arg("use") = "");
+  m.def("half_linear", &zoo::half_linear,
+        "x (..., K) float32 @ W^T (+ bias) for a bfloat16 or float16 W packed (N/16, K, 16) by modelzoo/precision.py, "
+        "widened to float32 as it is read: one fused multiply-add per input in ascending order, (..., out_features) "
+        "float32",
+        py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(), py::arg("out_features"));
+  m.def("half_gemm_path", &zoo::half_gemm_path,
+        "The code path of half_linear on this CPU: 'avx2' or 'avx512' (where built), the faster of the two timed at "
+        "the first call; `use` sets it instead. The outputs are the same bits either way.",
         py::arg("use") = "");
   m.def("lora_update_", &zoo::lora_update_,
         "out (M, N) += each row's LoRA update B_g A_g x (M, K) for its adapter g = row_adapter (M,) (-1: none), from "

@@ -1,5 +1,5 @@
-// int8-weight linear layers on AVX512-VNNI: y = x @ W^T (+ bias) with W stored as group-wise int8 and the
-// activations quantized on the fly to 8 or 16 bits.
+// int8-weight linear layers: y = x @ W^T (+ bias) with W stored as group-wise int8 and the activations quantized on
+// the fly to 8 bits (AVX512-VNNI) or 16 bits (AVX512-VNNI, or AVX2 on every CPU).
 //
 // Weights: q (N, K) int8 with one float32 scale per output row and group of `group` inputs
 // (w ~= q * scale), packed by modelzoo/int8_compute.py into blocks of 16 output rows:
@@ -18,9 +18,13 @@
 //   16 bits: q + 128 zero-extended to 16 bits (even and odd bytes apart), vpdpwssd, 2 inputs per lane, xq
 //            stored in the order x0 x2 x1 x3 within each 4 inputs to match. The activations' error is about
 //            2^-16 of the chunk's absmax: the result is the weight-only int8 product to float32 rounding.
+//            Without VNNI, AVX2's vpmaddwd + vpaddd do the same integer sums on 8 rows at a time (half a
+//            packed block): the same bits as vpdpwssd. Where both paths are built, the faster is timed once per
+//            process (`int8_gemm_path`).
 // A row's arithmetic is the same whatever the other rows of the call, so the result does not depend on the batch.
 #include "kernels.h"
 #include "storage.h"
+#include "timed_choice.h"
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -30,23 +34,36 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define ZOO_INT8_VNNI 1
+#endif
+
 namespace zoo {
 
 bool int8_vnni_available() {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(ZOO_INT8_VNNI)
   return true;
 #else
   return false;
 #endif
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 namespace {
 
 constexpr int64_t kBlock = 16;   // output rows per packed block (one 512-bit register of int32 sums)
+constexpr int64_t kMaxChunk = 256;  // inputs per int32 sum at most: 256 * 255 * 32767 < 2^31
+
+struct Shape {
+  int64_t k_padded, group, chunk;  // inputs (padded), per weight scale, per activation scale
+};
+
+// Each kernel below (Vnni<Policy>, Avx2Int16) offers: `type` (a quantized activation), kRowsTile x kBlocksTile
+// (activation rows x packed blocks per register tile), quantize_row (one row of k_padded float32 values -> xq, the
+// chunk scales and the chunks' corrections) and tile (rows x blocks -> out[r * kBlocksTile * 16 + b * 16 + j]).
+
+#if defined(ZOO_INT8_VNNI)
 constexpr int64_t kRowsTile = 4; // activation rows per register tile
 constexpr int64_t kBlocksTile = 2;  // packed blocks per register tile: 4 x 2 int32 and 4 x 2 float accumulators
-constexpr int64_t kMaxChunk = 256;  // inputs per int32 sum at most: 256 * 255 * 32767 < 2^31
 
 // 8-bit activations: vpdpbusd on 4 inputs per lane, the weights' +128 corrected per chunk.
 struct Int8Activations {
@@ -112,10 +129,6 @@ void quantize_row(const float* x, int64_t k_padded, int64_t chunk, typename Poli
   }
 }
 
-struct Shape {
-  int64_t k_padded, group, chunk;  // inputs (padded), per weight scale, per activation scale
-};
-
 // rows (<= kRowsTile) activation rows x blocks (<= kBlocksTile) packed blocks -> out[r][b * 16 + j], float32.
 template <typename Policy, int64_t Rows, int64_t Blocks>
 void tile(const typename Policy::type* xq, const float* xs, const int32_t* xc, const Shape& shape,
@@ -159,6 +172,112 @@ void tile_rows(int64_t rows, const typename Policy::type* xq, const float* xs, c
   }
 }
 
+template <typename Policy>
+struct Vnni {
+  using type = typename Policy::type;
+  static constexpr int64_t kRowsTile = zoo::kRowsTile, kBlocksTile = zoo::kBlocksTile;
+  static void quantize_row(const float* x, int64_t k_padded, int64_t chunk, type* out, float* scales,
+                           int32_t* corrections) {
+    zoo::quantize_row<Policy>(x, k_padded, chunk, out, scales, corrections);
+  }
+  static void tile(int64_t rows, int64_t blocks, const type* xq, const float* xs, const int32_t* xc,
+                   const Shape& shape, const uint8_t* packed, const float* scales, float* out) {
+    if (blocks == kBlocksTile)
+      tile_rows<Policy, kBlocksTile>(rows, xq, xs, xc, shape, packed, scales, out);
+    else
+      tile_rows<Policy, 1>(rows, xq, xs, xc, shape, packed, scales, out);
+  }
+};
+#endif
+
+// 16-bit activations on AVX2: the same quantization and integer sums as Vnni<Int16Activations>, one packed block (two
+// halves of 8 rows) per tile.
+struct Avx2Int16 {
+  using type = int16_t;
+  static constexpr int64_t kRowsTile = 4, kBlocksTile = 1;
+  static constexpr int32_t kMax = 32767;
+
+  // As quantize_row<Int16Activations>, a value at a time: the same float32 products, rounding (cvtss2si, like
+  // vcvtps2dq, under the current rounding mode) and clamping.
+  static void quantize_row(const float* x, int64_t k_padded, int64_t chunk, type* out, float* scales,
+                           int32_t* corrections) {
+    constexpr int64_t kOrder[4] = {0, 2, 1, 3};  // x0 x1 x2 x3 stored as x0 x2 x1 x3
+    for (int64_t start = 0; start < k_padded; start += chunk) {
+      float absmax = 0.f;
+      for (int64_t i = start; i < start + chunk; ++i) absmax = std::max(absmax, std::fabs(x[i]));
+      const float multiplier = absmax > 0.f ? kMax / absmax : 0.f;
+      scales[start / chunk] = absmax / kMax;
+      int32_t sum = 0;
+      for (int64_t i = start; i < start + chunk; ++i) {
+        const int32_t q = std::min(std::max(_mm_cvtss_si32(_mm_set_ss(x[i] * multiplier)), -kMax), kMax);
+        sum += q;
+        out[(i & ~int64_t{3}) + kOrder[i & 3]] = static_cast<type>(q);
+      }
+      corrections[start / chunk] = -128 * sum;  // takes the weights' +128 back out
+    }
+  }
+
+  template <int64_t Rows>
+  static void tile_of(const type* xq, const float* xs, const int32_t* xc, const Shape& shape, const uint8_t* packed,
+                      const float* scales, float* out) {
+    const int64_t chunks = shape.k_padded / shape.chunk;
+    const __m256i low_bytes = _mm256_set1_epi16(0xFF);
+    __m256 sums[Rows][2];
+#pragma GCC unroll 4
+    for (int64_t r = 0; r < Rows; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+      __m256i dots[Rows][2];
+#pragma GCC unroll 4
+      for (int64_t r = 0; r < Rows; ++r) dots[r][0] = dots[r][1] = _mm256_set1_epi32(xc[r * chunks + c]);
+      for (int64_t k = c * shape.chunk; k < (c + 1) * shape.chunk; k += 4) {
+        __m256i even[2], odd[2];  // of rows 0-7 and 8-15: bytes 0 and 2, 1 and 3 of each 4, as int16
+#pragma GCC unroll 2
+        for (int64_t h = 0; h < 2; ++h) {
+          const __m256i weights = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + k * kBlock + h * 32));
+          even[h] = _mm256_and_si256(weights, low_bytes);
+          odd[h] = _mm256_srli_epi16(weights, 8);
+        }
+#pragma GCC unroll 4
+        for (int64_t r = 0; r < Rows; ++r) {
+          int32_t pairs[2];
+          std::memcpy(pairs, xq + r * shape.k_padded + k, sizeof pairs);  // (x0, x2), (x1, x3)
+          const __m256i first = _mm256_set1_epi32(pairs[0]), second = _mm256_set1_epi32(pairs[1]);
+#pragma GCC unroll 2
+          for (int64_t h = 0; h < 2; ++h) {
+            dots[r][h] = _mm256_add_epi32(dots[r][h], _mm256_madd_epi16(even[h], first));
+            dots[r][h] = _mm256_add_epi32(dots[r][h], _mm256_madd_epi16(odd[h], second));
+          }
+        }
+      }
+      const int64_t g = c * shape.chunk / shape.group;
+      const __m256 weight_scales[2] = {_mm256_loadu_ps(scales + g * kBlock), _mm256_loadu_ps(scales + g * kBlock + 8)};
+#pragma GCC unroll 4
+      for (int64_t r = 0; r < Rows; ++r) {
+        const __m256 activation_scale = _mm256_set1_ps(xs[r * chunks + c]);
+        for (int64_t h = 0; h < 2; ++h) {
+          const __m256 scale = _mm256_mul_ps(weight_scales[h], activation_scale);
+          sums[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r][h]), scale, sums[r][h]);
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int64_t r = 0; r < Rows; ++r) {
+      _mm256_storeu_ps(out + r * kBlock, sums[r][0]);
+      _mm256_storeu_ps(out + r * kBlock + 8, sums[r][1]);
+    }
+  }
+
+  static void tile(int64_t rows, int64_t, const type* xq, const float* xs, const int32_t* xc, const Shape& shape,
+                   const uint8_t* packed, const float* scales, float* out) {
+    switch (rows) {
+      case 4: return tile_of<4>(xq, xs, xc, shape, packed, scales, out);
+      case 3: return tile_of<3>(xq, xs, xc, shape, packed, scales, out);
+      case 2: return tile_of<2>(xq, xs, xc, shape, packed, scales, out);
+      default: return tile_of<1>(xq, xs, xc, shape, packed, scales, out);
+    }
+  }
+};
+
 // The activation chunk: the group, or for a group over kMaxChunk inputs the largest multiple of 16 dividing it.
 int64_t chunk_size(int64_t group) {
   int64_t chunk = std::min(group, kMaxChunk);
@@ -166,18 +285,19 @@ int64_t chunk_size(int64_t group) {
   return chunk;
 }
 
-template <typename Policy, typename scalar_t>
+template <typename Kernel, typename scalar_t>
 void multiply(const scalar_t* xp, int64_t rows, int64_t k, const Shape& shape, const uint8_t* wp, const float* sp,
               const scalar_t* bp, int64_t blocks, int64_t out_features, scalar_t* yp) {
+  constexpr int64_t kRowsTile = Kernel::kRowsTile, kBlocksTile = Kernel::kBlocksTile;
   const int64_t chunks = shape.k_padded / shape.chunk;
-  std::vector<typename Policy::type> xq(rows * shape.k_padded);
+  std::vector<typename Kernel::type> xq(rows * shape.k_padded);
   std::vector<float> xs(rows * chunks);
   std::vector<int32_t> xc(rows * chunks);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> wide(shape.k_padded, 0.f);
     for (int64_t r = begin; r < end; ++r) {
       widen(xp + r * k, wide.data(), k);
-      quantize_row<Policy>(wide.data(), shape.k_padded, shape.chunk, xq.data() + r * shape.k_padded,
+      Kernel::quantize_row(wide.data(), shape.k_padded, shape.chunk, xq.data() + r * shape.k_padded,
                            xs.data() + r * chunks, xc.data() + r * chunks);
     }
   });
@@ -196,10 +316,7 @@ void multiply(const scalar_t* xp, int64_t rows, int64_t k, const Shape& shape, c
       const int32_t* crow = xc.data() + row * chunks;
       const uint8_t* wblock = wp + block * shape.k_padded * kBlock;
       const float* sblock = sp + block * groups * kBlock;
-      if (tile_blocks == kBlocksTile)
-        tile_rows<Policy, kBlocksTile>(tile_rows_count, xrow, srow, crow, shape, wblock, sblock, result);
-      else
-        tile_rows<Policy, 1>(tile_rows_count, xrow, srow, crow, shape, wblock, sblock, result);
+      Kernel::tile(tile_rows_count, tile_blocks, xrow, srow, crow, shape, wblock, sblock, result);
       const int64_t first = block * kBlock, last = std::min(out_features, (block + tile_blocks) * kBlock);
       for (int64_t r = 0; r < tile_rows_count; ++r) {
         scalar_t* y = yp + (row + r) * out_features;
@@ -211,13 +328,46 @@ void multiply(const scalar_t* xp, int64_t rows, int64_t k, const Shape& shape, c
   });
 }
 
-}  // namespace
+enum class Path { kAvx2, kVnni };
 
-torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
-                          const c10::optional<torch::Tensor>& bias, int64_t out_features, int64_t activation_bits) {
+template <typename scalar_t>
+void multiply_int16(Path path, const scalar_t* xp, int64_t rows, int64_t k, const Shape& shape, const uint8_t* wp,
+                    const float* sp, const scalar_t* bp, int64_t blocks, int64_t out_features, scalar_t* yp) {
+#if defined(ZOO_INT8_VNNI)
+  if (path == Path::kVnni)
+    return multiply<Vnni<Int16Activations>>(xp, rows, k, shape, wp, sp, bp, blocks, out_features, yp);
+#endif
+  multiply<Avx2Int16>(xp, rows, k, shape, wp, sp, bp, blocks, out_features, yp);
+}
+
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
+                     const c10::optional<torch::Tensor>& bias, int64_t out_features, int64_t activation_bits,
+                     Path path);
+
+TimedChoice path_choice;
+
+// The faster 16-bit path on this CPU: the GEMM timed with each on a decode-sized call whose weights stay in the L2
+// cache.
+Path path_in_use() {
+  return static_cast<Path>(path_choice.get([] {
+    constexpr int64_t kRows = 64, kIn = 576, kOut = 256;
+    const auto x = torch::full({kRows, kIn}, 0.5f);
+    const auto packed = torch::full({kOut / kBlock, kIn / 4, kBlock, 4}, 130, torch::dtype(at::kByte));
+    const auto scales = torch::full({kOut / kBlock, kIn / 32, kBlock}, 0.01f);
+    return std::function<void(int)>([=](int path) {
+      linear(x, packed, scales, c10::nullopt, kOut, 16, static_cast<Path>(path));
+    });
+  }, int8_vnni_available()));
+}
+
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
+                     const c10::optional<torch::Tensor>& bias, int64_t out_features, int64_t activation_bits,
+                     Path path) {
   TORCH_CHECK(x.device().is_cpu() && is_storage_type(x.scalar_type()) && x.dim() >= 1,
               "x must be a float32, bfloat16 or float16 CPU tensor (..., K)");
   TORCH_CHECK(activation_bits == 8 || activation_bits == 16, "activation_bits must be 8 or 16");
+  TORCH_CHECK(activation_bits == 16 || int8_vnni_available(), "8-bit activations need AVX512-VNNI, which this "
+              "build's CPU lacks");
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kByte && packed.size(2) == kBlock &&
                   packed.size(3) == 4 && packed.is_contiguous(), "packed must be contiguous uint8 (N/16, K/4, 16, 4)");
   const int64_t blocks = packed.size(0), k_padded = packed.size(1) * 4, groups = scales.size(1);
@@ -242,20 +392,30 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, c
   const Shape shape{k_padded, group, activation_bits == 8 ? group : chunk_size(group)};
   ZOO_DISPATCH_FLOATS(x.scalar_type(), "int8_linear", [&] {
     const scalar_t* bp = bias ? bias->data_ptr<scalar_t>() : nullptr;
+#if defined(ZOO_INT8_VNNI)
     if (activation_bits == 8)
-      multiply<Int8Activations>(input.data_ptr<scalar_t>(), rows, k, shape, packed.data_ptr<uint8_t>(),
-                                scales.data_ptr<float>(), bp, blocks, out_features, out.data_ptr<scalar_t>());
-    else
-      multiply<Int16Activations>(input.data_ptr<scalar_t>(), rows, k, shape, packed.data_ptr<uint8_t>(),
-                                 scales.data_ptr<float>(), bp, blocks, out_features, out.data_ptr<scalar_t>());
+      return multiply<Vnni<Int8Activations>>(input.data_ptr<scalar_t>(), rows, k, shape, packed.data_ptr<uint8_t>(),
+                                             scales.data_ptr<float>(), bp, blocks, out_features,
+                                             out.data_ptr<scalar_t>());
+#endif
+    multiply_int16(path, input.data_ptr<scalar_t>(), rows, k, shape, packed.data_ptr<uint8_t>(),
+                   scales.data_ptr<float>(), bp, blocks, out_features, out.data_ptr<scalar_t>());
   });
   return out;
 }
-#else
-torch::Tensor int8_linear(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
-                          const c10::optional<torch::Tensor>&, int64_t, int64_t) {
-  TORCH_CHECK(false, "int8_linear needs AVX512-VNNI, which this build's CPU lacks");
+
+}  // namespace
+
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
+                          const c10::optional<torch::Tensor>& bias, int64_t out_features, int64_t activation_bits) {
+  return linear(x, packed, scales, bias, out_features, activation_bits, path_in_use());
 }
-#endif
+
+std::string int8_gemm_path(const std::string& use) {
+  TORCH_CHECK(use.empty() || use == "avx2" || (use == "vnni" && int8_vnni_available()), "path is avx2",
+              int8_vnni_available() ? " or vnni" : " (this build has no AVX512-VNNI)", ", not ", use);
+  if (!use.empty()) path_choice.set(static_cast<int>(use == "vnni" ? Path::kVnni : Path::kAvx2));
+  return path_in_use() == Path::kVnni ? "vnni" : "avx2";
+}
 
 }  // namespace zoo

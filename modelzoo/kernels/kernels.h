@@ -18,11 +18,13 @@ torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& delta, const 
 torch::Tensor silu_mul(const torch::Tensor& gate_up);
 // out[0, n) = silu(gate[0, n)), as ATen computes it (silu_mul's and bf16_linear's SiLU gate).
 void silu_row(const float* gate, float* out, int64_t n);
-// int8_gemm.cpp: group-wise int8 weights times activations quantized per row and chunk to 8 or 16 bits,
-// on AVX512-VNNI.
+// int8_gemm.cpp: group-wise int8 weights times activations quantized per row and chunk to 8 bits (AVX512-VNNI) or
+// 16 bits (AVX512-VNNI or AVX2).
 bool int8_vnni_available();
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
                           const c10::optional<torch::Tensor>& bias, int64_t out_features, int64_t activation_bits);
+// Which code path 16-bit activations take, "avx2" or "vnni": the faster here, timed at the first call; `use` sets it.
+std::string int8_gemm_path(const std::string& use);
 // bf16_gemm.cpp: bfloat16 weights times activations rounded to bfloat16, float32 sums and outputs, on AVX512-BF16.
 bool bf16_dot_available();
 torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
@@ -32,6 +34,12 @@ torch::Tensor bf16_silu_gate(const torch::Tensor& x, const torch::Tensor& packed
 // How the two GEMMs broadcast each input pair, "embedded" or "register": the faster on this CPU, timed at the first
 // call; `use` ("embedded" or "register") sets it instead. Either gives the same bits.
 std::string bf16_gemm_broadcast(const std::string& use);
+// half_gemm.cpp: bfloat16 or float16 weights widened to float32 as they are read, times float32 activations, float32
+// sums and outputs (AVX2, or AVX-512 where built).
+torch::Tensor half_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
+                          int64_t out_features);
+// Which code path half_linear takes, "avx2" or "avx512": the faster here, timed at the first call; `use` sets it.
+std::string half_gemm_path(const std::string& use);
 // lora_update.cpp: out[m] += B_g A_g x[m], the update of each row's own LoRA adapter g (modelzoo/lora.py).
 void lora_update_(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& row_adapter, const torch::Tensor& a,
                   const torch::Tensor& b_t, const torch::Tensor& segments);
