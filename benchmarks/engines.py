@@ -25,8 +25,8 @@ PEERS_DIR = Path(__file__).resolve().parent / "peers"
 PEERS = ("vllm", "ctranslate2", "llamacpp")
 GGUF_OUTTYPE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 COLUMNS = ("engine", "dtype", "status", "generated_tokens", "generation_seconds", "tokens_per_s",
-           "process_seconds", "peak_rss_mib", "ratio_vs_hf_fp32", "ratio_vs_hf_same_dtype", "ratio_vs_vllm",
-           "of_ceiling", "of_peak_bound", "equal_to_hf_fp32", "note")
+           "process_seconds", "setup_seconds", "peak_rss_mib", "rss_bound_mib", "ratio_vs_hf_fp32",
+           "ratio_vs_hf_same_dtype", "ratio_vs_vllm", "of_ceiling", "of_peak_bound", "equal_to_hf_fp32", "note")
 
 run_measured = functools.partial(measure.run_measured, cwd=REPO_ROOT)  # every engine runs from the repo root
 
@@ -121,7 +121,8 @@ def run_zoo(args: argparse.Namespace, prep: Prepared, out: Path, dtype: str, thr
         note = f"predictions hold {counted} generated tokens, summary.json says {generated}"
     return result_row("zoo-infer", dtype, generated_tokens=generated, generation_seconds=seconds,
                       tokens_per_s=generated / seconds if seconds else None,
-                      process_seconds=measured.process_seconds, peak_rss_mib=measured.peak_rss_mib, note=note), tokens
+                      process_seconds=measured.process_seconds, setup_seconds=summary.get("setup_seconds"),
+                      peak_rss_mib=measured.peak_rss_mib, note=note), tokens
 
 
 def zoo_teacher_forced(model: str, dtype: str, pairs: list[tuple[list[int], list[int]]], max_seq_len: int,

@@ -1,9 +1,10 @@
 """Random-weight checkpoints built from a config, for measuring larger models without a download.
 
-`smollm2`: the default model's shape (SmolLM2-135M), random. `tinyllama`: the shape of TinyLlama-1.1B (22 layers, hidden 2048, MLP 5632, 32 query and 4 kv heads)
-with the default model's tokenizer and vocabulary (49152 entries, 1.2B parameters in all), so the
-benchmark's prompts tokenize as for SmolLM2. Weights are drawn as transformers initialises them
-(seeded), saved once as a normal Hugging Face folder, and reused.
+`smollm2`: the default model's shape (SmolLM2-135M), random. `tinyllama`: the shape of TinyLlama-1.1B (22 layers,
+hidden 2048, MLP 5632, 32 query and 4 kv heads; 1.2B parameters in all); `llama3b`: the shape of Llama-3.2-3B (28
+layers, hidden 3072, MLP 8192, 24 query and 8 kv heads; 3.0B parameters, saved in bfloat16). Each with the default
+model's tokenizer and vocabulary (49152 entries), so the benchmark's prompts tokenize as for SmolLM2. Weights are
+drawn as transformers initialises them (seeded), saved once as a normal Hugging Face folder, and reused.
 """
 from __future__ import annotations
 
@@ -18,7 +19,12 @@ SHAPES = {
     "tinyllama": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                       num_key_value_heads=4, max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-5,
                       tie_word_embeddings=False),
+    "llama3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+                    num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
+                    tie_word_embeddings=True),
 }
+# Shapes saved in bfloat16, as checkpoints of that size are published (the others in float32).
+BFLOAT16_SHAPES = ("llama3b",)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "chat_template.jinja", "generation_config.json")
 
@@ -43,7 +49,14 @@ def ensure_random_model(spec: str, tokenizer_dir: Path, out: Path) -> Path:
                          eos_token_id=tokenizer.eos_token_id, **SHAPES[name])
     torch.manual_seed(0)
     print(f"building {spec} ({name} shape, random weights) into {folder} (once, not timed)", flush=True)
-    model = LlamaForCausalLM(config)
+    dtype = torch.bfloat16 if name in BFLOAT16_SHAPES else torch.float32
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in its dtype: a float32 copy of a 3B model would take 12 GB first
+    try:
+        model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    model.config.dtype = dtype
     model.save_pretrained(folder)
     del model
     for file in TOKENIZER_FILES:

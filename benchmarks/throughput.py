@@ -20,7 +20,9 @@ What it does, in order:
          vLLM's script runs under --vllm_python (default: $VLLM_PYTHON, else this interpreter), so
          vLLM can live in a virtualenv of its own (its pinned transformers differs from .venv's).
      transformers float32 always runs (first): it is the reference of the ratio and equality
-     columns.
+     columns; --transformers_dtypes limits its other dtypes. --dtypes int8 runs zoo-infer alone
+     (int8 weights, float32 arithmetic). --baseline_repo runs another zoo-infer checkout (an older
+     commit) in every --dtypes too, as "zoo-infer <--baseline_label>".
   3. Prints and writes (<out>/results.csv, <out>/results.json) one row per engine and dtype.
 
 What is measured, and why:
@@ -32,6 +34,10 @@ What is measured, and why:
     excluding interpreter start-up, imports and model loading, which a long batch job pays once.
   - process s: wall time of the whole process (start-up, load, generation, writing), measured
     here; what a short job costs.
+  - setup s: zoo-infer's `setup_seconds` (loading, GEMM choice, kernel builds, warm-up: before generation).
+  - RSS bound MiB: what zoo-infer's peak RSS should stay within: the weights in their dtype's own bytes
+    (int8: a byte and a float32 scale per 32 inputs), the KV cache in this CPU's precision policy for
+    --batch_size rows of the data's max_seq_len, and 1 GiB.
   - peak RSS MiB: ru_maxrss of the finished process (os.wait4), i.e. the largest resident set of
     that process or of any child it waited for (vLLM's workers, llama-server).
   - vs HF fp32 / vs HF same dtype: tokens/s over transformers' tokens/s in float32 / in the same
@@ -76,7 +82,9 @@ from data_tools.create_inference_h5 import build_rows, write_h5  # noqa: E402
 from data_tools.prompts import load_tokenizer, tokenize_prompts  # noqa: E402
 
 DEFAULT_MODEL = REPO_ROOT / "models" / "smollm2-135m-instruct"
-DTYPES = ("float32", "bfloat16", "float16")
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = (*FLOAT_DTYPES, "int8")  # int8: zoo-infer's int8 weights (model.weight_dtype) with float32 arithmetic
+INT8_GROUP = 32  # model.int8_group_size's default: a float32 scale per 32 int8 weights
 REFERENCE = ("transformers", "float32")
 
 
@@ -162,6 +170,42 @@ def variant_data(prep: Prepared, out: Path, name: str, per_row: dict[str, Any],
                     prep.max_seq_len)
 
 
+def rss_bound_mib(model: str, dtype: str, rows: int, max_seq_len: int) -> float:
+    """The peak RSS a zoo-infer run should stay within: its weights in their own bytes (int8: a byte and a float32
+    scale per INT8_GROUP inputs), its KV cache under this CPU's precision policy (rows x max_seq_len), and 1 GiB."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from modelzoo.precision import precision_policy
+
+    config = AutoConfig.from_pretrained(model)
+    with torch.device("meta"):
+        parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    int8 = dtype == "int8"
+    torch_dtype = torch.float32 if int8 else getattr(torch, dtype)
+    weights = parameters * (1 + 4 / INT8_GROUP if int8 else torch_dtype.itemsize)
+    kv_dtype = precision_policy(torch_dtype, torch.device("cpu"), int8_weights=int8).kv_cache
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    cache = 2 * config.num_hidden_layers * rows * max_seq_len * kv_heads * head_dim * kv_dtype.itemsize
+    return (weights + cache + 2**30) / 2**20
+
+
+def run_zoo_dtype(args: argparse.Namespace, prep: Prepared, out: Path, dtype: str, threads: int,
+                  repo: Path = REPO_ROOT, label: str = "") -> tuple[dict, list | None]:
+    """zoo-infer in one of DTYPES from the checkout `repo` (named "zoo-infer <label>" unless it is this one), with its
+    RSS bound."""
+    int8 = dtype == "int8"
+    variant = "_".join(part for part in ("int8" if int8 else "", label.replace(" ", "_")) if part)
+    row, generated = run_zoo(args, prep, out, "float32" if int8 else dtype, threads, variant=variant,
+                             model_keys={"weight_dtype": "int8", "int8_group_size": INT8_GROUP} if int8 else None,
+                             repo=repo)
+    row.update(engine=f"zoo-infer {label}" if label else "zoo-infer", dtype=dtype,
+               rss_bound_mib=rss_bound_mib(args.model, dtype, args.batch_size, prep.max_seq_len))
+    return row, generated
+
+
 def fill_comparisons(rows: list[dict], tokens: dict[tuple[str, str], list | None],
                      limits: Limits = lambda dtype, generated: (None, None)) -> None:
     """Adds the ratio and equality columns, against transformers' and vLLM's rows, and the share of
@@ -204,13 +248,15 @@ def fmt(value: Any, digits: int = 2) -> str:
 
 def format_table(rows: list[dict]) -> str:
     """The printed table (the CSV has the same rows with full precision)."""
-    header = ("engine", "dtype", "gen tokens", "seconds", "tokens/s", "process s", "peak RSS MiB",
-              "vs HF fp32", "vs HF same dtype", "vs vLLM", "of ceiling", "of peak", "equal to HF fp32", "status")
+    header = ("engine", "dtype", "gen tokens", "seconds", "tokens/s", "process s", "setup s", "peak RSS MiB",
+              "RSS bound MiB", "vs HF fp32", "vs HF same dtype", "vs vLLM", "of ceiling", "of peak",
+              "equal to HF fp32", "status")
     cells = [header]
     for row in rows:
         status = row["status"] if not row["note"] else f"{row['status']}: {row['note']}"
-        cells.append((row["engine"], row["dtype"], fmt(row["generated_tokens"]), fmt(row["generation_seconds"]),
-                      fmt(row["tokens_per_s"], 1), fmt(row["process_seconds"], 1), fmt(row["peak_rss_mib"], 0),
+        cells.append((row["engine"].replace(" ", "_"), row["dtype"], fmt(row["generated_tokens"]),
+                      fmt(row["generation_seconds"]), fmt(row["tokens_per_s"], 1), fmt(row["process_seconds"], 1),
+                      fmt(row["setup_seconds"], 1), fmt(row["peak_rss_mib"], 0), fmt(row["rss_bound_mib"], 0),
                       fmt(row["ratio_vs_hf_fp32"]), fmt(row["ratio_vs_hf_same_dtype"]), fmt(row["ratio_vs_vllm"]),
                       fmt(row["of_ceiling"]), fmt(row["of_peak_bound"]), fmt(row["equal_to_hf_fp32"], 3), status))
     widths = [max(len(line[i]) for line in cells) for i in range(len(header) - 1)]
@@ -281,8 +327,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max_tokens", type=int, default=64, help="most new tokens per prompt (default: 64)")
     parser.add_argument("--batch_size", type=int, default=32, help="sequences decoded together, every engine "
                         "(default: 32)")
-    parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16, float16 "
-                        "(default: float32,bfloat16)")
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16, float16, "
+                        "int8 (zoo-infer's int8 weights, float32 arithmetic; no transformers or peer row) (default: "
+                        "float32,bfloat16)")
+    parser.add_argument("--transformers_dtypes", default=None, help="the dtypes transformers generate() runs in "
+                        "besides its float32 reference (default: every float dtype of --dtypes; 'float32': the "
+                        "reference alone, e.g. where its emulated 16-bit GEMMs would take hours)")
+    parser.add_argument("--baseline_repo", type=Path, default=None, help="another zoo-infer checkout (an older "
+                        "commit, its kernels built) run in every --dtypes too, after this one")
+    parser.add_argument("--baseline_label", default="baseline", help="its name in the table (default: baseline)")
     parser.add_argument("--peers", default="auto", help="auto (every installed peer), none, or a list of "
                         f"{', '.join(PEERS)} (default: auto)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="output folder "
@@ -310,6 +363,14 @@ def main(argv: list[str] | None = None) -> int:
     bad = [d for d in dtypes if d not in DTYPES]
     if bad or not dtypes:
         sys.exit(f"error: --dtypes takes {', '.join(DTYPES)}; got {args.dtypes!r}")
+    float_dtypes = [d for d in dtypes if d in FLOAT_DTYPES]
+    hf_dtypes = float_dtypes if args.transformers_dtypes is None else [
+        d.strip() for d in args.transformers_dtypes.split(",") if d.strip()]
+    if any(d not in FLOAT_DTYPES for d in hf_dtypes):
+        sys.exit(f"error: --transformers_dtypes takes {', '.join(FLOAT_DTYPES)}; got {args.transformers_dtypes!r}")
+    hf_dtypes = ["float32"] + [d for d in hf_dtypes if d != "float32"]  # the reference first, whatever is asked
+    if args.baseline_repo is not None and not (args.baseline_repo / "run_inference.py").is_file():
+        sys.exit(f"error: --baseline_repo {args.baseline_repo} holds no run_inference.py")
     if min(args.num_prompts, args.max_tokens, args.batch_size) < 1:
         sys.exit("error: --num_prompts, --max_tokens and --batch_size must be >= 1")
     check_gguf_options(args.gguf)
@@ -324,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         args.model = str(ensure_random_model(args.model, DEFAULT_MODEL, out))
     prep = prepare(args, out)
     print(f"cpu: {machine.cpu_description()}, {threads} threads")
-    probe = machine.MachineProbe(args.model, dtypes, threads, args.batch_size)
+    probe = machine.MachineProbe(args.model, float_dtypes or ["float32"], threads, args.batch_size)
     workload = workload_of(prep, args.batch_size)
     probe.measure()
     print_machine(probe, workload, len(prep.token_ids) * args.max_tokens)
@@ -338,27 +399,31 @@ def main(argv: list[str] | None = None) -> int:
         rate = f"{row['tokens_per_s']:.1f} tokens/s" if row["tokens_per_s"] else row["status"]
         print(f"  {row['engine']:<13} {row['dtype']:<9} {rate}", flush=True)
 
-    # The reference first: transformers float32, whatever --dtypes says.
-    hf_dtypes = ["float32"] + [d for d in dtypes if d != "float32"]
     print("running (one process at a time):", flush=True)
     for dtype in hf_dtypes:
         record(*run_child("transformers", PEERS_DIR / "hf_generate.py", args, prep, out, dtype, threads))
     for dtype in dtypes:
-        record(*run_zoo(args, prep, out, dtype, threads))
-    for name in peers:
+        record(*run_zoo_dtype(args, prep, out, dtype, threads))
+    if args.baseline_repo is not None:
         for dtype in dtypes:
+            record(*run_zoo_dtype(args, prep, out, dtype, threads, args.baseline_repo.resolve(), args.baseline_label))
+    for name in peers:
+        for dtype in float_dtypes:
             record(*run_peer(name, args, prep, out, dtype, threads))
 
     probe.measure()  # again, keeping the best of both: a dip in the machine's speed does not lower the limits
     print("\nthe machine again, best of before and after the engines:")
     print_machine(probe, workload, len(prep.token_ids) * args.max_tokens)
-    fill_comparisons(rows, tokens, lambda dtype, generated: probe.limits(dtype, workload(generated)))
+    fill_comparisons(rows, tokens, lambda dtype, generated: (probe.limits(dtype, workload(generated))
+                                                             if dtype in probe.dtypes else (None, None)))
     order = {"zoo-infer": 0, "transformers": 1, "vllm": 2, "ctranslate2": 3, "llama.cpp": 4}
-    rows.sort(key=lambda row: (order.get(row["engine"], 9), DTYPES.index(row["dtype"])))
+    rows.sort(key=lambda row: (order.get(row["engine"].split()[0], 9), DTYPES.index(row["dtype"])))
     config = {
         "model": str(args.model), "prompt_set": f"{PYPI_NAME} (HumanEval), seed {args.seed}, chat template",
         "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "batch_size": args.batch_size,
-        "dtypes": dtypes, "peers": peers, "threads": threads, "eos_id": prep.eos_id,
+        "dtypes": dtypes, "transformers_dtypes": hf_dtypes, "peers": peers, "threads": threads, "eos_id": prep.eos_id,
+        **({"baseline_repo": str(args.baseline_repo.resolve()), "baseline_label": args.baseline_label}
+           if args.baseline_repo is not None else {}),
         **({"vllm_python": args.vllm_python} if "vllm" in peers else {}),
         "prompt_tokens": {"min": min(map(len, prep.token_ids)), "max": max(map(len, prep.token_ids)),
                           "total": sum(map(len, prep.token_ids))},

@@ -42,8 +42,13 @@ def test_throughput_table(tmp_path: Path, capsys: pytest.CaptureFixture) -> None
         pytest.fail(f"default model missing at {SMOLLM2_DIR}: run `make setup`")
     out = tmp_path / "results"
     throughput = load_script("benchmarks/throughput.py")
+    for bad, message in ((["--transformers_dtypes", "int8"], "--transformers_dtypes takes float32, bfloat16, float16"),
+                         (["--baseline_repo", str(tmp_path)], "holds no run_inference.py")):
+        with pytest.raises(SystemExit, match=message):
+            throughput.main(["--dtypes", "float32", "--peers", "none", "--out", str(out), *bad])
     code = throughput.main(["--model", str(SMOLLM2_DIR), "--num_prompts", "4", "--max_tokens", "4",
-                            "--batch_size", "2", "--dtypes", "float32", "--peers", "none", "--out", str(out)])
+                            "--batch_size", "2", "--dtypes", "float32,int8", "--peers", "none", "--out", str(out),
+                            "--baseline_repo", str(REPO_ROOT), "--baseline_label", "again"])
     printed = capsys.readouterr().out
     logs = "".join(path.read_text() for path in sorted((out / "logs").glob("*.log")))
     assert code == 0, printed + logs
@@ -62,8 +67,21 @@ def test_throughput_table(tmp_path: Path, capsys: pytest.CaptureFixture) -> None
 
     with open(out / "results.csv", newline="") as handle:
         rows = {(row["engine"], row["dtype"]): row for row in csv.DictReader(handle)}
-    assert set(rows) == {("zoo-infer", "float32"), ("transformers", "float32")}
+    # int8: zoo-infer alone (no transformers row); the baseline checkout (here this one again) in every dtype
+    assert set(rows) == {("zoo-infer", "float32"), ("transformers", "float32"), ("zoo-infer", "int8"),
+                         ("zoo-infer again", "float32"), ("zoo-infer again", "int8")}
+    assert any(cells[:2] == ["zoo-infer_again", "int8"] for cells in table_lines if cells)
+    for key in (("zoo-infer", "int8"), ("zoo-infer again", "float32"), ("zoo-infer again", "int8")):
+        assert rows[key]["status"] == "ok" and int(rows[key]["generated_tokens"]) == 16
+    assert float(rows["zoo-infer again", "float32"]["equal_to_hf_fp32"]) == 1.0
     zoo, hf = rows["zoo-infer", "float32"], rows["transformers", "float32"]
+    # weights (134.5M float32 parameters) + KV cache (30 layers x 2 rows x 3 heads x 64 x max_seq_len) + 1 GiB
+    max_seq_len = h5py.File(out / "data" / "data.h5")["data"].shape[1]
+    kv_mib = 2 * 30 * 2 * max_seq_len * 3 * 64 * 4 / 2**20
+    assert float(zoo["rss_bound_mib"]) == pytest.approx(134_515_008 * 4 / 2**20 + kv_mib + 1024)
+    int8_bound = 134_515_008 * 1.125 / 2**20 + kv_mib + 1024  # a byte and a quarter of a float32 scale
+    assert float(rows["zoo-infer", "int8"]["rss_bound_mib"]) == pytest.approx(int8_bound)
+    assert float(zoo["setup_seconds"]) > 0 and hf["setup_seconds"] == hf["rss_bound_mib"] == ""
     for row in (zoo, hf):
         assert row["status"] == "ok"
         assert int(row["generated_tokens"]) == 16  # 4 prompts x 4 tokens: no EOS that early on these prompts
@@ -316,6 +334,48 @@ def test_fidelity_sign_test_and_pairing() -> None:
     assert fidelity.paired(peer, rows) == f"+2 -1 p={fidelity.sign_test(2, 1):.2f}" == "+2 -1 p=1.00"
     assert fidelity.paired(zoo, rows) == "" and fidelity.paired(failed, rows) == ""
     assert fidelity.paired(peer, [peer]) == ""  # no zoo-infer bfloat16 row to pair with
+
+
+def test_random_model_of_a_bfloat16_shape_is_saved_in_bfloat16(tmp_path: Path, monkeypatch) -> None:
+    """A shape listed in BFLOAT16_SHAPES (random:llama3b) is built and saved in bfloat16, as such checkpoints are
+    published; the default dtype is left as it was."""
+    import torch
+    from safetensors.torch import load_file
+
+    random_model = load_script("benchmarks/random_model.py")
+    monkeypatch.setattr(random_model, "SHAPES", {"tiny": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                              num_attention_heads=2, num_key_value_heads=1)})
+    monkeypatch.setattr(random_model, "BFLOAT16_SHAPES", ("tiny",))
+    folder = random_model.ensure_random_model("random:tiny", SMOLLM2_DIR, tmp_path)
+    weights = load_file(next(folder.glob("*.safetensors")))
+    assert {tensor.dtype for tensor in weights.values()} == {torch.bfloat16}
+    assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
+    assert torch.get_default_dtype() == torch.float32
+
+
+def test_cpu_gemm_paths(capsys: pytest.CaptureFixture) -> None:
+    """benchmarks/cpu_gemm_paths.py on a tiny shape: a rate for every candidate this build has, at each row count
+    (its own check that each kernel's paths agree passes); a malformed --shapes is refused."""
+    from modelzoo.cpu import cpu_flags
+    from modelzoo.kernels import cpu_kernels
+
+    gemm_paths = load_script("benchmarks/cpu_gemm_paths.py")
+    with pytest.raises(SystemExit, match="--shapes takes KxN,... .* got '64x'"):
+        gemm_paths.main(["--shapes", "64x"])
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("the C++ kernels cannot be built here")
+    assert gemm_paths.main(["--shapes", "64x48", "--rows", "1,7", "--repeats", "1", "--threads", "2"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("K=")]
+    assert [line.split("GFLOP/s")[0].split() for line in lines] == [["K=", "64", "N=", "48", "M=", "1"],
+                                                                     ["K=", "64", "N=", "48", "M=", "7"]]
+    expected = ["half_linear avx2", "vnni16 avx2", "int8 float"]
+    expected += ["half_linear avx512"] if "avx512f" in cpu_flags() else []
+    expected += ["vnni16 vnni"] if kernels.int8_vnni_available() else []
+    for line in lines:
+        for name in expected:
+            assert re.search(re.escape(name) + r" +\d+\.\d ", line + " "), (name, line)
+        assert re.search(r"float32 weights \((onednn|mkl|torch|onednn_blocks|torch_blocks)\) +\d+\.\d", line), line
 
 
 def test_kernel_builds(capsys: pytest.CaptureFixture) -> None:
