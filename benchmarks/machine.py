@@ -26,7 +26,8 @@ from torch import nn
 
 from benchmarks import peak_rate
 from modelzoo.cpu import cpu_flags, cpu_model
-from modelzoo.gemm import ShapeChoice, available_backends, measure_shape
+from modelzoo.gemm import ShapeChoice, available_backends, measure_shape, wrap
+from modelzoo.precision import BF16Linear, HalfLinear, precision_policy
 
 RATE_ROWS = (32, 1024)  # decode-sized and prefill-sized M, always timed
 SHOWN_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_bf16", "amx_fp16", "amx_int8")
@@ -68,9 +69,15 @@ def timed_rows(decode_rows: int) -> tuple[int, ...]:
 
 def gemm_rates(shapes: LinearShapes, dtype: torch.dtype, decode_rows: int) -> dict[tuple[int, int], ShapeChoice]:
     """Each weight shape's measurement by the job's own probe (modelzoo/gemm.py), at timed_rows():
-    every backend's GFLOP/s (gflops[backend]["M=32"], ...) and whether it is batch-invariant."""
-    backends = available_backends(torch.device("cpu"), dtype)
-    return {shape: measure_shape(*shape, dtype, backends, timed_rows=timed_rows(decode_rows))
+    every backend's GFLOP/s (gflops[backend]["M=32"], ...) and whether it is batch-invariant. Where this CPU's
+    precision policy multiplies the dtype with a C++ kernel of its own (bf16_linear, half_linear), that kernel."""
+    policy = precision_policy(dtype, torch.device("cpu"))
+    if policy.packed_gemm:
+        kernel, layer = ("bf16_linear", BF16Linear) if policy.bf16_gemm else ("half_linear", HalfLinear)
+        backends, build = [kernel], lambda linear, backend: layer(linear)
+    else:
+        backends, build = available_backends(torch.device("cpu"), dtype), wrap
+    return {shape: measure_shape(*shape, dtype, backends, timed_rows=timed_rows(decode_rows), build=build)
             for shape in [*shapes.body, shapes.head]}
 
 

@@ -244,14 +244,48 @@ class HalfLinear(PackedLinear):
 
 def pack_half_weight(weight: torch.Tensor) -> torch.Tensor:
     """W (N, K) bfloat16 or float16 -> (ceil(N/16), K, 16) in its dtype: for each input, 16 output rows' values side
-    by side (zero rows pad N)."""
+    by side (zero rows pad N). Written straight into the packed tensor: no third copy of a large weight (a
+    vocabulary head) while the model holds the other two."""
     out_features, in_features = weight.shape
-    rows = -(-out_features // GEMM_BLOCK) * GEMM_BLOCK
-    padded = F.pad(weight, (0, 0, 0, rows - out_features))  # (rows, K)
-    return padded.view(rows // GEMM_BLOCK, GEMM_BLOCK, in_features).transpose(1, 2).contiguous()
+    blocks = -(-out_features // GEMM_BLOCK)
+    packed = torch.empty(blocks, in_features, GEMM_BLOCK, dtype=weight.dtype)
+    whole = out_features // GEMM_BLOCK  # blocks of 16 real rows
+    packed[:whole].copy_(weight[: whole * GEMM_BLOCK].view(whole, GEMM_BLOCK, in_features).transpose(1, 2))
+    if whole < blocks:  # the last block: its real rows, then zeros
+        packed[whole].zero_()
+        packed[whole, :, : out_features - whole * GEMM_BLOCK].copy_(weight[whole * GEMM_BLOCK:].t())
+    return packed
+
+
+class TiedHalfEmbedding(nn.Module):
+    """A token embedding whose table is its tied head's packed weight (one copy for both, where a 3B model's
+    vocabulary table alone is 0.3 GB): each token's row read back from the (N/16, K, 16) layout, as float32."""
+
+    def __init__(self, embedding: nn.Embedding, head: HalfLinear) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
+        self.head = [head]  # a plain list: the head stays registered where it lives, not twice
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (...) -> (..., dim) float32."""
+        return self.head[0].packed[tokens // GEMM_BLOCK, :, tokens % GEMM_BLOCK].float()
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, the tied head's packed table"
 
 
 def apply_half_gemm(model: nn.Module) -> dict[str, str]:
-    """Replaces every linear layer of `model` (16-bit weights) by a HalfLinear; returns {shape key: kernel} for the
-    GEMM plan."""
-    return replace_linear_layers(model, lambda parent, name, layer: (HalfLinear(layer), "half_linear"))
+    """Replaces every linear layer of `model` (16-bit weights) by a HalfLinear, and a token embedding tied to one by a
+    TiedHalfEmbedding; returns {shape key: kernel} for the GEMM plan."""
+    embeddings = {module.weight.data_ptr(): (parent, name, module) for parent in model.modules()
+                  for name, module in parent.named_children() if isinstance(module, nn.Embedding)}
+
+    def pack(parent: nn.Module, name: str, layer: nn.Module) -> tuple[PackedLinear, str]:
+        packed = HalfLinear(layer)
+        tied = embeddings.pop(layer.weight.data_ptr(), None)
+        if tied is not None and not getattr(layer, "weight_is_in_out", False):
+            owner, attribute, _ = tied
+            setattr(owner, attribute, TiedHalfEmbedding(tied[2], packed))
+        return packed, "half_linear"
+
+    return replace_linear_layers(model, pack)

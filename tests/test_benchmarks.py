@@ -151,6 +151,30 @@ def test_random_model_is_built_once_with_the_default_tokenizer(tmp_path: Path, m
         random_model.ensure_random_model("random:huge", SMOLLM2_DIR, tmp_path)
 
 
+def test_gemm_rates_measure_the_kernel_the_precision_policy_multiplies_with(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The benchmark's GEMM ceiling for a 16-bit dtype without native multiplies is half_linear's rate (what the job
+    runs), and for float32 the library candidates'."""
+    from collections import Counter
+
+    import torch
+
+    from modelzoo import precision
+    from modelzoo.kernels import cpu_kernels
+
+    if cpu_kernels() is None:
+        pytest.skip("the C++ kernels cannot be built here")
+    machine = load_script("benchmarks/machine.py")
+    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))  # an AVX2 CPU
+    shapes = machine.LinearShapes(Counter({(64, 48): 2}), (64, 96))
+    rates = machine.gemm_rates(shapes, torch.float16, decode_rows=4)
+    assert set(rates) == {(64, 48), (64, 96)}
+    for choice in rates.values():
+        assert set(choice.gflops) == {"half_linear"} and choice.invariant == {"half_linear": True}
+        assert set(choice.gflops["half_linear"]) == {"M=4", "M=32", "M=1024"}
+    float32 = machine.gemm_rates(shapes, torch.float32, decode_rows=4)
+    assert "half_linear" not in float32[(64, 48)].gflops and "torch" in float32[(64, 48)].gflops
+
+
 def test_peak_rate_instructions_and_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
     """Which instruction bounds which dtype on which CPU; the measured peaks are positive numbers."""
     peak_rate = load_script("benchmarks/peak_rate.py")

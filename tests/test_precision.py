@@ -438,12 +438,13 @@ def test_16_bit_weights_stay_16_bit_without_native_multiplies(dtype, tmp_path, a
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_16_bit_job_without_native_multiplies_is_batch_invariant_and_keeps_todays_rows(dtype, tmp_path, avx2_cpu,
-                                                                                        monkeypatch):
-    """half_linear's rows do not depend on the batch, and equal those of float32 arithmetic over the weights widened
-    at load (the policy where the kernels are not built)."""
-    checkpoint = save_tiny_model(tiny_llama_config(), tmp_path / "model")
+@pytest.mark.parametrize("dtype, family", [("bfloat16", "llama"), ("float16", "llama"), ("float16", "llama_tied")])
+def test_16_bit_job_without_native_multiplies_is_batch_invariant_and_keeps_todays_rows(dtype, family, tmp_path,
+                                                                                        avx2_cpu, monkeypatch):
+    """half_linear's rows (a tied embedding reading the packed head) do not depend on the batch, and equal those of
+    float32 arithmetic over the weights widened at load (the policy where the kernels are not built)."""
+    config = tiny_llama_config() if family == "llama" else INT8_FAMILIES[family]()
+    checkpoint = save_tiny_model(config, tmp_path / "model")
     rng = np.random.default_rng(5)
     prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in (4, 9, 2, 15, 7, 1, 30)]
     write_h5(tmp_path / "data", prompt_rows(prompts, 48, START))
@@ -461,3 +462,25 @@ def test_16_bit_job_without_native_multiplies_is_batch_invariant_and_keeps_today
     assert set(summary["gemm"]["layers"].values()) == {"half_linear"}
     np.testing.assert_array_equal(runs["b1"], runs["b7"])
     np.testing.assert_array_equal(runs["b7"], runs["widened"])
+
+
+@needs_kernels
+@pytest.mark.parametrize("family", ["llama_tied", "gpt2"])
+def test_a_tied_embedding_reads_the_packed_head(family, tmp_path):
+    """A token embedding tied to the LM head reads its rows from the head's packed weight (one 16-bit copy of the
+    table, not two), with the bits the embedding had."""
+    from modelzoo.checkpoint import load_model
+    from modelzoo.gemm import weight_bytes
+
+    checkpoint = save_tiny_model(INT8_FAMILIES[family](), tmp_path / "model")
+    model, _ = load_model(checkpoint, F16, torch.device("cpu"))
+    plain = model.get_submodule(model.embedding_name)
+    tokens = torch.tensor([[1, 5, VOCAB - 1], [0, 17, 33]])
+    want = plain(tokens).float()
+    table = plain.weight.numel() * 2
+    before = weight_bytes(model)
+    precision.apply_half_gemm(model)
+    tied = model.get_submodule(model.embedding_name)
+    assert isinstance(tied, precision.TiedHalfEmbedding) and tied.head[0] is model.get_submodule(model.head_name)
+    assert torch.equal(tied(tokens), want)
+    assert weight_bytes(model) < before + table / 2  # the packed head replaces the table; a few padding rows at most
