@@ -1,9 +1,10 @@
 // 16-bit-weight linear layers in float32 arithmetic: y = x @ W^T (+ bias), W bfloat16 or float16, x and y float32.
 //
 // The GEMM of the precision policy on a CPU without native multiplies for the job's 16-bit dtype
-// (modelzoo/precision.py): the weights stay in their own 2 bytes, are widened to float32 as they are loaded into
-// registers, and multiply the float32 inputs as they are (no rounding of the inputs): the arithmetic of a float32
-// GEMM over the 16-bit values, at half the bytes of weights read per decode step.
+// (modelzoo/precision.py): the weights stay in their own 2 bytes, are widened to float32 as they are read (into
+// registers, or into a small float32 panel that up to 48 rows share: `multiply`), and multiply the float32 inputs as
+// they are (no rounding of the inputs): the arithmetic of a float32 GEMM over the 16-bit values, at half the bytes of
+// weights read per decode step.
 //
 // Weights: W (N, K), packed by modelzoo/precision.py into blocks of 16 output rows:
 //   packed (N/16, K, 16) bfloat16 or float16: for each input, 16 rows' values side by side.
