@@ -124,7 +124,7 @@ def keep_gemm_weights(model: nn.Module, activations: torch.dtype) -> None:
 
 class PackedLinear(nn.Module):
     """A linear layer whose weight a C++ GEMM reads in a layout of its own (`pack`), with a float32 bias and float32
-    outputs."""
+    outputs; shape_key names its weight as the GEMM plan does ('bfloat16 576x1536')."""
 
     def __init__(self, layer: nn.Module) -> None:
         super().__init__()
@@ -133,6 +133,7 @@ class PackedLinear(nn.Module):
             weight = weight.t()  # (in, out) -> (out, in)
         self.out_features, self.in_features = weight.shape
         self.packed = self.pack(weight)
+        self.shape_key = f"{str(self.packed.dtype).replace('torch.', '')} {self.in_features}x{self.out_features}"
         self.bias = None if layer.bias is None else nn.Parameter(layer.bias.detach().float(), requires_grad=False)
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
@@ -211,8 +212,7 @@ def replace_linear_layers(model: nn.Module, pack: Callable[[nn.Module, str, nn.M
     while layers:
         parent, name, layer = layers.pop()
         packed, kernel = pack(parent, name, layer)
-        out_features = packed.out_features * (2 if isinstance(packed, SiluGatedBF16Linear) else 1)  # gate | up
-        shapes[f"{str(packed.packed.dtype).replace('torch.', '')} {packed.in_features}x{out_features}"] = kernel
+        shapes[packed.shape_key] = kernel
         setattr(parent, name, packed)
         del layer
     return shapes
