@@ -96,7 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default="random:smollm2,random:tinyllama")
     parser.add_argument("--rows", default="32,256,1024")
     parser.add_argument("--dtypes", default="bfloat16,float32")
-    parser.add_argument("--ways", default=",".join(WAYS), help=f"generate() runs, of {', '.join(WAYS)}")
+    parser.add_argument("--ways", default=",".join(WAYS), help=f"generate() runs, of {', '.join(WAYS)}; none: only "
+                        "zoo-infer")
+    parser.add_argument("--zoo_runs", type=int, default=1,
+                        help="zoo-infer jobs per case, one after another: the second shows a warm set-up (compile "
+                             "cache reused)")
     parser.add_argument("--max_tokens", type=int, default=128)
     parser.add_argument("--prompt_lengths", default="64,319", help="least,most prompt tokens (default: 64,319)")
     parser.add_argument("--device", default="cuda")
@@ -120,13 +124,15 @@ def main(argv: list[str] | None = None) -> int:
             args.batch_size = rows
             for dtype in args.dtypes.split(","):
                 results = {}
-                zoo, zoo_tokens = run_zoo(args, prep, run_dir, dtype, threads, batch_size=rows,
-                                          model_keys={"stop_sequences": []}, runconfig_keys={"device": args.device})
-                summary_path = run_dir / f"zoo_{dtype}" / "artifacts" / "summary.json"
-                zoo["setup_seconds"] = (json.loads(summary_path.read_text())["setup_seconds"]
-                                        if summary_path.is_file() else None)
-                results["zoo-infer"] = (zoo, zoo_tokens)
-                for way in args.ways.split(","):
+                for run in range(args.zoo_runs):
+                    variant = "" if run == 0 else f"run{run + 1}"
+                    zoo, zoo_tokens = run_zoo(args, prep, run_dir, dtype, threads, variant=variant, batch_size=rows,
+                                              model_keys={"stop_sequences": []},
+                                              runconfig_keys={"device": args.device})
+                    zoo.update(zoo_time_split(run_dir / f"zoo_{dtype}{'_' + variant if variant else ''}"))
+                    results["zoo-infer" + (f" job {run + 1}" if run else "")] = (zoo, zoo_tokens)
+                ways = [] if args.ways == "none" else args.ways.split(",")
+                for way in ways:
                     results[f"generate {way}"] = run_child(f"generate_{way}", PEERS_DIR / "hf_generate.py", args, prep,
                                                            run_dir, dtype, threads,
                                                            extra=["--device", args.device, "--way", way])
@@ -138,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                     rate = row["tokens_per_s"]
                     setup = row.get("setup_seconds") or 0.0
                     equal = None
-                    if dtype == "float32" and tokens is not None and default_tokens is not None:
+                    if tokens is not None and default_tokens is not None:
                         equal = sum(a == b for a, b in zip(tokens, default_tokens))
                     rows_out.append({
                         "model": checkpoint.name, "rows": rows, "dtype": dtype, "engine": name, "status": row["status"],
@@ -150,11 +156,34 @@ def main(argv: list[str] | None = None) -> int:
                         "other_seconds": (row["process_seconds"] - setup - row["generation_seconds"]
                                           if rate else None),
                         "rows_equal_to_default_generate": equal,
+                        **{key: row.get(key) for key in ZOO_SPLIT},
                     })
     print_table(rows_out)
     (out / "results.json").write_text(json.dumps(rows_out, indent=2) + "\n")
     print(f"\nwrote {out / 'results.json'}")
     return 0
+
+
+ZOO_SPLIT = ("prefill_seconds", "decode_ms_per_step", "capture_seconds", "sdpa_backends")
+
+
+def zoo_time_split(model_dir: Path) -> dict:
+    """From a zoo-infer run's summary.json: set-up seconds, prefill seconds, decode milliseconds per step (the
+    generation's time less prefill and graphs captured in flight, over its steps), capture seconds in flight, and the
+    SDPA backends pinned."""
+    path = model_dir / "artifacts" / "summary.json"
+    if not path.is_file():
+        return {}
+    summary = json.loads(path.read_text())
+    step = summary.get("decode_step") or {}
+    decode = (summary["generation_seconds"] - step.get("prefill_seconds", 0.0)
+              - step.get("capture_seconds_in_flight", 0.0))
+    steps = step.get("decode_steps") or 0
+    backends = step.get("sdpa_backends") or {}
+    return {"setup_seconds": summary["setup_seconds"], "prefill_seconds": step.get("prefill_seconds"),
+            "decode_ms_per_step": 1000 * decode / steps if steps else None,
+            "capture_seconds": step.get("capture_seconds_in_flight"),
+            "sdpa_backends": "/".join(str(backends.get(form)) for form in ("prefill", "decode")) if backends else None}
 
 
 def print_table(rows: list[dict]) -> None:
@@ -163,14 +192,17 @@ def print_table(rows: list[dict]) -> None:
         return "-" if value is None else format(value, spec) if isinstance(value, float) else str(value)
 
     print("\n| model | rows | dtype | engine | tokens/s | vs best generate() | vs default generate() | of roofline "
-          "| process s | set-up s | generation s | other s | fp32 rows = generate() |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| process s | set-up s | generation s | other s | rows = default generate() | prefill s | decode ms/step "
+          "| captured in flight s | SDPA prefill/decode |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         rate = cell(r["tokens_per_s"], ".1f") if r["status"] == "ok" else r["status"]
         print(f"| {r['model']} | {r['rows']} | {r['dtype']} | {r['engine']} | {rate} | {cell(r['vs_best_generate'])} "
               f"| {cell(r['vs_default_generate'])} | {cell(r['of_roofline'])} | {cell(r['process_seconds'], '.1f')} "
               f"| {cell(r['setup_seconds'], '.1f')} | {cell(r['generation_seconds'], '.1f')} "
-              f"| {cell(r['other_seconds'], '.1f')} | {cell(r['rows_equal_to_default_generate'])} |")
+              f"| {cell(r['other_seconds'], '.1f')} | {cell(r['rows_equal_to_default_generate'])} "
+              f"| {cell(r.get('prefill_seconds'))} | {cell(r.get('decode_ms_per_step'))} "
+              f"| {cell(r.get('capture_seconds'))} | {cell(r.get('sdpa_backends'))} |")
 
 
 if __name__ == "__main__":

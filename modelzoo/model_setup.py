@@ -12,6 +12,7 @@ import torch
 from modelzoo.checkpoint import load_model
 from modelzoo.errors import UserError
 from modelzoo.gemm import GemmPlan, apply_gemm_backend, weight_bytes
+from modelzoo.generation.attention_backends import AttentionBackends, choose_attention_backends
 from modelzoo.generation.engine import GenerationEngine
 from modelzoo.generation.kv_cache import KVCache
 from modelzoo.generation.options import GenerationOptions, RequestVariety
@@ -41,6 +42,12 @@ KV_CACHE_SHARE = 0.5
 # Rows of a decode step once few are left active (CPU). Measured on SmolLM2-135M, 2 cores (Ice Lake):
 # a step of 8 rows takes 61-79 ms, one of 32 rows 108-138 ms.
 SMALL_STEP_ROWS = 8
+
+# Tokens of one prefill forward: the CPU's packed prompts (its attention kernel is fastest on groups about this
+# size); on a GPU, padded rows up to this many tokens, within PREFILL_MEMORY_SHARE of the free memory.
+PREFILL_TOKENS_CPU = 1024
+PREFILL_TOKENS_CUDA = 16384
+PREFILL_MEMORY_SHARE = 0.25
 
 
 def resolve_device(name: str) -> torch.device:
@@ -85,6 +92,7 @@ class ModelSetup:
             # the next job on this machine type reuses it; set before torch first asks for it (importing dynamo does).
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(machine_dir() / "inductor"))
         self.decode_step: dict[str, object] | None = None  # how the decode step ran: summary.json's, once built
+        self.attention = AttentionBackends()  # the SDPA backends pinned (CUDA), once the engine is built
 
     def dtype_name(self) -> str:
         """The precision policy in words (modelzoo/precision.py)."""
@@ -147,12 +155,33 @@ class ModelSetup:
                compiler: FormatCompiler | None = None, drafter: Drafter | None = None) -> GenerationEngine:
         """An engine over the built model (`build` first): its KV cache of the rows in flight, its decode step
         compiled or captured and warmed up as runconfig.decode_step says."""
+        c = model.config
+        attention = choose_attention_backends(c.num_heads, c.num_kv_heads, c.head_dim, self.kv_dtype, self.device,
+                                              self.rows_in_flight)
         engine = GenerationEngine(model, self.rows_in_flight, self.max_seq_len, self.device, self.kv_dtype, defaults,
                                   variety, drafter=drafter, small_step_rows=self.small_step_rows,
                                   structured=None if compiler is None else StructuredRows(
-                                      compiler, self.rows_in_flight, model.config.vocab_size, self.device))
+                                      compiler, self.rows_in_flight, model.config.vocab_size, self.device),
+                                  prefill_token_budget=self.prefill_token_budget(model), attention=attention)
+        self.attention = attention
         self._prepare_decode_step(engine)
         return engine
+
+    def prefill_token_budget(self, model: torch.nn.Module) -> int:
+        """Tokens one prefill forward runs at most (padding included where prompts are padded): on the CPU
+        PREFILL_TOKENS_CPU; on a GPU as many as PREFILL_MEMORY_SHARE of the memory left free holds (each token's
+        activations within a layer, at most PREFILL_TOKENS_CUDA)."""
+        if self.device.type != "cuda":
+            return PREFILL_TOKENS_CPU
+        c = model.config
+        element = torch.empty((), dtype=self.dtype).element_size()
+        per_token = element * (4 * c.hidden_size + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+                               + 3 * c.intermediate_size)
+        free = available_memory(self.device)
+        budget = int(min(PREFILL_TOKENS_CUDA, free * PREFILL_MEMORY_SHARE // per_token))
+        log.info("prefill: prompts right-padded in groups of up to %d tokens (%.2f GiB of activations at most)", budget,
+                 budget * per_token / 2**30)
+        return max(budget, 1)
 
     def _format_compiler(self, formats: list[str]) -> FormatCompiler:
         """The grammar compiler of the checkpoint's tokenizer, with every response format compiled (one error line for
@@ -232,10 +261,13 @@ class ModelSetup:
         rows = sorted({self.rows_in_flight if slots is None else len(slots) for slots, _ in shapes}, reverse=True)
         with torch.inference_mode():
             attention = engine.model.decode_attention(engine.cache, compiled=mode != "eager")
-        log.info("decode step: %s, attention %s, rows %s, cache length buckets %s; warmed up in %.1fs", mode,
-                 attention, "/".join(map(str, rows)), lengths, seconds)
+        captured = ("; captured so far: " + ", ".join(str(length) for _, length in engine.decode.captured_shapes)
+                    + " (the other buckets when a step first reaches them)") if mode == "cuda_graph" else ""
+        log.info("decode step: %s, attention %s, rows %s, cache length buckets %s; warmed up in %.1fs%s", mode,
+                 attention, "/".join(map(str, rows)), lengths, seconds, captured)
         self.decode_step = {"mode": mode, "attention": attention, "rows": rows, "length_buckets": lengths,
-                            "warm_up_seconds": round(seconds, 3)}
+                            "warm_up_seconds": round(seconds, 3),
+                            "sdpa_backends": {"prefill": engine.attention.prefill, "decode": engine.attention.decode}}
 
     def memory_estimate(self, model: torch.nn.Module) -> tuple[int, int]:
         """(weight bytes: a tied weight once, prepacked copies counted; KV cache bytes of the rows in flight)."""

@@ -321,6 +321,8 @@ class InferenceJob:
         self.stats.generation_seconds = time.perf_counter() - start
         self.stats.drafted_tokens, self.stats.accepted_tokens = engine.drafted_tokens, engine.accepted_tokens
         self.stats.prefilled_tokens = engine.prefilled_tokens
+        if self.setup.decode_step is not None:
+            self.setup.decode_step.update(engine.time_split())
         progress.close()
 
     def _write(self, step: int, assembly: StepAssembly, progress: Progress, engine: GenerationEngine) -> None:

@@ -112,12 +112,12 @@ def truncate_at_stop(tokens: list[int], stop_sequences: Sequence[Sequence[int]])
 
 def hf_greedy(checkpoint: Path, prompts: Sequence[Sequence[int]], max_new_tokens: int,
               stop_sequences: Sequence[Sequence[int]] = (), dtype: torch.dtype = torch.float32,
-              adapter: Path | None = None) -> list[list[int]]:
-    """Greedy continuations by transformers `generate()`, one prompt at a time, cut after stop sequences; with a
-    PEFT LoRA `adapter` folder, through peft's unmerged PeftModel."""
+              adapter: Path | None = None, device: str = "cpu") -> list[list[int]]:
+    """Greedy continuations by transformers `generate()` on `device`, one prompt at a time, cut after stop sequences;
+    with a PEFT LoRA `adapter` folder, through peft's unmerged PeftModel."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).eval().to(device)
     if adapter is not None:
         from peft import PeftModel
 
@@ -128,7 +128,7 @@ def hf_greedy(checkpoint: Path, prompts: Sequence[Sequence[int]], max_new_tokens
     out = []
     with torch.inference_mode():
         for prompt in prompts:
-            ids = torch.tensor([list(prompt)])
+            ids = torch.tensor([list(prompt)], device=device)
             generated = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
             out.append(truncate_at_stop(generated[0, len(prompt):].tolist(), stop_sequences))
     return out

@@ -1,6 +1,9 @@
-"""The job on a CUDA GPU: every family token-exact in float32 through the captured decode step, the captured
-step equal to the eager one with rows leaving and joining and nothing recaptured, and each option on CUDA.
-Skipped where no CUDA device is present (CI); run on a GPU machine with `pytest tests/test_cuda.py`."""
+"""The job on a CUDA GPU: every family token-exact in float32 through the captured decode step; in bfloat16 the
+captured step's files equal to the eager step's, with the rows' agreement with transformers' bfloat16 `generate()`
+recorded; the captured step equal to the eager one with rows leaving and joining across three cache length buckets,
+one captured while rows are in flight; and each option on CUDA.
+Skipped where no CUDA device is present (CI); run on a GPU machine with `pytest tests/test_cuda.py`
+(`--junitxml=FILE` keeps the bfloat16 agreement figures as test properties)."""
 from __future__ import annotations
 
 import json
@@ -17,6 +20,9 @@ from tiny_configs import INT8_FAMILIES, VOCAB, tiny_llama_config
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 MAX_SEQ_LEN, BATCH, MAX_TOKENS = 64, 3, 16
+# Families whose compiled bfloat16 step rounds some sum otherwise than the eager step, seen on an H100 (GPT-J: one
+# row of seven flips at a near tie); the rest match bit for bit.
+COMPILED_ROUNDS_OTHERWISE = {"gptj"}
 
 
 def run_on(tmp_path: Path, name: str, checkpoint: Path, data: Path, vocab: int, device: str = "cuda",
@@ -48,21 +54,48 @@ def test_family_token_exact_on_cuda(tmp_path, family):
     assert summary["decode_step"]["mode"] == "cuda_graph"
 
 
-def test_captured_step_equals_eager_without_recapture(tmp_path):
-    """The captured step writes the eager step's files; rows leave and join (7 prompts in 2 slots) while the
-    graphs captured in the warm-up are the only ones."""
+@pytest.mark.parametrize("family", sorted(INT8_FAMILIES))
+def test_family_bfloat16_on_cuda(tmp_path, family, record_property):
+    """bfloat16 through the captured step writes the eager step's files; its rows against transformers' bfloat16
+    generate() on the same GPU: the agreement recorded, and at least half the rows equal (a wrong attention mask
+    or cache read agrees with almost none)."""
+    config = INT8_FAMILIES[family]()
+    checkpoint = save_tiny_model(config, tmp_path / "checkpoint")
+    vocab = config.vocab_size
+    prompts = family_prompts(vocab)
+    write_h5(tmp_path / "data", prompt_rows(prompts, MAX_SEQ_LEN, vocab))
+    captured = run_on(tmp_path, "captured", checkpoint, tmp_path / "data", vocab, dtype="bfloat16",
+                      decode_step="cuda_graph")
+    eager = run_on(tmp_path, "eager", checkpoint, tmp_path / "data", vocab, dtype="bfloat16", decode_step="eager")
+    same = int((stacked_predictions(captured) == stacked_predictions(eager)).all(1).sum())
+    record_property("bfloat16_captured_rows_equal_to_eager", f"{same}/{len(stacked_predictions(eager))}")
+    if family in COMPILED_ROUNDS_OTHERWISE:
+        assert same >= len(prompts) - 1
+    else:
+        np.testing.assert_array_equal(stacked_predictions(captured), stacked_predictions(eager))
+    expected = expected_rows(prompts, hf_greedy(checkpoint, prompts, MAX_TOKENS, dtype=torch.bfloat16, device="cuda"),
+                             MAX_SEQ_LEN, vocab)
+    equal = int((stacked_predictions(captured)[: len(prompts)] == expected).all(1).sum())
+    record_property("bfloat16_rows_equal_to_generate", f"{equal}/{len(prompts)}")
+    assert equal >= len(prompts) / 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_captured_step_equals_eager_across_buckets(tmp_path, dtype):
+    """The captured step writes the eager step's tokens while rows leave and join (7 prompts in 2 slots) and cross
+    the cache length buckets 128, 256 and 304 (max_seq_len 300, rounded up to a multiple of 8): the first captured
+    in the warm-up, the other two while rows are in flight, and no other."""
     from modelzoo.checkpoint import load_model
     from modelzoo.generation.engine import GenerationEngine, Request
     from modelzoo.generation.options import GenerationOptions
 
-    checkpoint = save_tiny_model(tiny_llama_config(), tmp_path / "checkpoint")
+    checkpoint = save_tiny_model(tiny_llama_config(max_position_embeddings=512), tmp_path / "checkpoint")
     device = torch.device("cuda")
-    prompts = family_prompts(VOCAB)
+    prompts = family_prompts(VOCAB, lengths=(120, 3, 250, 130, 60, 240, 7))
 
     def generate(mode: str) -> tuple[dict[int, list[int]], GenerationEngine]:
-        model, _ = load_model(checkpoint, torch.float32, device)
-        engine = GenerationEngine(model, 2, MAX_SEQ_LEN + 8, device, torch.float32,
-                                  GenerationOptions(max_tokens=MAX_TOKENS))
+        model, _ = load_model(checkpoint, dtype, device)
+        engine = GenerationEngine(model, 2, 300, device, dtype, GenerationOptions(max_tokens=40))
         if mode == "cuda_graph":
             engine.decode.capture(len(engine.step_shapes()))
         engine.warm_up()
@@ -72,9 +105,10 @@ def test_captured_step_equals_eager_without_recapture(tmp_path):
 
     eager, _ = generate("eager")
     captured, engine = generate("cuda_graph")
-    assert captured == eager and len(captured) == len(prompts)
-    assert sorted(engine.decode._graphs) == sorted((-1, length) for _, length in engine.step_shapes())
-    assert engine.decode.uncaptured_steps == 0  # every step replayed a graph
+    assert len(captured) == len(prompts) and all(len(tokens) == 40 for tokens in captured.values())
+    assert captured == eager
+    assert engine.decode.captured_shapes == [(-1, 128), (-1, 256), (-1, 304)]
+    assert engine.decode.captures_in_flight == 2
 
 
 @pytest.mark.parametrize("options", [

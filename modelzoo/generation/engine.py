@@ -21,6 +21,7 @@ plus the model's own next token: the same tokens plain greedy decoding would pro
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator
@@ -30,6 +31,7 @@ import torch
 from torch import nn
 
 from modelzoo.errors import past_learned_positions
+from modelzoo.generation.attention_backends import AttentionBackends
 from modelzoo.generation.kv_cache import KVCache
 from modelzoo.generation.options import GenerationOptions, RequestVariety
 from modelzoo.generation.sampling import RowSampling, TokenChoice, seed_key
@@ -44,6 +46,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("zoo-infer")
 
 STEPS_PER_READ_CUDA = 4
+CACHE_LENGTH_ALIGNMENT = 8
 
 
 @dataclass
@@ -75,9 +78,10 @@ class GenerationEngine:
     def __init__(self, model: nn.Module, num_slots: int, max_seq_len: int, device: torch.device, dtype: torch.dtype,
                  defaults: GenerationOptions = GenerationOptions(), variety: RequestVariety = RequestVariety(), *,
                  prefill_token_budget: int = 1024, drafter: Drafter | None = None, small_step_rows: int | None = None,
-                 structured: StructuredRows | None = None) -> None:
+                 structured: StructuredRows | None = None, attention: AttentionBackends = AttentionBackends()) -> None:
         """`defaults`: the options of a request without its own; `variety`: what requests may bring besides them;
-        `structured`: the grammars of the response formats requests may follow."""
+        `structured`: the grammars of the response formats requests may follow; `attention`: the SDPA backends pinned
+        for prefill and decode (CUDA)."""
         config = model.config
         self.model = model
         self.num_slots = num_slots
@@ -95,14 +99,23 @@ class GenerationEngine:
         self.drafter = drafter
         self.structured = structured
         # Prompts prefilled side by side in one row, without padding, where the model takes that (a drafter's
-        # own model would need the same inputs).
-        self.packs_prompts = bool(getattr(model, "packs_prompts", False)) and drafter is None
-        self.cache = KVCache(config.num_layers, num_slots, config.num_kv_heads, max_seq_len, config.head_dim,
+        # own model would need the same inputs), on the CPU: its attention kernel takes the packed row in one call.
+        # On a GPU, right-padded rows attend causally over their own keys in one fused kernel a layer, where packed
+        # prompts would attend one at a time.
+        self.packs_prompts = (bool(getattr(model, "packs_prompts", False)) and drafter is None
+                              and device.type == "cpu")
+        self.attention = attention
+        # Cache positions rounded up to a multiple of CACHE_LENGTH_ALIGNMENT, every length a step reads is one (the
+        # GPU's attention kernels want a mask's rows aligned), plus CACHE_LENGTH_ALIGNMENT never read: no step reads
+        # the whole cache, whose contiguous slice a compiled step would take as another shape. Positions past
+        # max_seq_len are never written.
+        cache_len = -(-max_seq_len // CACHE_LENGTH_ALIGNMENT) * CACHE_LENGTH_ALIGNMENT + CACHE_LENGTH_ALIGNMENT
+        self.cache = KVCache(config.num_layers, num_slots, config.num_kv_heads, cache_len, config.head_dim,
                              dtype, device)
         self.stops = StopChecker(defaults.stop_sequences + variety.stop_sequences, max_seq_len, num_slots, device)
         self.state = SlotState.allocate(num_slots, max_seq_len, device, defaults.logprobs, defaults.top_logprobs)
         self.decode = DecodeStep(model, self.cache, self.state, self.stops, self.choice,
-                                 None if structured is None else structured.mask)
+                                 None if structured is None else structured.mask, attention.decode_context)
         self.owner: list[int | None] = [None] * num_slots  # request index held by each slot
         # An upper bound of each slot's length, known on the host without reading the device: it sizes the
         # cache length bucket of each step.
@@ -114,6 +127,8 @@ class GenerationEngine:
                                else 1)
         # Lengths a row may reach: max_seq_len, or less where the model's learned position table ends.
         self.position_limit = min(max_seq_len, getattr(model, "position_limit", None) or max_seq_len)
+        # The cache length a step reads at most: the positions rows may reach, rounded up as the cache is.
+        self.read_limit = -(-self.position_limit // CACHE_LENGTH_ALIGNMENT) * CACHE_LENGTH_ALIGNMENT
         # The prompt prefix shared by the first admitted requests, once known, by LoRA adapter (a prefix's keys and
         # values differ with it; -1: none); not with a drafter: a draft model would need the prefix's keys too.
         self.shared_prefixes: dict[int, SharedPrefix] = {}
@@ -121,6 +136,8 @@ class GenerationEngine:
         self.adapters = getattr(model, "adapter_bank", None)  # LoRA adapters per row (modelzoo/lora.py)
         self.generated_tokens = 0  # over the engine's life, for throughput reports
         self.prefilled_tokens = 0  # prompt tokens run through the model (a shared prefix or a repeated prompt once)
+        self.prefill_seconds = 0.0  # spent prefilling admitted prompts (their first tokens included)
+        self.decode_steps = 0  # decode (or verification) steps run
         self.drafted_tokens = 0  # speculative decoding: drafts proposed for active rows
         self.accepted_tokens = 0  # ... and drafts the model agreed with
 
@@ -153,7 +170,12 @@ class GenerationEngine:
                 else:
                     admitted.append((free.popleft(), request))
             if admitted:
-                self._prefill(admitted)
+                start = time.perf_counter()
+                with self.attention.prefill_context():
+                    self._prefill(admitted)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)  # the release below waits for it anyway
+                self.prefill_seconds += time.perf_counter() - start
                 yield from self._release(free)
             if all(owner is None for owner in self.owner):
                 if exhausted:
@@ -161,21 +183,32 @@ class GenerationEngine:
                 continue
             for _ in range(self.steps_per_read):
                 step()
+            self.decode_steps += self.steps_per_read
             yield from self._release(free)
+
+    def time_split(self) -> dict[str, object]:
+        """Where the generation's time went, for summary.json: prefill seconds, decode steps, the graphs captured
+        during generation (their seconds, compilation included) and the (rows, length) of every captured graph."""
+        decode = self.decode
+        return {"prefill_seconds": round(self.prefill_seconds, 3), "decode_steps": self.decode_steps,
+                "captures_in_flight": decode.captures_in_flight,
+                "capture_seconds_in_flight": round(decode.capture_seconds_in_flight, 3),
+                "captured": [list(shape) for shape in decode.captured_shapes]}
 
     def step_shapes(self) -> list[tuple[torch.Tensor | None, int]]:
         """Every (slots, length) a decode step of this engine can take: each length bucket, with every slot
-        and, where the last steps run fewer rows, with that many (what `DecodeStep.warm_up` prepares)."""
+        and, where the last steps run fewer rows, with that many."""
         rows = [None]
         if self.small_step_rows is not None and self.small_step_rows < self.num_slots:
             rows.append(torch.arange(self.small_step_rows, device=self.device))
-        return [(slots, length) for slots in rows for length in length_buckets(self.position_limit)]
+        return [(slots, length) for slots in rows for length in length_buckets(self.read_limit)]
 
     def warm_up(self) -> float:
-        """Runs the decode step once per shape it can take, before any prompt (see `DecodeStep.warm_up`);
-        eager steps once per row count, since their cost does not depend on the length bucket. Returns seconds."""
+        """Runs the decode step before any prompt (see `DecodeStep.warm_up`): compiled, once per shape it can take;
+        eager (whose cost does not depend on the length bucket) and captured (one graph compiled for every length, each
+        bucket captured when a step first reaches it), once per row count. Returns seconds."""
         shapes = self.step_shapes()
-        if self.decode.mode == "eager":
+        if self.decode.mode in ("eager", "cuda_graph"):
             shapes = list({None if slots is None else len(slots): (slots, length) for slots, length in shapes}.values())
         with torch.inference_mode():
             return self.decode.warm_up(shapes)
@@ -343,7 +376,7 @@ class GenerationEngine:
             longest = int(self.length_bound[owned].max())
             if longest > limit:
                 raise past_learned_positions(longest - 1, limit)
-        self.decode(slots, length_bucket(longest, limit))
+        self.decode(slots, length_bucket(longest, self.read_limit))
         if self.structured is not None:
             self.structured.advance(self.state.last_token)
         self.length_bound[owned] = np.minimum(self.length_bound[owned] + 1, self.max_seq_len)

@@ -13,13 +13,21 @@ measured GEMMs), compiled by `torch.compile(fullgraph=True, dynamic=False)` (one
 length bucket, compiled before generation by `warm_up`), or, on CUDA, replayed as a CUDA graph captured
 once per bucket. A step over slots that are all idle changes nothing but the cache at position 0 of each
 slot (overwritten when the slot takes a prompt), which is what lets `warm_up` run it before any prompt.
+
+On CUDA the step is compiled with the cache length symbolic (one graph for every bucket) and each bucket is
+captured the first time a step reaches it,
+so a job captures only the buckets its rows reach. Capturing runs the step three times; while rows are in
+flight, the state the step writes and every slot's cache entry at position 0 (where a row that stops feeds the
+next run) are saved first and put back after, so the rows go on as if nothing had run.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+import types
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, ContextManager
 
 import torch
 from torch import nn
@@ -85,6 +93,11 @@ class SlotState:
     def num_slots(self) -> int:
         return self.sequences.shape[0]
 
+    def written(self) -> list[torch.Tensor]:
+        """The tensors a decode step writes in place."""
+        return [t for t in (self.sequences, self.seq_len, self.last_token, self.active, self.reason, self.logprobs,
+                            self.top_ids, self.top_values) if t is not None]
+
     def append(self, token: torch.Tensor, taken: torch.Tensor, stops: StopChecker, slots: torch.Tensor | None = None,
                logprob: torch.Tensor | None = None, top: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Appends `token` (R,) to the rows of `slots` (R,) (None = every slot, in order) where `taken` (R,) is
@@ -147,15 +160,19 @@ class DecodeStep:
     """
 
     def __init__(self, model: nn.Module, cache: KVCache, state: SlotState, stops: StopChecker,
-                 choice: TokenChoice | None, token_mask: torch.Tensor | None = None) -> None:
+                 choice: TokenChoice | None, token_mask: torch.Tensor | None = None,
+                 attention: Callable[[], ContextManager] = contextlib.nullcontext) -> None:
+        """`attention`: the context every step runs in (the SDPA backend pinned for decode on CUDA)."""
         self.model, self.cache, self.state, self.stops, self.choice = model, cache, state, stops, choice
         self.token_mask = token_mask  # (S, ceil(V / 32)) int32: each slot's allowed tokens (structured output)
+        self.attention = attention
         self.mode = "eager"
         self._compiled: Callable[[torch.Tensor | None, int], None] | None = None
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (rows, length) -> captured step
         self._graph_slots: dict[int, torch.Tensor] = {}  # rows -> the captured step's slot buffer
         self._graph_pool = None  # one memory pool for every captured graph: they replay one after another
-        self.uncaptured_steps = 0  # steps of a shape warm_up did not capture, run compiled instead
+        self.captures_in_flight = 0  # graphs captured while rows were in flight (their state saved and put back)
+        self.capture_seconds_in_flight = 0.0  # ... and the seconds they took (compilation included, if any)
 
     def run(self, slots: torch.Tensor | None, length: int) -> None:
         """tokens (R, 1) fed from each row's last token at its position; the chosen token appended in place.
@@ -171,49 +188,88 @@ class DecodeStep:
         state.append(token, active, self.stops, slots, logprob, top)
 
     def __call__(self, slots: torch.Tensor | None, length: int) -> None:
-        if self.mode == "eager":
-            self.run(slots, length)
-        elif self.mode == "compiled":
-            self._compiled(slots, length)
-        else:
+        if self.mode == "cuda_graph":
             self._replay(slots, length)
+            return
+        with self.attention():
+            if self.mode == "eager":
+                self.run(slots, length)
+            else:
+                self._compiled(slots, length)
 
-    def compile(self, graphs: int, backend: str | Callable = "inductor") -> None:
+    def compile(self, graphs: int, backend: str | Callable = "inductor", symbolic_length: bool = False) -> None:
         """From now on the step runs compiled: one graph, no graph break (fullgraph), per rows and length, for
-        `graphs` shapes. Dynamo limits the graphs of one code object (8 by default; past it, fullgraph fails), and
-        every DecodeStep of a process shares `run`'s: each one raises the limit by its own graphs."""
+        `graphs` shapes; with `symbolic_length`, one graph per rows for every length once two lengths were seen.
+        Dynamo limits the graphs of one code object (8 by default; past it, fullgraph fails), and every DecodeStep
+        of a process shares `run`'s: each one raises the limit by its own graphs."""
         import torch._dynamo.config as dynamo_config
 
         dynamo_config.recompile_limit += graphs
         dynamo_config.accumulated_recompile_limit += graphs
-        self._compiled = torch.compile(self.run, backend=backend, fullgraph=True, dynamic=False)
+        # A copy of `_run_over`'s code for this step alone: dynamo keeps its graphs, and its record of which sizes
+        # changed between calls, per code object, so another engine of the process (another model) never makes this
+        # one's sizes symbolic, nor counts against its recompile limit.
+        own = types.FunctionType(DecodeStep._run_over.__code__.replace(), DecodeStep._run_over.__globals__)
+        # emulate_precision_casts: fused kernels round each intermediate where the eager step would (bfloat16).
+        options = {"emulate_precision_casts": True} if backend == "inductor" else None
+        compiled = torch.compile(types.MethodType(own, self), backend=backend, fullgraph=True, dynamic=False,
+                                 options=options)
+
+        def call(slots: torch.Tensor | None, length: int) -> None:
+            keys = torch.empty(length, dtype=torch.uint8)  # only its size is read
+            if symbolic_length:
+                torch._dynamo.maybe_mark_dynamic(keys, 0)
+            compiled(slots, keys)
+
+        self._compiled = call
         self.mode = "compiled"
 
+    def _run_over(self, slots: torch.Tensor | None, keys: torch.Tensor) -> None:
+        """`run` over as many cache positions as `keys` (L,) has entries: torch.compile can keep a tensor's size
+        symbolic from the first call, not an int argument's value."""
+        self.run(slots, keys.shape[0])
+
     def capture(self, graphs: int) -> None:
-        """From now on (CUDA only) the step replays a CUDA graph per (rows, length) bucket, `graphs` of them,
-        captured from the compiled step by `warm_up` (capturing runs the step, so only while every slot is idle)."""
+        """From now on (CUDA only) the step replays a CUDA graph per (rows, length) bucket, up to `graphs` of them,
+        each captured from the compiled step the first time a step takes its shape."""
         if self.state.sequences.device.type != "cuda":
             raise ValueError("CUDA graphs need the model on a CUDA device")
-        self.compile(graphs)
+        self.compile(graphs, symbolic_length=True)
         self._graph_pool = torch.cuda.graph_pool_handle()
         self.mode = "cuda_graph"
 
+    @property
+    def captured_shapes(self) -> list[tuple[int, int]]:
+        """(rows, length) of every captured graph, rows -1 for every slot."""
+        return sorted(self._graphs)
+
     def _replay(self, slots: torch.Tensor | None, length: int) -> None:
-        """Replays the captured graph of this (rows, length), the slots copied in; a shape `warm_up` did not capture
-        (capturing runs the step, which would append tokens now) runs compiled."""
+        """Replays the captured graph of this (rows, length), the slots copied in; captures it first if no step took
+        this shape yet."""
         key = (-1 if slots is None else len(slots), length)
         if key not in self._graphs:
-            if not bool(self.state.active.any()):
-                self._capture(slots, length, key)
-            else:
-                if not self.uncaptured_steps:
-                    log.warning("decode step of %d rows over %d positions was not captured; it runs compiled", *key)
-                self.uncaptured_steps += 1
-                self._compiled(slots, length)
-                return
+            start = time.perf_counter()
+            in_flight = bool(self.state.active.any())
+            saved = [t.clone() for t in self._written()] if in_flight else []
+            self._capture(slots, length, key)
+            for tensor, copy in zip(self._written(), saved):
+                tensor.copy_(copy)
+            torch.cuda.synchronize()
+            if in_flight:
+                self.captures_in_flight += 1
+                self.capture_seconds_in_flight += time.perf_counter() - start
+            log.info("decode step of %s rows over %d cache positions compiled and captured in %.1fs",
+                     "all" if key[0] < 0 else key[0], length, time.perf_counter() - start)
         if slots is not None:
             self._graph_slots[len(slots)].copy_(slots)
         self._graphs[key].replay()
+
+    def _written(self) -> list[torch.Tensor]:
+        """What the runs of a capture write that a row in flight still needs: the slot state, the stop rules' history
+        and every slot's cache entry at position 0 (where a row that stopped in the first run feeds the next).
+        The other cache entries they write lie past each row's position, rewritten before any step reads them."""
+        first = [cache[:, :, 0] for cache in (*self.cache.keys, *self.cache.values)]  # views (S, kv_heads, hd)
+        return [*self.state.written(), self.stops.history, *first]
 
     def _capture(self, slots: torch.Tensor | None, length: int, key: tuple[int, int]) -> None:
         """Warms the compiled step up on a side stream, then records it into a CUDA graph."""
@@ -221,13 +277,14 @@ class DecodeStep:
             slots = self._graph_slots.setdefault(len(slots), slots.clone())
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
+        with self.attention():
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._compiled(slots, length)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._graph_pool):
                 self._compiled(slots, length)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
-            self._compiled(slots, length)
         self._graphs[key] = graph
 
     def warm_up(self, shapes: list[tuple[torch.Tensor | None, int]]) -> float:

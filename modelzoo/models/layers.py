@@ -47,10 +47,22 @@ class ForwardContext:
     windowed: bool = False
     segments: tuple[tuple[int, int, "ForwardContext"], ...] = ()
     rows: torch.Tensor | None = None
+    additive_mask: torch.Tensor | None = None  # on a GPU, `mask` as SDPA takes it fastest, once built (sdpa_mask)
 
     def __post_init__(self) -> None:
         if self.rows is None:
             self.rows = torch.arange(self.positions.shape[0], device=self.positions.device) if self.slots is None else self.slots
+
+    def sdpa_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The mask for PyTorch's attention in queries of `dtype`: on a GPU a boolean mask becomes additive (0 where a
+        key is visible, -inf where hidden), built once for every layer sharing this context (SDPA would convert it
+        in each call); elsewhere the mask as it is."""
+        if self.mask is None or self.mask.dtype != torch.bool or self.mask.device.type != "cuda":
+            return self.mask
+        if self.additive_mask is None or self.additive_mask.dtype != dtype:
+            self.additive_mask = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device).masked_fill_(
+                ~self.mask, float("-inf"))
+        return self.additive_mask
 
     @classmethod
     def build(cls, cache: KVCache, slots: torch.Tensor | None, positions: torch.Tensor,
@@ -292,11 +304,11 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: i
         keys, values = ctx.cache.read(layer, ctx.slots, ctx.length)  # (B, kv_heads, length, hd)
     keys, values = keys.to(q.dtype), values.to(q.dtype)
     if seq == 1 and heads != keys.shape[1]:
-        return grouped_query_attention(q, keys, values, ctx.mask, scale).view(batch, seq, heads * head_dim)
+        return grouped_query_attention(q, keys, values, ctx.sdpa_mask(q.dtype), scale).view(batch, seq, heads * head_dim)
     # Plain causal attention over fresh keys lets SDPA skip the hidden half instead of masking it.
     causal = ctx.fresh and not ctx.windowed and ctx.mask.dtype == torch.bool
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=None if causal else ctx.mask,
-                                         is_causal=causal, scale=scale, enable_gqa=q.shape[1] != keys.shape[1])
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=None if causal else ctx.sdpa_mask(q.dtype),
+                                         is_causal=causal, scale=scale, enable_gqa=bool(q.shape[1] != keys.shape[1]))
     return out.transpose(1, 2).reshape(batch, seq, heads * head_dim)
 
 

@@ -1,0 +1,124 @@
+"""On CUDA, the SDPA backend of each form of attention a job runs: timed once at set-up, then pinned for every call.
+
+Left to itself, PyTorch picks a backend per call. On Hopper it prefers cuDNN, which builds an execution plan for
+every new shape (every prefill group's length, every cache length bucket) on the host, and a boolean mask sends a
+call to slower kernels. A job runs two forms of attention:
+- prefill: a group of right-padded prompts attending causally over their own keys, (B, heads, T, hd) queries
+  against (B, kv_heads, T, hd) keys and values, no mask;
+- decode: one query per row over the cache's first L positions with an additive mask of each row's length, the
+  query heads of a kv head grouped as the rows of one query block (`grouped_query_attention`).
+Each form is timed under every backend that takes it, on the job's own head layout and dtype; the fastest is pinned
+(math stays enabled behind it, for a call it cannot take: an ALiBi bias, say). The CPU runs its own C++ attention
+kernel and pins nothing.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, ContextManager
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+log = logging.getLogger("zoo-infer")
+
+BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+            "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+# The shapes timed: a prefill group of PREFILL_ROWS prompts of PREFILL_LENGTH tokens; decode over DECODE_LENGTH
+# cache positions for the job's rows in flight.
+PREFILL_ROWS, PREFILL_LENGTH, DECODE_LENGTH = 8, 512, 512
+TIMED_CALLS = 5
+
+
+@dataclass(frozen=True)
+class AttentionBackends:
+    """The backend pinned for prefill and for decode (None: PyTorch's own choice), and the timings that chose them
+    (form -> backend -> microseconds per call, None where the backend does not take the form)."""
+
+    prefill: str | None = None
+    decode: str | None = None
+    timings: dict[str, dict[str, float | None]] = field(default_factory=dict)
+
+    def prefill_context(self) -> ContextManager:
+        return _pinned(self.prefill)
+
+    def decode_context(self) -> ContextManager:
+        return _pinned(self.decode)
+
+    def describe(self) -> str:
+        return f"prefill {self.prefill or 'default'}, decode {self.decode or 'default'}"
+
+
+def _pinned(backend: str | None) -> ContextManager:
+    if backend is None:
+        return contextlib.nullcontext()
+    return sdpa_kernel([BACKENDS[backend], SDPBackend.MATH] if backend != "math" else [SDPBackend.MATH])
+
+
+def choose_attention_backends(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                              device: torch.device, decode_rows: int) -> AttentionBackends:
+    """Times each form under each backend on `device` (CUDA; elsewhere nothing is pinned) and keeps the fastest;
+    logged."""
+    if device.type != "cuda":
+        return AttentionBackends()
+    group = num_heads // num_kv_heads
+    longest = PREFILL_LENGTH + 8 * TIMED_CALLS
+    q = torch.randn(PREFILL_ROWS, longest, num_heads, head_dim, dtype=dtype, device=device).transpose(1, 2)
+    k, v = (torch.randn(PREFILL_ROWS, longest, num_kv_heads, head_dim, dtype=dtype, device=device).transpose(1, 2)
+            for _ in range(2))
+    gqa = num_heads != num_kv_heads
+
+    def prefill(call: int) -> torch.Tensor:  # a new length each call, as each prefill group has (views of a
+        length = PREFILL_LENGTH + 8 * call  # projection's output, as the model's are)
+        return F.scaled_dot_product_attention(q[:, :, :length], k[:, :, :length], v[:, :, :length], is_causal=True,
+                                              enable_gqa=gqa)[:, :, :PREFILL_LENGTH]
+
+    rows = decode_rows
+    dq = torch.randn(rows, num_kv_heads, group, head_dim, dtype=dtype, device=device)  # grouped queries
+    dk, dv = (torch.randn(rows, num_kv_heads, DECODE_LENGTH, head_dim, dtype=dtype, device=device) for _ in range(2))
+    lengths = torch.randint(1, DECODE_LENGTH + 1, (rows,), device=device)
+    mask = torch.zeros(rows, 1, 1, DECODE_LENGTH, dtype=dtype, device=device).masked_fill(
+        torch.arange(DECODE_LENGTH, device=device) >= lengths[:, None, None, None], float("-inf"))
+
+    def decode(call: int) -> torch.Tensor:  # a fixed shape: a captured step's
+        return F.scaled_dot_product_attention(dq, dk, dv, attn_mask=mask)
+
+    timings = {"prefill": _time_backends(prefill), "decode": _time_backends(decode)}
+    chosen = {form: min((t, name) for name, t in times.items() if t is not None)[1] if any(
+        t is not None for t in times.values()) else None for form, times in timings.items()}
+    choice = AttentionBackends(chosen["prefill"], chosen["decode"], timings)
+    log.info("attention (SDPA) backends, timed here and pinned: %s (us per call: %s)", choice.describe(), "; ".join(
+        f"{form} " + ", ".join(f"{name} {'-' if t is None else f'{t:.0f}'}" for name, t in times.items())
+        for form, times in timings.items()))
+    return choice
+
+
+def _time_backends(call: Callable[[int], torch.Tensor]) -> dict[str, float | None]:
+    """Microseconds per call of `call` under each backend alone (the mean of TIMED_CALLS calls, each given its index,
+    after one untimed), None where the backend does not take it or disagrees with the first that does."""
+    reference, reference_name = None, ""
+    times: dict[str, float | None] = {}
+    for name, backend in BACKENDS.items():
+        try:
+            with sdpa_kernel([backend]):
+                out = call(0)  # loads what the backend loads: not timed
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                for index in range(1, TIMED_CALLS + 1):
+                    call(index)
+                torch.cuda.synchronize()
+                seconds = (time.perf_counter() - start) / TIMED_CALLS
+        except RuntimeError:  # "No available kernel": this backend does not take this form
+            times[name] = None
+            continue
+        if reference is None:
+            reference, reference_name = out.float(), name
+        elif not torch.allclose(out.float(), reference, atol=2e-2, rtol=2e-2):
+            log.warning("SDPA backend %s disagrees with %s on a timed call: not used", name, reference_name)
+            times[name] = None
+            continue
+        times[name] = seconds * 1e6
+    return times
