@@ -16,7 +16,11 @@ Printed per run: tokens/s (generation only, as each engine times it), the ratio 
 default generate(), the share of the decode-step roofline (weights + the mean filled KV cache read once a
 step, over the device's copy bandwidth measured here: no engine decodes faster), the process's wall time split
 into set-up (zoo-infer's load, GEMM choice, compilation, capture), generation and the rest (imports, data,
-writing), and in float32 the rows equal to the default generate()'s.
+writing), the rows equal to the default generate()'s, and zoo-infer's own split of its generation from its
+summary.json: prefill seconds, decode milliseconds per step (the rest, less graphs captured during generation, over
+its steps), seconds capturing during generation, and the SDPA backends it pinned for prefill / decode.
+`--zoo_runs 2` runs each zoo-infer job twice (the second's set-up reuses the compile cache); `--ways none` leaves
+generate() out.
 
 `--device cpu` with a small model runs the same comparison on the CPU (what tests/test_benchmarks.py does).
 """
