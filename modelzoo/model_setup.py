@@ -219,7 +219,7 @@ class ModelSetup:
         """runconfig.decode_step, checked against the job; auto: a CUDA graph on CUDA, eager on the CPU (its C++
         kernels and measured GEMMs run faster than the inductor-compiled step there: benchmarks/decode_step.py);
         eager under speculative decoding, whose verification step is a forward of its own, and with LoRA adapters per
-        row (not captured in a CUDA graph yet)."""
+        row (not captured in a CUDA graph yet), and under tensor parallel (its all-reduce is not captured)."""
         requested = self.params.runconfig.decode_step
         if self.adapters is not None and self.adapters.bank:
             if requested == "cuda_graph":
@@ -243,7 +243,7 @@ class ModelSetup:
                 raise UserError(f"runconfig.decode_step compiled multiplies with torch's own GEMMs; gemm_backend "
                                 f"{self.params.runconfig.gemm_backend} cannot be compiled (use auto or torch)")
         if requested == "auto":
-            return "cuda_graph" if self.device.type == "cuda" else "eager"
+            return "cuda_graph" if self.device.type == "cuda" and self.params.runconfig.tensor_parallel == 1 else "eager"
         return requested
 
     def _prepare_decode_step(self, engine: GenerationEngine) -> None:

@@ -238,6 +238,11 @@ class RunConfig:
     rows_in_flight: int | str = "auto"  # rows generated together (KV cache slots): auto or >= 1, see model_setup.py
     decode_step: str = "auto"  # how the decode step runs: auto, eager, compiled or cuda_graph (generation/step.py)
 
+    def __post_init__(self) -> None:
+        if self.tensor_parallel > 1 and self.decode_step in ("compiled", "cuda_graph"):
+            raise UserError(f"runconfig.decode_step {self.decode_step} does not take runconfig.tensor_parallel > 1 (its "
+                            f"all-reduce is not compiled or captured); use auto or eager")
+
 
 @dataclass(frozen=True)
 class InferenceParams:

@@ -173,7 +173,9 @@ def test_cuda_requested_without_gpu(tmp_path, capsys, checkpoint):
     ({"decode_step": "compiled", "model_keys": {"speculative": {"method": "prompt_lookup", "num_tokens": 2}}},
      "runconfig.decode_step compiled does not apply to speculative decoding"),
     ({"decode_step": "graphs"}, "decode_step"),
-], ids=["cuda_graph_on_cpu", "compiled_int8", "compiled_onednn", "compiled_speculative", "unknown"])
+    ({"decode_step": "compiled", "tensor_parallel": 2},
+     "runconfig.decode_step compiled does not take runconfig.tensor_parallel > 1"),
+], ids=["cuda_graph_on_cpu", "compiled_int8", "compiled_onednn", "compiled_speculative", "unknown", "compiled_tp"])
 def test_decode_step_the_job_cannot_take(tmp_path, capsys, checkpoint, params, message):
     """A decode step mode the job cannot run is one error line, and no predictions file is written."""
     write_h5(tmp_path / "data", good_rows())

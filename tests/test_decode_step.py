@@ -215,6 +215,42 @@ def test_more_length_buckets_than_dynamos_recompile_limit(tiny_llama):
     assert len(done) == 2 and len(recorder.graphs) == 11
 
 
+def test_symbolic_length_compiles_one_graph_for_every_bucket(tmp_path):
+    """Compiled with the cache length symbolic (what CUDA graphs are captured from), one graph serves every length
+    bucket (128, 256 and 304 here, rows crossing them in flight) and the tokens are the eager step's; a second engine
+    over another model in the same process compiles its own graph, its head counts unaffected."""
+    checkpoint = save_tiny_model(tiny_llama_config(max_position_embeddings=512), tmp_path / "long")
+    other = save_tiny_model(tiny_llama_config(num_attention_heads=2, num_key_value_heads=2,
+                                              max_position_embeddings=512), tmp_path / "mha")
+    prompts = [Request(i, np.random.default_rng(i).integers(3, VOCAB, size=n)) for i, n in enumerate((120, 250, 5))]
+
+    def run(path: Path, recorder: GraphRecorder | None, max_seq_len: int) -> dict[int, list[int]]:
+        model, _ = load_model(path, torch.float32, torch.device("cpu"))
+        engine = GenerationEngine(model, 2, max_seq_len, torch.device("cpu"), torch.float32,
+                                  GenerationOptions(max_tokens=40))
+        assert [length for _, length in engine.step_shapes()] == length_buckets(engine.read_limit)
+        if recorder is not None:
+            engine.decode.compile(len(engine.step_shapes()), backend=recorder.backend, symbolic_length=True)
+        engine.warm_up()
+        return {c.index: c.tokens.tolist() for c in engine.generate(prompts)}
+
+    first, second = GraphRecorder(), GraphRecorder()
+    assert run(checkpoint, first, 300) == run(checkpoint, None, 300)
+    assert len(first.graphs) == 1
+    assert run(other, second, 300) == run(other, None, 300)
+    assert len(second.graphs) == 1 and len(first.graphs) == 1
+
+
+def test_cache_lengths_are_aligned_and_never_read_whole(tiny_llama):
+    """The cache holds max_seq_len rounded up to a multiple of 8, plus 8 positions no step reads: every length
+    bucket is a multiple of 8 and shorter than the cache."""
+    model, _ = load_model(tiny_llama, torch.float32, torch.device("cpu"))
+    engine = GenerationEngine(model, 2, 99, torch.device("cpu"), torch.float32, GenerationOptions(max_tokens=3))
+    assert engine.cache.max_len == engine.cache.keys[0].shape[2] == 112
+    assert engine.read_limit == 104
+    assert [length for _, length in engine.step_shapes()] == [104]
+
+
 @pytest.mark.parametrize("bias", [False, True], ids=["bool_mask", "additive_bias"])
 def test_grouped_query_attention_equals_expanded_heads(bias):
     """Decode attention over grouped queries equals attention with K/V expanded to every query head."""

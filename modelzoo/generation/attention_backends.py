@@ -8,20 +8,25 @@ call to slower kernels. A job runs two forms of attention:
 - decode: one query per row over the cache's first L positions with an additive mask of each row's length, the
   query heads of a kv head grouped as the rows of one query block (`grouped_query_attention`).
 Each form is timed under every backend that takes it, on the job's own head layout and dtype; the fastest is pinned
-(math stays enabled behind it, for a call it cannot take: an ALiBi bias, say). The CPU runs its own C++ attention
-kernel and pins nothing.
+(math stays enabled behind it, for a call it cannot take: an ALiBi bias, say), and remembered for the next job on
+the same GPU model and software. The CPU runs its own C++ attention kernel and pins nothing.
 """
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, ContextManager
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from modelzoo.files import WriteError, make_folder, write_text_atomic
+from modelzoo.kernels import machine_dir
 
 log = logging.getLogger("zoo-infer")
 
@@ -60,10 +65,60 @@ def _pinned(backend: str | None) -> ContextManager:
 
 def choose_attention_backends(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                               device: torch.device, decode_rows: int) -> AttentionBackends:
-    """Times each form under each backend on `device` (CUDA; elsewhere nothing is pinned) and keeps the fastest;
-    logged."""
+    """The backends for these heads, dtype and rows on `device` (CUDA; elsewhere nothing is pinned): as chosen by an
+    earlier job on this GPU model and software (`sdpa_choices.json` beside the GEMM choices), else timed now and
+    remembered; logged."""
     if device.type != "cuda":
         return AttentionBackends()
+    key = choice_key(torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device), num_heads,
+                     num_kv_heads, head_dim, dtype, decode_rows)
+    known = read_choices().get(key)
+    if known is not None:
+        choice = AttentionBackends(known["prefill"], known["decode"], known["timings"])
+        log.info("attention (SDPA) backends, as timed by an earlier job on this GPU and pinned: %s (%s)",
+                 choice.describe(), choices_path())
+        return choice
+    choice = time_attention_backends(num_heads, num_kv_heads, head_dim, dtype, device, decode_rows)
+    remember_choice(key, choice)
+    return choice
+
+
+def choice_key(gpu: str, capability: tuple[int, int], num_heads: int, num_kv_heads: int, head_dim: int,
+               dtype: torch.dtype, decode_rows: int) -> str:
+    """What a choice depends on: the GPU model, the software that runs attention, the head layout, dtype and rows."""
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return (f"{gpu} sm{capability[0]}{capability[1]} torch {torch.__version__} cudnn {cudnn} "
+            f"{str(dtype).replace('torch.', '')} heads {num_heads}/{num_kv_heads}x{head_dim} rows {decode_rows}")
+
+
+def choices_path() -> Path:
+    return machine_dir() / "sdpa_choices.json"
+
+
+def read_choices() -> dict[str, dict]:
+    """Every remembered choice (empty where none is, or the file cannot be read)."""
+    try:
+        return json.loads(choices_path().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def remember_choice(key: str, choice: AttentionBackends) -> None:
+    """Best effort: where the folder is not writable, the next job times again."""
+    if choice.prefill is None and choice.decode is None:
+        return
+    path = choices_path()
+    entries = {**read_choices(), key: {"prefill": choice.prefill, "decode": choice.decode, "timings": choice.timings}}
+    try:
+        make_folder(path.parent)
+        write_text_atomic(path, json.dumps(entries, indent=1, sort_keys=True))
+    except WriteError as error:
+        log.warning("SDPA backend choice not cached (%s); the next job times again", error)
+
+
+def time_attention_backends(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                            device: torch.device, decode_rows: int) -> AttentionBackends:
+    """Times each form under each backend on the CUDA `device` and keeps the fastest; logged."""
     group = num_heads // num_kv_heads
     longest = PREFILL_LENGTH + 8 * TIMED_CALLS
     q = torch.randn(PREFILL_ROWS, longest, num_heads, head_dim, dtype=dtype, device=device).transpose(1, 2)

@@ -416,21 +416,30 @@ class GenerationEngine:
             state.append(verified[:, j], emitting, self.stops)
 
     def _release(self, free: deque) -> Iterator[Completion]:
-        """Turns the slots whose rows stopped into Completions and hands the slots back (one host sync)."""
+        """Turns the slots whose rows stopped into Completions and hands the slots back: which rows stopped is read
+        from the device once, then their tokens (and log-probabilities) in one copy for all of them."""
         state = self.state
-        for slot, reason in state.finished_slots():
-            begin, end = int(state.prompt_len[slot]), int(state.seq_len[slot])
-            tokens = state.sequences[slot, begin:end].cpu().numpy().astype(np.int32)
-            logprobs = None if state.logprobs is None else state.logprobs[slot, begin:end].cpu().numpy()
-            top_ids, top_logprobs = (None, None) if state.top_ids is None else (
-                state.top_ids[slot, begin:end].cpu().numpy().astype(np.int32), state.top_values[slot, begin:end].cpu().numpy())
+        finished = state.finished_slots()
+        if not finished:
+            return
+        slots = torch.tensor([slot for slot, _ in finished], device=self.device)
+        bounds = torch.stack((state.prompt_len[slots], state.seq_len[slots]), dim=1).tolist()  # (F, 2) begin, end
+        width = max(end for _, end in bounds)
+        sequences = state.sequences[slots, :width].cpu().numpy()  # (F, width)
+        logprobs = None if state.logprobs is None else state.logprobs[slots, :width].cpu().numpy()
+        top_ids, top_values = (None, None) if state.top_ids is None else (
+            state.top_ids[slots, :width].cpu().numpy(), state.top_values[slots, :width].cpu().numpy())  # (F, width, K)
+        state.active[slots] = False
+        state.reason[slots] = 0
+        for row, ((slot, reason), (begin, end)) in enumerate(zip(finished, bounds)):
+            tokens = sequences[row, begin:end].astype(np.int32)
             index = self.owner[slot]
             self.owner[slot] = None
             if self.structured is not None:
                 self.structured.release(slot)
-            state.active[slot] = False
-            state.reason[slot] = 0
             free.append(slot)
             self.generated_tokens += len(tokens)
-            yield Completion(index=index, tokens=tokens, reason=REASON_NAMES[reason], logprobs=logprobs,
-                             top_ids=top_ids, top_logprobs=top_logprobs)
+            yield Completion(index=index, tokens=tokens, reason=REASON_NAMES[reason],
+                             logprobs=None if logprobs is None else logprobs[row, begin:end].copy(),
+                             top_ids=None if top_ids is None else top_ids[row, begin:end].astype(np.int32),
+                             top_logprobs=None if top_values is None else top_values[row, begin:end].copy())

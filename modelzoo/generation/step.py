@@ -15,8 +15,8 @@ once per bucket. A step over slots that are all idle changes nothing but the cac
 slot (overwritten when the slot takes a prompt), which is what lets `warm_up` run it before any prompt.
 
 On CUDA the step is compiled with the cache length symbolic (one graph for every bucket) and each bucket is
-captured the first time a step reaches it,
-so a job captures only the buckets its rows reach. Capturing runs the step three times; while rows are in
+captured the first time a step reaches it, so a job captures only the buckets its rows reach (a fraction of a
+second each once compiled). Capturing runs the step three times; while rows are in
 flight, the state the step writes and every slot's cache entry at position 0 (where a row that stops feeds the
 next run) are saved first and put back after, so the rows go on as if nothing had run.
 """
@@ -199,9 +199,8 @@ class DecodeStep:
 
     def compile(self, graphs: int, backend: str | Callable = "inductor", symbolic_length: bool = False) -> None:
         """From now on the step runs compiled: one graph, no graph break (fullgraph), per rows and length, for
-        `graphs` shapes; with `symbolic_length`, one graph per rows for every length once two lengths were seen.
-        Dynamo limits the graphs of one code object (8 by default; past it, fullgraph fails), and every DecodeStep
-        of a process shares `run`'s: each one raises the limit by its own graphs."""
+        `graphs` shapes; with `symbolic_length`, one graph per rows for every length. Dynamo limits the graphs of
+        one code object (8 by default; past it, fullgraph fails): each step raises the limit by its own graphs."""
         import torch._dynamo.config as dynamo_config
 
         dynamo_config.recompile_limit += graphs
@@ -258,8 +257,8 @@ class DecodeStep:
             if in_flight:
                 self.captures_in_flight += 1
                 self.capture_seconds_in_flight += time.perf_counter() - start
-            log.info("decode step of %s rows over %d cache positions compiled and captured in %.1fs",
-                     "all" if key[0] < 0 else key[0], length, time.perf_counter() - start)
+            log.info("decode step of %s rows over %d cache positions captured in %.1fs%s", "all" if key[0] < 0 else key[0],
+                     length, time.perf_counter() - start, " (rows in flight)" if in_flight else "")
         if slots is not None:
             self._graph_slots[len(slots)].copy_(slots)
         self._graphs[key].replay()
