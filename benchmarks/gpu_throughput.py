@@ -140,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
                     results[f"generate {way}"] = run_child(f"generate_{way}", PEERS_DIR / "hf_generate.py", args, prep,
                                                            run_dir, dtype, threads,
                                                            extra=["--device", args.device, "--way", way])
+                    if way == "static":
+                        say_static_compiled(run_dir / f"generate_{way}_{dtype}.json")
                 roofline = roofline_tokens_per_s(config, dtype, prep, args.max_tokens, bandwidth)
                 rates = {name: row["tokens_per_s"] for name, (row, _) in results.items() if row["tokens_per_s"]}
                 best = max((rate for name, rate in rates.items() if name.startswith("generate")), default=None)
@@ -168,6 +170,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def say_static_compiled(result: Path) -> None:
+    """Prints whether generate()'s static cache compiled (the graphs its untimed first batch compiled)."""
+    try:
+        graphs = json.loads(result.read_text()).get("compiled_graphs")
+    except (OSError, ValueError):
+        return
+    print(f"generate() static: {graphs} graphs compiled in its untimed first batch"
+          + (" (it did not compile: its rate is eager's)" if graphs == 0 else ""))
+
+
 ZOO_SPLIT = ("prefill_seconds", "decode_ms_per_step", "capture_seconds", "sdpa_backends")
 
 
@@ -187,7 +199,8 @@ def zoo_time_split(model_dir: Path) -> dict:
     return {"setup_seconds": summary["setup_seconds"], "prefill_seconds": step.get("prefill_seconds"),
             "decode_ms_per_step": 1000 * decode / steps if steps else None,
             "capture_seconds": step.get("capture_seconds_in_flight"),
-            "sdpa_backends": "/".join(str(backends.get(form)) for form in ("prefill", "decode")) if backends else None}
+            "sdpa_backends": "/".join(str(backends.get(form)) for form in ("prefill", "decode"))
+            if any(backends.values()) else None}
 
 
 def print_table(rows: list[dict]) -> None:

@@ -12,8 +12,8 @@ import torch
 from modelzoo.checkpoint import load_model
 from modelzoo.errors import UserError
 from modelzoo.gemm import GemmPlan, apply_gemm_backend, weight_bytes
-from modelzoo.generation.attention_backends import AttentionBackends, choose_attention_backends
-from modelzoo.generation.engine import GenerationEngine
+from modelzoo.generation.attention_backends import choose_attention_backends
+from modelzoo.generation.engine import GenerationEngine, cache_length
 from modelzoo.generation.kv_cache import KVCache
 from modelzoo.generation.options import GenerationOptions, RequestVariety
 from modelzoo.generation.speculative import DraftModelDrafter, Drafter, PromptLookupDrafter
@@ -92,7 +92,6 @@ class ModelSetup:
             # the next job on this machine type reuses it; set before torch first asks for it (importing dynamo does).
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(machine_dir() / "inductor"))
         self.decode_step: dict[str, object] | None = None  # how the decode step ran: summary.json's, once built
-        self.attention = AttentionBackends()  # the SDPA backends pinned (CUDA), once the engine is built
 
     def dtype_name(self) -> str:
         """The precision policy in words (modelzoo/precision.py)."""
@@ -163,7 +162,6 @@ class ModelSetup:
                                   structured=None if compiler is None else StructuredRows(
                                       compiler, self.rows_in_flight, model.config.vocab_size, self.device),
                                   prefill_token_budget=self.prefill_token_budget(model), attention=attention)
-        self.attention = attention
         self._prepare_decode_step(engine)
         return engine
 
@@ -274,9 +272,10 @@ class ModelSetup:
         return weight_bytes(model), self.kv_cache_bytes(model, self.rows_in_flight)
 
     def kv_cache_bytes(self, model: torch.nn.Module, rows: int) -> int:
-        """The KV cache of `rows` rows x max_seq_len."""
+        """The KV cache of `rows` rows x max_seq_len (as the engine rounds it up)."""
         c = model.config
-        return KVCache.nbytes(c.num_layers, rows, c.num_kv_heads, self.max_seq_len, c.head_dim, self.kv_dtype)
+        return KVCache.nbytes(c.num_layers, rows, c.num_kv_heads, cache_length(self.max_seq_len), c.head_dim,
+                              self.kv_dtype)
 
     def _rows_in_flight(self, model: torch.nn.Module, rows_to_do: int, free: int, tp: TensorParallelGroup) -> int:
         """runconfig.rows_in_flight, or for auto: every row to do up to AUTO_ROWS_IN_FLIGHT (on CUDA

@@ -17,7 +17,8 @@ What is timed: the generation loop only, from the first batch to the last (model
 imports and reading the input are excluded; the parent measures the whole process separately).
 On a GPU (--device cuda, benchmarks/gpu_throughput.py) --way picks one of three: `default`, `no_cudnn`
 (cuDNN attention off: it builds a plan per key length) and `static` (a static cache, compiled by
-transformers into CUDA graphs; one untimed batch first, so compilation is not timed). A negative
+transformers into CUDA graphs; one untimed batch first, so compilation is not timed, and the graphs it compiled
+are counted: `compiled_graphs` in the output, 0 if transformers did not compile). A negative
 --eos_id means no stop token: every row generates --max_tokens.
 Each row's generated tokens are cut right after the first EOS (the EOS stays in, as zoo-infer's
 stop sequences do); rows are counted the same way zoo-infer counts `generated_tokens`.
@@ -71,9 +72,17 @@ def main(argv: list[str] | None = None) -> int:
                               do_sample=False, max_new_tokens=args.max_tokens, eos_token_id=eos_id,
                               pad_token_id=pad_id, **options)
 
-    if args.way == "static":  # compiles on its first call: not timed
+    compiled = {}
+    if args.way == "static":  # compiles on its first call: not timed; whether it did is recorded
+        from torch._dynamo.utils import counters
+
+        first_start = time.perf_counter()
         with torch.inference_mode():
             generate(token_ids[: args.batch_size])
+        compiled = {"compiled_graphs": int(counters["stats"]["unique_graphs"]),
+                    "first_batch_seconds": time.perf_counter() - first_start}
+        print(f"static cache: {compiled['compiled_graphs']} graphs compiled by the untimed first batch "
+              f"({compiled['first_batch_seconds']:.1f} s)")
 
     outputs: list[list[int]] = []
     start = time.perf_counter()  # --- timed: the generation loop only ---
@@ -93,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             ids = torch.tensor([sequence], device=args.device)
             best = model(input_ids=ids).logits[0, begin - 1: -1].argmax(-1)  # the token predicted at each position
             forced.append((best == ids[0, begin:]).tolist())
-    write_result(args, "transformers", outputs, generation_seconds, load_seconds=load_seconds,
+    write_result(args, "transformers", outputs, generation_seconds, load_seconds=load_seconds, **compiled,
                  threads=torch.get_num_threads(), **({"teacher_forced_top1": forced} if forced else {}),
                  versions={"torch": torch.__version__, "transformers": transformers.__version__})
     return 0
