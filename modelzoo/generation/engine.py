@@ -214,7 +214,8 @@ class GenerationEngine:
     def warm_up(self) -> float:
         """Runs the decode step before any prompt (see `DecodeStep.warm_up`): compiled, once per shape it can take;
         eager (whose cost does not depend on the length bucket) and captured (one graph compiled for every length, each
-        bucket captured when a step first reaches it), once per row count. Returns seconds."""
+        bucket captured when a step first reaches it), once per row count, over the longest bucket (where rows that
+        run to max_seq_len end). Returns seconds."""
         shapes = self.step_shapes()
         if self.decode.mode in ("eager", "cuda_graph"):
             shapes = list({None if slots is None else len(slots): (slots, length) for slots, length in shapes}.values())
