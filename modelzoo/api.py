@@ -159,7 +159,7 @@ class ZooModel:
         requests = [ScoreRequest(i, np.asarray(c, dtype=np.int64), np.asarray(x, dtype=np.int64))
                     for i, (c, x) in enumerate(pairs)]
         order = sorted(requests, key=lambda r: (r.context.tobytes(), r.index))  # the choices of a question together
-        scorer = Scorer(self.model, self.engine.cache, self.device, window=self.engine.max_seq_len)
+        scorer = Scorer(self.model, self.engine.cache, self.device)
         out: dict[int, Score] = {}
         with _progress(len(requests), progress, "scoring") as bar:
             for score in scorer.score(order):

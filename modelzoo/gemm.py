@@ -30,11 +30,9 @@ every job on this machine type makes the same choice and produces the same bits.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -43,8 +41,7 @@ from torch import nn
 
 from modelzoo.checkpoint import release_freed_memory
 from modelzoo.errors import UserError
-from modelzoo.files import WriteError, make_folder, write_text_atomic
-from modelzoo.kernels import kernel_roots, machine_dir
+from modelzoo.kernels import read_machine_choices, write_machine_choices
 
 log = logging.getLogger("zoo-infer")
 
@@ -242,33 +239,7 @@ def fastest(measured: dict, exclude: tuple[str, ...] = ()) -> str:
     return min(usable, key=cost.__getitem__) if usable else "torch"
 
 
-def _cache_path(root: Path | None = None) -> Path:
-    """The choices file under `root`, by default the writable root (modelzoo/kernels)."""
-    return machine_dir(root) / "gemm_choices.json"
-
-
-def read_choices() -> dict:
-    """The choices of every kernel root merged, the first root's entry winning (a read-only shared
-    install's choices, then those measured since into the writable root)."""
-    shapes = {}
-    for root in reversed(kernel_roots()):
-        try:
-            cached = json.loads(_cache_path(root).read_text())
-        except (OSError, ValueError):
-            continue
-        if cached.get("version") == CACHE_VERSION:
-            shapes.update(cached.get("shapes", {}))
-    return {"version": CACHE_VERSION, "shapes": shapes}
-
-
-def write_choices(entries: dict) -> None:
-    """Best effort: where no root is writable, the next job measures again."""
-    path = _cache_path()
-    try:
-        make_folder(path.parent)
-        write_text_atomic(path, json.dumps({"version": CACHE_VERSION, "shapes": entries}, indent=1, sort_keys=True))
-    except WriteError as error:
-        log.warning("GEMM choices not cached (%s); the next job measures again", error)
+GEMM_CHOICES = "gemm_choices.json"
 
 
 def _shape_key(linear: nn.Linear, dtype: torch.dtype) -> str:
@@ -311,15 +282,16 @@ def measured_shapes(shapes: dict[str, tuple[int, int]], dtype: torch.dtype, back
     choice where it covers `backends`, else measured now with `build` (logged, and cached). Each one's
     `backend` is auto's choice: the fastest batch-invariant backend, never one of `opt_in` (measured and
     shown, used only when asked for)."""
-    cache, measured = read_choices()["shapes"], {}
+    cache, measured = read_machine_choices(GEMM_CHOICES, CACHE_VERSION), {}
     for key, (in_features, out_features) in shapes.items():
         if key not in cache or set(cache[key]["gflops"]) | set(cache[key]["rejected"]) != set(backends):
             start = time.perf_counter()
             cache[key] = asdict(measure_shape(in_features, out_features, dtype, backends, build=build))
             log.info("%s measured in %.1fs: %s", key, time.perf_counter() - start, rates_text(cache[key]))
             measured[key] = cache[key]
-    if measured:
-        write_choices(cache)
+    error = write_machine_choices(GEMM_CHOICES, CACHE_VERSION, cache) if measured else None
+    if error is not None:
+        log.warning("GEMM choices not cached (%s); the next job measures again", error)
     return {key: {**cache[key], "backend": fastest(cache[key], exclude=opt_in)} for key in shapes}
 
 

@@ -13,7 +13,7 @@ from modelzoo.checkpoint import load_model
 from modelzoo.errors import UserError
 from modelzoo.gemm import GemmPlan, apply_gemm_backend, weight_bytes
 from modelzoo.generation.attention_backends import choose_attention_backends
-from modelzoo.generation.engine import GenerationEngine, cache_length
+from modelzoo.generation.engine import GenerationEngine
 from modelzoo.generation.kv_cache import KVCache
 from modelzoo.generation.options import GenerationOptions, RequestVariety
 from modelzoo.generation.speculative import DraftModelDrafter, Drafter, PromptLookupDrafter
@@ -272,10 +272,9 @@ class ModelSetup:
         return weight_bytes(model), self.kv_cache_bytes(model, self.rows_in_flight)
 
     def kv_cache_bytes(self, model: torch.nn.Module, rows: int) -> int:
-        """The KV cache of `rows` rows x max_seq_len (as the engine rounds it up)."""
+        """The KV cache of `rows` rows x max_seq_len."""
         c = model.config
-        return KVCache.nbytes(c.num_layers, rows, c.num_kv_heads, cache_length(self.max_seq_len), c.head_dim,
-                              self.kv_dtype)
+        return KVCache.nbytes(c.num_layers, rows, c.num_kv_heads, self.max_seq_len, c.head_dim, self.kv_dtype)
 
     def _rows_in_flight(self, model: torch.nn.Module, rows_to_do: int, free: int, tp: TensorParallelGroup) -> int:
         """runconfig.rows_in_flight, or for auto: every row to do up to AUTO_ROWS_IN_FLIGHT (on CUDA

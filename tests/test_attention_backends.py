@@ -9,6 +9,11 @@ import pytest
 import torch
 
 from modelzoo.generation import attention_backends as ab
+from modelzoo.kernels import machine_dir
+
+
+def choices_file():
+    return machine_dir() / ab.SDPA_CHOICES
 
 
 @pytest.fixture
@@ -38,7 +43,7 @@ def test_a_choice_is_timed_once_then_read_back(fake_gpu):
     cuda = torch.device("cuda")
     first = ab.choose_attention_backends(32, 4, 64, torch.bfloat16, cuda, 256)
     assert (first.prefill, first.decode) == ("flash", "efficient") and len(fake_gpu) == 1
-    stored = json.loads(ab.choices_path().read_text())
+    stored = json.loads(choices_file().read_text())["shapes"]
     key = ab.choice_key("Test GPU", (9, 0), 32, 4, 64, torch.bfloat16, 256)
     assert stored == {key: {"prefill": "flash", "decode": "efficient",
                             "timings": {"prefill": {"flash": 1.0}, "decode": {"efficient": 2.0}}}}
@@ -46,15 +51,15 @@ def test_a_choice_is_timed_once_then_read_back(fake_gpu):
     assert again == first and len(fake_gpu) == 1  # read back, not timed
     ab.choose_attention_backends(32, 4, 64, torch.bfloat16, cuda, 1024)  # other rows: timed
     ab.choose_attention_backends(32, 4, 64, torch.float32, cuda, 256)  # another dtype: timed
-    assert len(fake_gpu) == 3 and len(json.loads(ab.choices_path().read_text())) == 3
+    assert len(fake_gpu) == 3 and len(json.loads(choices_file().read_text())["shapes"]) == 3
 
 
 def test_an_unreadable_choices_file_is_timed_again(fake_gpu):
-    ab.choices_path().parent.mkdir(parents=True)
-    ab.choices_path().write_text("{not json")
+    choices_file().parent.mkdir(parents=True)
+    choices_file().write_text("{not json")
     choice = ab.choose_attention_backends(8, 8, 32, torch.bfloat16, torch.device("cuda"), 16)
     assert choice.decode == "efficient" and len(fake_gpu) == 1
-    assert len(json.loads(ab.choices_path().read_text())) == 1  # rewritten whole
+    assert len(json.loads(choices_file().read_text())["shapes"]) == 1  # rewritten whole
 
 
 def test_the_pinned_backend_keeps_math_behind_it():

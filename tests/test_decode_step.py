@@ -242,11 +242,11 @@ def test_symbolic_length_compiles_one_graph_for_every_bucket(tmp_path):
 
 
 def test_cache_lengths_are_aligned_and_never_read_whole(tiny_llama):
-    """The cache holds max_seq_len rounded up to a multiple of 8, plus 8 positions no step reads: every length
+    """The cache stores max_seq_len rounded up to a multiple of 8, plus 8 positions no step reads: every length
     bucket is a multiple of 8 and shorter than the cache."""
     model, _ = load_model(tiny_llama, torch.float32, torch.device("cpu"))
     engine = GenerationEngine(model, 2, 99, torch.device("cpu"), torch.float32, GenerationOptions(max_tokens=3))
-    assert engine.cache.max_len == engine.cache.keys[0].shape[2] == 112
+    assert engine.cache.max_len == 99 and engine.cache.keys[0].shape[2] == 112
     assert engine.read_limit == 104
     assert [length for _, length in engine.step_shapes()] == [104]
 

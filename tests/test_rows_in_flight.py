@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import modelzoo.model_setup as model_setup
-from modelzoo.generation.engine import cache_length
+from modelzoo.generation.kv_cache import stored_positions
 from harness import (expected_rows, hf_greedy, load_predictions, prompt_rows, run_job, save_tiny_model,
                      stacked_predictions, write_h5, write_params)
 from tiny_configs import tiny_llama_config
@@ -76,7 +76,7 @@ def test_auto_never_goes_below_batch_size(tiny_llama, prompts, tmp_path):
 
 def test_auto_keeps_the_kv_cache_within_its_memory_share(tiny_llama, prompts, tmp_path, monkeypatch):
     config = tiny_llama_config()
-    per_row = 2 * config.num_hidden_layers * config.num_key_value_heads * cache_length(MAX_SEQ_LEN) * \
+    per_row = 2 * config.num_hidden_layers * config.num_key_value_heads * stored_positions(MAX_SEQ_LEN) * \
         (config.hidden_size // config.num_attention_heads) * 4  # keys and values, float32, the positions cached
     monkeypatch.setattr(model_setup, "available_memory", lambda device: 10 * per_row)  # 50%: 5 rows
     model_dir = run(tmp_path, tiny_llama, prompts, "capped", "auto")

@@ -14,20 +14,17 @@ the same GPU model and software. The CPU runs its own C++ attention kernel and p
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, ContextManager
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from modelzoo.files import WriteError, make_folder, write_text_atomic
-from modelzoo.kernels import machine_dir
+from modelzoo.kernels import read_machine_choices, write_machine_choices
 
 log = logging.getLogger("zoo-infer")
 
@@ -37,6 +34,7 @@ BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIE
 # cache positions for the job's rows in flight.
 PREFILL_ROWS, PREFILL_LENGTH, DECODE_LENGTH = 8, 512, 512
 TIMED_CALLS = 5
+SDPA_CHOICES, CACHE_VERSION = "sdpa_choices.json", 1  # beside the GEMM choices (modelzoo/kernels)
 
 
 @dataclass(frozen=True)
@@ -73,11 +71,11 @@ def choose_attention_backends(num_heads: int, num_kv_heads: int, head_dim: int, 
         return AttentionBackends()
     key = choice_key(torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device), num_heads,
                      num_kv_heads, head_dim, dtype, decode_rows)
-    known = read_choices().get(key)
+    known = read_machine_choices(SDPA_CHOICES, CACHE_VERSION).get(key)
     if known is not None:
         choice = AttentionBackends(known["prefill"], known["decode"], known["timings"])
         log.info("attention (SDPA) backends, as timed by an earlier job on this GPU and pinned: %s (%s)",
-                 choice.describe(), choices_path())
+                 choice.describe(), SDPA_CHOICES)
         return choice
     choice = time_attention_backends(num_heads, num_kv_heads, head_dim, dtype, device, decode_rows)
     remember_choice(key, choice)
@@ -92,29 +90,14 @@ def choice_key(gpu: str, capability: tuple[int, int], num_heads: int, num_kv_hea
             f"{str(dtype).replace('torch.', '')} heads {num_heads}/{num_kv_heads}x{head_dim} rows {decode_rows}")
 
 
-def choices_path() -> Path:
-    return machine_dir() / "sdpa_choices.json"
-
-
-def read_choices() -> dict[str, dict]:
-    """Every remembered choice (empty where none is, or the file cannot be read)."""
-    try:
-        return json.loads(choices_path().read_text())
-    except (OSError, ValueError):
-        return {}
-
-
 def remember_choice(key: str, choice: AttentionBackends) -> None:
-    """Best effort: where the folder is not writable, the next job times again."""
-    if choice.prefill is None and choice.decode is None:
-        return
-    path = choices_path()
-    entries = {**read_choices(), key: {"prefill": choice.prefill, "decode": choice.decode, "timings": choice.timings}}
-    try:
-        make_folder(path.parent)
-        write_text_atomic(path, json.dumps(entries, indent=1, sort_keys=True))
-    except WriteError as error:
-        log.warning("SDPA backend choice not cached (%s); the next job times again", error)
+    """Adds `choice` to this machine type's SDPA choices file (best effort)."""
+    if choice.prefill is not None or choice.decode is not None:
+        entries = read_machine_choices(SDPA_CHOICES, CACHE_VERSION)
+        entries[key] = {"prefill": choice.prefill, "decode": choice.decode, "timings": choice.timings}
+        error = write_machine_choices(SDPA_CHOICES, CACHE_VERSION, entries)
+        if error is not None:
+            log.warning("SDPA backend choice not cached (%s); the next job times again", error)
 
 
 def time_attention_backends(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,

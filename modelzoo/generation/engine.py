@@ -32,7 +32,7 @@ from torch import nn
 
 from modelzoo.errors import past_learned_positions
 from modelzoo.generation.attention_backends import AttentionBackends
-from modelzoo.generation.kv_cache import KVCache
+from modelzoo.generation.kv_cache import KVCache, aligned
 from modelzoo.generation.options import GenerationOptions, RequestVariety
 from modelzoo.generation.sampling import RowSampling, TokenChoice, seed_key
 from modelzoo.generation.shared_prefix import SharedPrefix
@@ -46,22 +46,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("zoo-infer")
 
 STEPS_PER_READ_CUDA = 4
-CACHE_LENGTH_ALIGNMENT = 8
-
-
-def aligned(length: int) -> int:
-    """`length` rounded up to a multiple of CACHE_LENGTH_ALIGNMENT."""
-    return -(-length // CACHE_LENGTH_ALIGNMENT) * CACHE_LENGTH_ALIGNMENT
-
-
-def cache_length(max_seq_len: int) -> int:
-    """Positions the KV cache holds for rows of `max_seq_len`: rounded up to a multiple of CACHE_LENGTH_ALIGNMENT, so
-    every length a step reads is one (the GPU's attention kernels want a mask's rows aligned), plus
-    CACHE_LENGTH_ALIGNMENT never read: no step reads the whole cache, whose contiguous slice a compiled step would take
-    as another shape. Positions past max_seq_len are never written."""
-    return aligned(max_seq_len) + CACHE_LENGTH_ALIGNMENT
-
-
 @dataclass
 class Request:
     """One prompt to complete. `index` is the caller's key (the sample index); prompt: (p,), p >= 1; options: the
@@ -118,8 +102,8 @@ class GenerationEngine:
         self.packs_prompts = (bool(getattr(model, "packs_prompts", False)) and drafter is None
                               and device.type == "cpu")
         self.attention = attention
-        self.cache = KVCache(config.num_layers, num_slots, config.num_kv_heads, cache_length(max_seq_len),
-                             config.head_dim, dtype, device)
+        self.cache = KVCache(config.num_layers, num_slots, config.num_kv_heads, max_seq_len, config.head_dim,
+                             dtype, device)
         self.stops = StopChecker(defaults.stop_sequences + variety.stop_sequences, max_seq_len, num_slots, device)
         self.state = SlotState.allocate(num_slots, max_seq_len, device, defaults.logprobs, defaults.top_logprobs)
         self.decode = DecodeStep(model, self.cache, self.state, self.stops, self.choice,
@@ -135,7 +119,7 @@ class GenerationEngine:
                                else 1)
         # Lengths a row may reach: max_seq_len, or less where the model's learned position table ends.
         self.position_limit = min(max_seq_len, getattr(model, "position_limit", None) or max_seq_len)
-        # The cache length a step reads at most: the positions rows may reach, rounded up as the cache is.
+        # The cache length a step reads at most: the positions rows may reach, aligned as the cache stores them.
         self.read_limit = aligned(self.position_limit)
         # The prompt prefix shared by the first admitted requests, once known, by LoRA adapter (a prefix's keys and
         # values differ with it; -1: none); not with a drafter: a draft model would need the prefix's keys too.

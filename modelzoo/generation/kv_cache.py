@@ -40,8 +40,24 @@ def to_cache_storage(x: torch.Tensor, storage: torch.dtype) -> torch.Tensor:
     return x.to(storage)
 
 
+POSITION_ALIGNMENT = 8
+
+
+def aligned(length: int) -> int:
+    """`length` rounded up to a multiple of POSITION_ALIGNMENT."""
+    return -(-length // POSITION_ALIGNMENT) * POSITION_ALIGNMENT
+
+
+def stored_positions(max_len: int) -> int:
+    """Positions a cache of `max_len` holds: rounded up to a multiple of POSITION_ALIGNMENT, so that every length a
+    decode step reads can be one (the GPU's attention kernels want a mask's rows aligned), plus POSITION_ALIGNMENT
+    never read: no step reads the whole cache, whose contiguous slice a compiled step would take as another shape."""
+    return aligned(max_len) + POSITION_ALIGNMENT
+
+
 class KVCache:
-    """Keys and values of every layer, shape (num_slots, num_kv_heads, max_len, head_dim) each.
+    """Keys and values of every layer, shape (num_slots, num_kv_heads, stored_positions(max_len), head_dim) each;
+    positions from max_len on are never written.
 
     A slot is a row of the running batch. A new sequence overwrites its slot from position 0; stale
     entries past its length are never read because attention masks keys after the query position.
@@ -49,7 +65,7 @@ class KVCache:
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> None:
-        shape = (num_slots, num_kv_heads, max_len, head_dim)
+        shape = (num_slots, num_kv_heads, stored_positions(max_len), head_dim)
         self.keys = [zeroed_cache_tensor(shape, dtype, device) for _ in range(num_layers)]
         self.values = [zeroed_cache_tensor(shape, dtype, device) for _ in range(num_layers)]
         self.num_slots = num_slots
@@ -62,7 +78,7 @@ class KVCache:
                dtype: torch.dtype) -> int:
         """Memory the cache would take, without allocating it."""
         element = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * num_slots * num_kv_heads * max_len * head_dim * element
+        return 2 * num_layers * num_slots * num_kv_heads * stored_positions(max_len) * head_dim * element
 
     def update(self, layer: int, slots: torch.Tensor | None, positions: torch.Tensor,
                k: torch.Tensor, v: torch.Tensor) -> None:

@@ -93,12 +93,9 @@ class Scorer:
     logits and prefill per forward at most; top_k > 0 also keeps each position's top_k likeliest tokens."""
 
     def __init__(self, model: nn.Module, cache: KVCache, device: torch.device, token_budget: int = 1024,
-                 top_k: int = 0, window: int | None = None) -> None:
-        """`window`: the positions a request may take (default: the cache's; a generation engine's cache holds a few
-        more than its max_seq_len)."""
+                 top_k: int = 0) -> None:
         self.model, self.cache, self.device, self.token_budget = model, cache, device, token_budget
         self.top_k = top_k
-        self.window = window or cache.max_len
         self.prefilled_tokens = 0  # context and continuation tokens run through the model
 
     @torch.inference_mode()
@@ -120,9 +117,9 @@ class Scorer:
             raise ValueError(f"request {request.index}: empty context (score after at least one token, such as BOS)")
         if len(request.continuation) < 1:
             raise ValueError(f"request {request.index}: empty continuation: nothing to score")
-        if len(request.context) + len(request.continuation) - 1 > self.window:  # the last token is not fed
+        if len(request.context) + len(request.continuation) - 1 > self.cache.max_len:  # the last token is not fed
             raise ValueError(f"request {request.index}: context {len(request.context)} + continuation "
-                             f"{len(request.continuation)} tokens do not fit the window of {self.window} "
+                             f"{len(request.continuation)} tokens do not fit the window of {self.cache.max_len} "
                              f"(+ 1: the last token is only scored)")
 
     def _fits(self, requests: list[ScoreRequest]) -> bool:
@@ -133,7 +130,7 @@ class Scorer:
         width = max(len(request.continuation) for request in requests)
         return (len(requests) <= self.cache.num_slots and len(contexts) * max(contexts.values()) <= self.token_budget
                 and len(requests) * width <= self.token_budget
-                and max(contexts.values()) + width - 1 <= self.window)
+                and max(contexts.values()) + width - 1 <= self.cache.max_len)
 
     def _run(self, requests: list[ScoreRequest]) -> list[Score]:
         """One round: the distinct contexts prefilled (each in its first request's slot, then copied to the others'

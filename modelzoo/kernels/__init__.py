@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import platform
@@ -84,6 +85,35 @@ def _machine_key() -> str:
 def machine_dir(root: Path | None = None) -> Path:
     """This machine type's folder under `root` (default `writable_root()`): its kernel builds, its GEMM choices."""
     return (root or writable_root()) / _machine_key()
+
+
+def read_machine_choices(name: str, version: int) -> dict:
+    """The entries of this machine type's choices file `name` (GEMM backends, SDPA backends) in every kernel root,
+    merged, the first root's entry winning (a read-only shared install's, then those measured since into the
+    writable root); files of another format `version` are ignored."""
+    entries = {}
+    for root in reversed(kernel_roots()):
+        try:
+            cached = json.loads((machine_dir(root) / name).read_text())
+        except (OSError, ValueError):
+            continue
+        if cached.get("version") == version:
+            entries.update(cached.get("shapes", {}))
+    return entries
+
+
+def write_machine_choices(name: str, version: int, entries: dict) -> Exception | None:
+    """Writes the choices file `name` into the writable root; best effort: the error where it cannot (the next job
+    measures again), None once written."""
+    from modelzoo.files import WriteError, make_folder, write_text_atomic
+
+    path = machine_dir() / name
+    try:
+        make_folder(path.parent)
+        write_text_atomic(path, json.dumps({"version": version, "shapes": entries}, indent=1, sort_keys=True))
+    except WriteError as error:
+        return error
+    return None
 
 
 def _built_library(build_dir: Path) -> Path | None:
