@@ -23,10 +23,10 @@ from data_tools import measure
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PEERS_DIR = Path(__file__).resolve().parent / "peers"
 PEERS = ("vllm", "ctranslate2", "llamacpp")
-GGUF_OUTTYPE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+GGUF_OUTTYPE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int8": "q8_0"}  # int8: llama.cpp's Q8_0
 COLUMNS = ("engine", "dtype", "status", "generated_tokens", "generation_seconds", "tokens_per_s",
            "process_seconds", "setup_seconds", "peak_rss_mib", "rss_bound_mib", "ratio_vs_hf_fp32",
-           "ratio_vs_hf_same_dtype", "ratio_vs_vllm", "of_ceiling", "of_peak_bound", "equal_to_hf_fp32", "note")
+           "ratio_vs_hf_same_dtype", "ratio_vs_vllm", "ratio_vs_llamacpp", "of_ceiling", "of_peak_bound", "equal_to_hf_fp32", "note")
 
 run_measured = functools.partial(measure.run_measured, cwd=REPO_ROOT)  # every engine runs from the repo root
 
@@ -231,7 +231,8 @@ def ensure_ct2_model(args: argparse.Namespace, out: Path) -> tuple[Path | None, 
 
 def check_gguf_options(items: list[str]) -> None:
     """Exits with an error unless every --gguf item is DTYPE=PATH with DTYPE a full dtype name (float32, bfloat16,
-    float16): any other name would never match a dtype, and the GGUF would be converted again instead."""
+    float16, int8 for a Q8_0 file): any other name would never match a dtype, and the GGUF would be converted again
+    instead."""
     for item in items:
         if "=" not in item or item.split("=", 1)[0] not in GGUF_OUTTYPE:
             sys.exit(f"error: --gguf takes DTYPE=PATH with DTYPE in {', '.join(GGUF_OUTTYPE)}; got {item!r}")

@@ -20,8 +20,8 @@ What it does, in order:
          vLLM's script runs under --vllm_python (default: $VLLM_PYTHON, else this interpreter), so
          vLLM can live in a virtualenv of its own (its pinned transformers differs from .venv's).
      transformers float32 always runs (first): it is the reference of the ratio and equality
-     columns; --transformers_dtypes limits its other dtypes. --dtypes int8 runs zoo-infer alone
-     (int8 weights, float32 arithmetic). --baseline_repo runs another zoo-infer checkout (an older
+     columns; --transformers_dtypes limits its other dtypes. --dtypes int8 runs zoo-infer (int8
+     weights, float32 arithmetic) and llama.cpp's Q8_0 GGUF (no transformers or vLLM row). --baseline_repo runs another zoo-infer checkout (an older
      commit) in every --dtypes too, as "zoo-infer <--baseline_label>".
   3. Prints and writes (<out>/results.csv, <out>/results.json) one row per engine and dtype.
 
@@ -43,6 +43,7 @@ What is measured, and why:
   - vs HF fp32 / vs HF same dtype: tokens/s over transformers' tokens/s in float32 / in the same
     dtype.
   - vs vLLM: tokens/s over vLLM's tokens/s in the same dtype (when the vLLM peer ran).
+  - vs llama.cpp: tokens/s over llama.cpp's tokens/s in the same dtype (int8: its Q8_0), when it ran.
   - of ceiling: tokens/s over the workload's GEMM ceiling in that dtype: its linear-layer FLOPs
     over the best GEMM rate measured here for each weight shape (benchmarks/machine.py). Printed
     first, with the CPU model and flags and every GEMM candidate's rate at M = 32, 1024 and
@@ -223,9 +224,10 @@ def fill_comparisons(rows: list[dict], tokens: dict[tuple[str, str], list | None
         same = by_key.get(("transformers", row["dtype"]))
         if same and same["tokens_per_s"]:
             row["ratio_vs_hf_same_dtype"] = rate / same["tokens_per_s"]
-        vllm = by_key.get(("vllm", row["dtype"]))
-        if vllm and vllm["tokens_per_s"]:
-            row["ratio_vs_vllm"] = rate / vllm["tokens_per_s"]
+        for peer, column in (("vllm", "ratio_vs_vllm"), ("llama.cpp", "ratio_vs_llamacpp")):
+            same_peer = by_key.get((peer, row["dtype"]))
+            if same_peer and same_peer["tokens_per_s"]:
+                row[column] = rate / same_peer["tokens_per_s"]
         ceiling, bound = limits(row["dtype"], row["generated_tokens"])
         if ceiling:
             row["of_ceiling"] = rate / ceiling
@@ -249,7 +251,7 @@ def fmt(value: Any, digits: int = 2) -> str:
 def format_table(rows: list[dict]) -> str:
     """The printed table (the CSV has the same rows with full precision)."""
     header = ("engine", "dtype", "gen tokens", "seconds", "tokens/s", "process s", "setup s", "peak RSS MiB",
-              "RSS bound MiB", "vs HF fp32", "vs HF same dtype", "vs vLLM", "of ceiling", "of peak",
+              "RSS bound MiB", "vs HF fp32", "vs HF same dtype", "vs vLLM", "vs llama.cpp", "of ceiling", "of peak",
               "equal to HF fp32", "status")
     cells = [header]
     for row in rows:
@@ -258,6 +260,7 @@ def format_table(rows: list[dict]) -> str:
                       fmt(row["generation_seconds"]), fmt(row["tokens_per_s"], 1), fmt(row["process_seconds"], 1),
                       fmt(row["setup_seconds"], 1), fmt(row["peak_rss_mib"], 0), fmt(row["rss_bound_mib"], 0),
                       fmt(row["ratio_vs_hf_fp32"]), fmt(row["ratio_vs_hf_same_dtype"]), fmt(row["ratio_vs_vllm"]),
+                      fmt(row["ratio_vs_llamacpp"]),
                       fmt(row["of_ceiling"]), fmt(row["of_peak_bound"]), fmt(row["equal_to_hf_fp32"], 3), status))
     widths = [max(len(line[i]) for line in cells) for i in range(len(header) - 1)]
     lines = []
@@ -408,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         for dtype in dtypes:
             record(*run_zoo_dtype(args, prep, out, dtype, threads, args.baseline_repo.resolve(), args.baseline_label))
     for name in peers:
-        for dtype in float_dtypes:
+        for dtype in float_dtypes + (["int8"] if name == "llamacpp" and "int8" in dtypes else []):
             record(*run_peer(name, args, prep, out, dtype, threads))
 
     probe.measure()  # again, keeping the best of both: a dip in the machine's speed does not lower the limits

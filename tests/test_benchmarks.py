@@ -486,3 +486,38 @@ def test_precision_study(capsys: pytest.CaptureFixture) -> None:
         assert 0 <= int(equal) <= 2 and float(difference) >= 0 and 0 <= float(top1.rstrip("%")) <= 100, printed
     with pytest.raises(SystemExit, match="--variants takes"):
         study.main(["--variants", "half"])
+
+
+def test_int8_is_compared_with_llama_cpp_q8_0(tmp_path: Path) -> None:
+    """--dtypes int8 meets llama.cpp's Q8_0 GGUF: --gguf int8=PATH is accepted and picked for that row, the llama.cpp
+    script takes --dtype int8 (vLLM's does not), and the int8 row gets its ratio to llama.cpp's int8 row only."""
+    throughput = load_script("benchmarks/throughput.py")
+    engines = sys.modules["benchmarks.engines"]
+    q8 = tmp_path / "model-q8_0.gguf"
+    engines.check_gguf_options([f"int8={q8}", "bfloat16=model-bf16.gguf"])  # accepted: no SystemExit
+    args = throughput.build_parser().parse_args(["--gguf", f"int8={q8}", "--out", str(tmp_path)])
+    assert engines.find_gguf(args, tmp_path, "int8") == (q8, "")
+    missing, problem = engines.find_gguf(throughput.build_parser().parse_args(["--out", str(tmp_path)]), tmp_path,
+                                         "int8")
+    assert missing is None and problem.startswith("no int8 GGUF: pass --gguf int8=PATH")
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks" / "peers"))
+    try:
+        llamacpp = load_script("benchmarks/peers/llamacpp_generate.py")
+        common = sys.modules["_common"]
+    finally:
+        sys.path.remove(str(REPO_ROOT / "benchmarks" / "peers"))
+    result = tmp_path / "llamacpp_int8.json"
+    assert llamacpp.main(["--model", "m", "--tokens_json", "t", "--dtype", "int8", "--gguf", str(q8),
+                          "--server_bin", "true", "--out", str(result)]) == 0
+    assert json.loads(result.read_text())["skipped"] == f"GGUF file not found: {q8}"
+    with pytest.raises(SystemExit):  # the other peers' scripts take float dtypes only
+        common.base_parser("x").parse_args(["--model", "m", "--tokens_json", "t", "--out", "o", "--dtype", "int8"])
+    rows = [engines.result_row("zoo-infer", "int8", tokens_per_s=12.0, generated_tokens=48),
+            engines.result_row("llama.cpp", "int8", tokens_per_s=8.0, generated_tokens=48),
+            engines.result_row("zoo-infer", "bfloat16", tokens_per_s=9.0, generated_tokens=48),
+            engines.result_row("llama.cpp", "bfloat16", tokens_per_s=10.0, generated_tokens=48)]
+    throughput.fill_comparisons(rows, {})
+    assert [row["ratio_vs_llamacpp"] for row in rows] == [1.5, 1.0, 0.9, 1.0]
+    assert all(row["ratio_vs_vllm"] is None for row in rows)
+    table = throughput.format_table(rows).splitlines()
+    assert "vs llama.cpp" in table[0] and "1.50" in table[2].split() and "0.90" in table[4].split()

@@ -24,12 +24,12 @@ from typing import Any
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-def base_parser(description: str) -> argparse.ArgumentParser:
-    """The options every peer script takes."""
+def base_parser(description: str, dtypes: tuple[str, ...] = DTYPES) -> argparse.ArgumentParser:
+    """The options every peer script takes (`dtypes`: what its --dtype accepts)."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="Hugging Face checkpoint folder")
     parser.add_argument("--tokens_json", type=Path, required=True, help="JSON with `token_ids`: one list of ids per prompt")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default: float32)")
+    parser.add_argument("--dtype", choices=dtypes, default="float32", help="compute dtype (default: float32)")
     parser.add_argument("--batch_size", type=int, default=32, help="most sequences decoded together (default: 32)")
     parser.add_argument("--max_tokens", type=int, default=64, help="most generated tokens per prompt (default: 64)")
     parser.add_argument("--eos_id", type=int, default=2, help="stop token id (default: 2)")

@@ -30,7 +30,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from _common import base_parser, normalize, read_teacher_forced, read_token_ids, threads, write_result, write_skipped
+from _common import DTYPES, base_parser, normalize, read_teacher_forced, read_token_ids, threads, write_result, write_skipped
 
 STARTUP_TIMEOUT_S = 300
 
@@ -67,8 +67,8 @@ def wait_healthy(base: str, server: subprocess.Popen) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Starts llama-server, sends the prompts concurrently, writes the result JSON."""
-    parser = base_parser(__doc__)
-    parser.add_argument("--gguf", type=Path, required=True, help="GGUF file with the weights in --dtype")
+    parser = base_parser(__doc__, (*DTYPES, "int8"))  # int8: a Q8_0 GGUF
+    parser.add_argument("--gguf", type=Path, required=True, help="GGUF file with the weights in --dtype (int8: Q8_0)")
     parser.add_argument("--server_bin", default="llama-server", help="llama-server executable (default: on PATH)")
     args = parser.parse_args(argv)
     binary = shutil.which(args.server_bin)
