@@ -9,7 +9,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import json
+import mmap
 import os
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -90,25 +92,49 @@ SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.f
                       "BOOL": torch.bool}
 
 
-def read_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of a .safetensors file, each read with plain file reads into its own memory.
+# Base address -> a checkpoint file's memory map, while any tensor views it (read_safetensors).
+_MAPPINGS: weakref.WeakValueDictionary[int, mmap.mmap] = weakref.WeakValueDictionary()
 
-    The format: an 8-byte little-endian header size, a JSON header {name: {dtype, shape, data_offsets
-    [begin, end) counted from the end of the header}}, then the data.
+
+def read_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of a .safetensors file, in file order, each a view of a private memory map of the file.
+
+    Nothing is read twice: a weight the loader converts, fuses or re-lays out is read once, from the page cache, by
+    that conversion, which then drops the source's pages from this process (release_mapped), so the file is never
+    resident beside the converted copies of its weights. A weight kept as it is stays a view of the map
+    (copy-on-write: writing to it never touches the file). The format: an 8-byte little-endian header size, a JSON
+    header {name: {dtype, shape, data_offsets [begin, end) counted from the end of the header}}, then the data.
     """
     with open(file, "rb") as handle:
         size = int.from_bytes(handle.read(8), "little")
         header = json.loads(handle.read(size))
-        header.pop("__metadata__", None)
-        for name, info in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):  # file order
-            begin, end = info["data_offsets"]
-            dtype = SAFETENSORS_DTYPES[info["dtype"]]
-            data = bytearray(end - begin)
-            handle.seek(8 + size + begin)
-            if handle.readinto(data) != len(data):
-                raise ValueError(f"the file ends inside {name}")
-            tensor = torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
-            yield name, tensor.reshape(info["shape"])
+        length = os.fstat(handle.fileno()).st_size
+        mapping = mmap.mmap(handle.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    _MAPPINGS[torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr()] = mapping
+    header.pop("__metadata__", None)
+    for name, info in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):  # file order
+        begin, end = (8 + size + offset for offset in info["data_offsets"])
+        if end > length:
+            raise ValueError(f"the file ends inside {name}")
+        dtype = SAFETENSORS_DTYPES[info["dtype"]]
+        count = (end - begin) // dtype.itemsize
+        tensor = torch.frombuffer(mapping, dtype=dtype, count=count, offset=begin) if count else torch.empty(0, dtype=dtype)
+        yield name, tensor.reshape(info["shape"])
+
+
+def release_mapped(tensor: torch.Tensor) -> None:
+    """Drops the whole pages of `tensor` from this process if it views a checkpoint's memory map (read_safetensors),
+    once its values were copied elsewhere; they are read again from the file if the tensor is used. Anything else:
+    nothing happens."""
+    start = tensor.data_ptr()
+    stop = start + tensor.untyped_storage().nbytes() - tensor.storage_offset() * tensor.element_size()
+    for base, mapping in list(_MAPPINGS.items()):
+        if base <= start < base + len(mapping) and hasattr(mmap, "MADV_DONTNEED"):
+            first = -(-(start - base) // mmap.PAGESIZE) * mmap.PAGESIZE  # pages wholly inside: never a neighbour's
+            last = (stop - base) // mmap.PAGESIZE * mmap.PAGESIZE
+            if last > first:
+                mapping.madvise(mmap.MADV_DONTNEED, first, last - first)
+            return
 
 
 # What `select` may answer for a weight that this process does not hold at all (tensor parallel).
@@ -116,26 +142,23 @@ SKIP = "skip"
 Select = Callable[[str], Any]  # weight name -> None (all of it), a tuple of slices (that part), or SKIP
 
 
-def iter_tensors(files: list[Path], select: Select | None = None, mapped: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every weight in the files, one shard in memory at a time.
+def iter_tensors(files: list[Path], select: Select | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every weight in the files, one shard file at a time.
 
     `select(name)` narrows what is read: a tensor-parallel rank takes only its rows or columns
     (safetensors reads just those bytes; a .bin file is loaded whole and sliced), or skips a weight.
-    mapped: safetensors tensors view a memory map of the file (safe_open), used where they lie.
-    Every page read stays resident in this process while the file is mapped, so a loader that
-    converts each weight and drops it (int8) passes mapped=False: each tensor is read into its own
-    memory, freed as soon as the loader lets it go (no `select` then).
+    Without it, safetensors tensors view a memory map of the file (read_safetensors).
     """
     for file in files:
         try:
-            if file.suffix == ".safetensors" and not mapped:
+            if file.suffix == ".safetensors" and select is None:
                 yield from read_safetensors(file)
             elif file.suffix == ".safetensors":
                 from safetensors import safe_open
 
                 with safe_open(str(file), framework="pt") as shard:
                     for name in shard.keys():
-                        index = select(name) if select else None
+                        index = select(name)
                         if index is None:
                             yield name, shard.get_tensor(name)
                         elif index != SKIP:
@@ -253,29 +276,36 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, plan:
         if name in quantized:  # quantized from the checkpoint's precision; the full tensor is dropped here
             loaded[name], loaded[scale_name(name)] = quantize_rows(tensor.T if quantized[name] else tensor,
                                                                    int8_group_size)
+            release_mapped(tensor)
             release_freed_memory()
         else:
             loaded[name] = tensor
 
     select = (lambda name: plan.index(canonical(name))) if plan is not None else None
-    # Each weight in its own memory, unless a tensor-parallel rank reads slices through a memory map: a
-    # weight viewing the map keeps every page of the file resident while any weight of it lives, so
-    # weights converted, quantized or re-laid out (the CPU GEMM backends) would be held twice.
-    for name, tensor in iter_tensors(weight_files(folder), select, mapped=select is not None):
+    for name, tensor in iter_tensors(weight_files(folder), select):
         name = canonical(name)
         delta = update(name) if update is not None else None
+        source = tensor  # as read: a view of the file's memory map, whose pages go once it is copied
         if delta is not None:
             index = plan.index(name) if plan is not None else None  # this rank's part of the weight, as read
             tensor = (tensor.float() + (delta if index is None else delta[index])).to(tensor.dtype)
         # Cast tensor by tensor, so peak memory stays low; a weight to quantize keeps its precision until then.
         to_quantize = part_of.get(name, (name,))[0] in quantized
         tensor = tensor.to(device=device, dtype=None if to_quantize else dtype)
+        if tensor is not source:
+            release_mapped(source)
+        del source
         if name in part_of:
             target, index = part_of[name]
             pieces.setdefault(target, {})[index] = tensor
             if len(pieces[target]) == len(fused[target]):
-                parts = pieces.pop(target)  # emptied while concatenating: no full-precision part outlives the cat
-                place(target, torch.cat([parts.pop(i) for i in range(len(parts))]), " + ".join(fused[target]))
+                parts = pieces.pop(target)
+                whole = torch.cat([parts[i] for i in range(len(parts))])
+                for i in parts:
+                    release_mapped(parts[i])
+                del parts, tensor  # no full-precision part outlives the cat
+                place(target, whole, " + ".join(fused[target]))
+                del whole
         elif name in expected:
             place(name, tensor, name)
         elif not name.endswith(IGNORED_SUFFIXES):

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from modelzoo.checkpoint import release_freed_memory
+from modelzoo.checkpoint import release_freed_memory, release_mapped
 from modelzoo.errors import UserError
 from modelzoo.kernels import read_machine_choices, write_machine_choices
 
@@ -336,6 +336,7 @@ def apply_gemm_backend(model: nn.Module, dtype: torch.dtype, device: torch.devic
     while layers:  # one layer at a time, dropping each old layer at once: at most one weight is held twice
         parent, name, layer = layers.pop()
         setattr(parent, name, wrap(layer, plan.layers[_shape_key(layer, dtype)], decode_rows))
+        release_mapped(layer.weight)  # re-laid out: its checkpoint pages go (kept as is: read again when used)
         del layer
     release_freed_memory()  # the checkpoint-layout weights just dropped
     log.info("GEMM backends (%s): %s", requested, "; ".join(

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from modelzoo.checkpoint import release_mapped
 from modelzoo.cpu import cpu_flags
 
 
@@ -214,6 +215,7 @@ def replace_linear_layers(model: nn.Module, pack: Callable[[nn.Module, str, nn.M
         packed, kernel = pack(parent, name, layer)
         shapes[packed.shape_key] = kernel
         setattr(parent, name, packed)
+        release_mapped(layer.weight)  # the checkpoint's pages of the weight just packed
         del layer
     return shapes
 
@@ -244,17 +246,11 @@ class HalfLinear(PackedLinear):
 
 def pack_half_weight(weight: torch.Tensor) -> torch.Tensor:
     """W (N, K) bfloat16 or float16 -> (ceil(N/16), K, 16) in its dtype: for each input, 16 output rows' values side
-    by side (zero rows pad N). Written straight into the packed tensor: no third copy of a large weight (a
-    vocabulary head) while the model holds the other two."""
-    out_features, in_features = weight.shape
-    blocks = -(-out_features // GEMM_BLOCK)
-    packed = torch.empty(blocks, in_features, GEMM_BLOCK, dtype=weight.dtype)
-    whole = out_features // GEMM_BLOCK  # blocks of 16 real rows
-    packed[:whole].copy_(weight[: whole * GEMM_BLOCK].view(whole, GEMM_BLOCK, in_features).transpose(1, 2))
-    if whole < blocks:  # the last block: its real rows, then zeros
-        packed[whole].zero_()
-        packed[whole, :, : out_features - whole * GEMM_BLOCK].copy_(weight[whole * GEMM_BLOCK:].t())
-    return packed
+    by side (zero rows pad N), packed by the C++ kernels (every block in parallel, straight into the packed tensor:
+    no third copy of a large weight, a vocabulary head, while the model holds the other two)."""
+    from modelzoo.kernels import cpu_kernels
+
+    return cpu_kernels().pack_half_weight(weight)
 
 
 class TiedHalfEmbedding(nn.Module):

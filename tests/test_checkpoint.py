@@ -42,3 +42,70 @@ def test_dtype_is_cast_on_load(tmp_path):
     model, _ = load_model(checkpoint, torch.bfloat16, torch.device("cpu"))
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert model.lm_head.weight is model.model.embed_tokens.weight  # tied: one tensor, not two copies
+
+
+def _mapped_file_kib() -> int:
+    """This process's resident pages of mapped files (RssFile in /proc/self/status), KiB."""
+    for line in open("/proc/self/status"):
+        if line.startswith("RssFile:"):
+            return int(line.split()[1])
+    raise AssertionError("no RssFile line in /proc/self/status")
+
+
+def test_mapped_weights_are_released_once_converted(tmp_path):
+    """read_safetensors maps the file: a weight the loader converts is read once and release_mapped drops its pages
+    from this process (the file is never resident beside the converted copies), and a weight kept as it is still
+    reads the file's values afterwards, writable without touching the file."""
+    from modelzoo.checkpoint import read_safetensors, release_mapped
+
+    torch.manual_seed(0)
+    tensors = {f"w{i}": torch.randn(4096, 1024) for i in range(4)}  # 16 MiB each
+    save_file(tensors, tmp_path / "model.safetensors")
+    tensors["w0"].to(torch.bfloat16)  # the conversion's own code pages mapped in before counting
+    slack = 4 * 1024  # other files' pages this process touches meanwhile (its own code), far below a weight
+    before = _mapped_file_kib()
+    converted, grown = {}, []
+    for name, tensor in read_safetensors(tmp_path / "model.safetensors"):
+        if name == "w3":
+            converted[name] = tensor  # kept as it is: a view of the map
+        else:
+            converted[name] = tensor.to(torch.bfloat16)  # a copy: the mapped pages are no longer needed
+            release_mapped(tensor)
+        grown.append(_mapped_file_kib() - before)
+    assert max(grown) <= slack, grown  # nothing converted stays mapped in
+    release_mapped(torch.zeros(1024, 1024))  # not a view of a map: nothing happens
+    for name, tensor in tensors.items():
+        expected = tensor if name == "w3" else tensor.to(torch.bfloat16)
+        assert torch.equal(converted[name], expected), name
+    release_mapped(converted["w3"])
+    assert torch.equal(converted["w3"], tensors["w3"])  # read again from the file
+    converted["w3"][0, 0] = 1.0  # copy-on-write: the kept weight is writable, the file unchanged
+    assert torch.equal(load_file(tmp_path / "model.safetensors")["w3"], tensors["w3"])
+
+
+def _status_kib(field: str) -> int:
+    """A KiB figure of /proc/self/status (VmRSS, VmHWM: the peak since the last reset)."""
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {field} line in /proc/self/status")
+
+
+def test_loading_a_converted_checkpoint_holds_it_once(tmp_path):
+    """Loading a float32 checkpoint in bfloat16 converts every weight: the peak resident memory of the load grows by
+    the bfloat16 weights and at most one float32 weight being converted, never by the file (RSS within the bound)."""
+    config = narrow_llama_config(hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=8,
+                                 vocab_size=4096, tie_word_embeddings=False)
+    folder = save_tiny_model(config, tmp_path / "ckpt")
+    file_kib = (folder / "model.safetensors").stat().st_size // 1024
+    assert file_kib > 30 * 1024
+    load_model(folder, torch.bfloat16, torch.device("cpu"))  # the conversion's code and allocator warmed up
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")  # resets VmHWM to the current resident size
+    before = _status_kib("VmRSS")
+    model, _ = load_model(folder, torch.bfloat16, torch.device("cpu"))
+    largest_float32_kib = 4096 * 512 * 4 // 1024  # the embedding and the head
+    grown = _status_kib("VmHWM") - before
+    assert grown <= file_kib // 2 + largest_float32_kib + 4 * 1024, (grown, file_kib)
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    assert torch.equal(model.state_dict()["model.embed_tokens.weight"], reference.model.embed_tokens.weight)

@@ -176,10 +176,10 @@ def test_weights_are_quantized_tensor_by_tensor_while_loading(checkpoints, monke
     most_alive = 0
     read = checkpoint_module.iter_tensors
 
-    def tracked(files, select, mapped):
+    def tracked(files, select):
         nonlocal most_alive
-        assert not mapped and select is None  # read into memory of its own, tensor by tensor
-        for name, tensor in read(files, select, mapped=mapped):
+        assert select is None  # the whole checkpoint, tensor by tensor
+        for name, tensor in read(files, select):
             if tensor.ndim == 2:  # the llama's matrices are all quantized
                 refs.append(weakref.ref(tensor))
             most_alive = max(most_alive, sum(ref() is not None for ref in refs))
@@ -191,8 +191,8 @@ def test_weights_are_quantized_tensor_by_tensor_while_loading(checkpoints, monke
     assert most_alive == 3
 
 
-def test_plain_file_reads_give_what_safe_open_gives(tmp_path):
-    """int8 loading reads safetensors with plain reads (read_safetensors), not safe_open's memory map."""
+def test_mapped_reads_give_what_safe_open_gives(tmp_path):
+    """read_safetensors (the loader's own memory map) gives every dtype and shape safe_open gives."""
     torch.manual_seed(0)
     tensors = {"a.weight": torch.randn(5, 3), "b": torch.randn(7).to(torch.bfloat16), "c": torch.randn(2, 2).half(),
                "d": torch.arange(6).reshape(2, 3), "e": torch.tensor([True, False]), "f": torch.empty(0, 4),

@@ -194,11 +194,18 @@ def test_bf16_silu_gate_rejects_a_weight_not_in_gated_tiles():
         gated(torch.randn(2, 30))
 
 
-def test_packed_half_weight_layout():
-    weight = torch.arange(17 * 5, dtype=F16).view(17, 5)  # N = 17: padded to 32 rows
+@needs_kernels
+@pytest.mark.parametrize("dtype", [BF16, F16])
+@pytest.mark.parametrize("out_features, in_features", [(17, 5), (48, 3), (33, 130)])
+def test_packed_half_weight_layout(dtype, out_features, in_features):
+    """packed[b, k, r] = W[16 b + r, k]; the rows past N are zeros."""
+    weight = torch.randn(out_features, in_features).to(dtype)
     packed = precision.pack_half_weight(weight)
-    assert packed.shape == (2, 5, 16) and packed.dtype == F16
-    assert packed[0, 2, 3] == weight[3, 2] and packed[1, 4, 0] == weight[16, 4] and packed[1, :, 1:].abs().sum() == 0
+    blocks = -(-out_features // 16)
+    assert packed.shape == (blocks, in_features, 16) and packed.dtype == dtype
+    rows = torch.cat([weight, torch.zeros(blocks * 16 - out_features, in_features, dtype=dtype)])
+    assert torch.equal(packed, rows.view(blocks, 16, in_features).transpose(1, 2))
+    assert torch.equal(precision.pack_half_weight(weight.t().contiguous().t()), packed)  # a strided weight too
 
 
 def half_gemm_paths() -> list[str]:

@@ -40,6 +40,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "widened to float32 as it is read: one fused multiply-add per input in ascending order, (..., out_features) "
         "float32",
         py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(), py::arg("out_features"));
+  m.def("pack_half_weight", &zoo::pack_half_weight,
+        "W (N, K) bfloat16 or float16 -> (ceil(N/16), K, 16) in its dtype: for each input, 16 output rows' values side "
+        "by side, zero rows padding N (the layout half_linear reads); blocks packed in parallel",
+        py::arg("weight"));
   m.def("half_gemm_path", &zoo::half_gemm_path,
         "The code path of half_linear on this CPU: 'avx2' or 'avx512' (where built), the faster of the two timed at "
         "the first call; `use` sets it instead. The outputs are the same bits either way.",

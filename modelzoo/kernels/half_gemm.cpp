@@ -6,7 +6,7 @@
 // they are (no rounding of the inputs): the arithmetic of a float32 GEMM over the 16-bit values, at half the bytes of
 // weights read per decode step.
 //
-// Weights: W (N, K), packed by modelzoo/precision.py into blocks of 16 output rows:
+// Weights: W (N, K), packed by pack_half_weight (below) into blocks of 16 output rows:
 //   packed (N/16, K, 16) bfloat16 or float16: for each input, 16 rows' values side by side.
 // N is padded with zero rows to a multiple of 16. Each output is one float32 lane summing x[k] * w[k] with one fused
 // multiply-add per input, in ascending k, from zero: whatever the other rows of the call, and whichever code path
@@ -269,6 +269,33 @@ Path path_in_use() {
 torch::Tensor half_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                           int64_t out_features) {
   return linear(x, packed, bias, out_features, path_in_use());
+}
+
+torch::Tensor pack_half_weight(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 &&
+                  (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kHalf),
+              "weight must be a bfloat16 or float16 CPU tensor (N, K)");
+  const auto w = weight.contiguous();
+  const int64_t n = w.size(0), k = w.size(1), blocks = (n + kBlock - 1) / kBlock;
+  auto packed = torch::empty({blocks, k, kBlock}, w.options());
+  const auto* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  auto* dst = reinterpret_cast<uint16_t*>(packed.data_ptr());
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t rows = std::min(kBlock, n - b * kBlock);
+      const uint16_t* in = src + b * kBlock * k;
+      uint16_t* out = dst + b * k * kBlock;
+      if (rows < kBlock) {
+        std::memset(out, 0, k * kBlock * sizeof(uint16_t));
+        for (int64_t i = 0; i < k; ++i)
+          for (int64_t r = 0; r < rows; ++r) out[i * kBlock + r] = in[r * k + i];
+        continue;
+      }
+      for (int64_t i = 0; i < k; ++i)  // 16 rows read side by side, each output line written whole
+        for (int64_t r = 0; r < kBlock; ++r) out[i * kBlock + r] = in[r * k + i];
+    }
+  });
+  return packed;
 }
 
 std::string half_gemm_path(const std::string& use) {
