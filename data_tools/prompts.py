@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from modelzoo.errors import UserError
+from modelzoo.generation.pairs import split_pair
 
 SUFFIXES = (".jsonl", ".txt", ".csv", ".parquet")
 
@@ -307,20 +308,11 @@ def tokenize_prompts(tokenizer: Any, prompts: Sequence[str], chat_template: bool
 def tokenize_pairs(tokenizer: Any, contexts: Sequence[str], continuations: Sequence[str], first_row: int = 1
                    ) -> tuple[list[list[int]], list[int]]:
     """Each (context, continuation) as one token list and its continuation's length, split as lm-evaluation-harness
-    splits a pair: trailing spaces of the context move to the continuation, the whole text is encoded and the
-    continuation is what follows the context's own encoding; an empty context is the tokenizer's BOS (else EOS).
-    A continuation of no token is an error naming its row (`first_row`: the 1-based row of the first pair)."""
-    prefix = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    splits a pair (modelzoo/generation/pairs.py). A continuation of no token is an error naming its row (`first_row`:
+    the 1-based row of the first pair)."""
     rows, lengths = [], []
     for row, (context, continuation) in enumerate(zip(contexts, continuations), start=first_row):
-        spaces = len(context) - len(context.rstrip())
-        if spaces:
-            context, continuation = context[:-spaces], context[-spaces:] + continuation
-        if context:  # the tokenizer's own special tokens (a BOS where the model expects one), as lm-eval's default
-            head = tokenizer(context)["input_ids"]
-            tail = tokenizer(context + continuation)["input_ids"][len(head):]
-        else:
-            head, tail = [prefix], tokenizer(continuation, add_special_tokens=False)["input_ids"]
+        head, tail = split_pair(tokenizer, context, continuation)
         if not tail:
             raise UserError(f"row {row}: its continuation {continuation!r} has no token to score")
         rows.append(list(head) + list(tail))

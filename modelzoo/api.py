@@ -25,6 +25,7 @@ import torch
 from modelzoo.checkpoint import load_hf_config, resolve_dtype
 from modelzoo.generation.engine import GenerationEngine, Request
 from modelzoo.generation.options import GenerationOptions, RequestVariety
+from modelzoo.generation.pairs import split_pair
 from modelzoo.generation.scoring import Score, Scorer, ScoreRequest
 from modelzoo.lora import plan_adapters
 from modelzoo.model_setup import ModelSetup, resolve_device
@@ -104,7 +105,9 @@ class ZooModel:
     def generate(self, prompts: Sequence[Prompt], options: GenerationOptions | Sequence[GenerationOptions] | None = None,
                  chat_template: bool = False, progress: bool = False) -> list[Generated]:
         """Completes every prompt, in input order. options: one for all (default: `default_options()`), or one per
-        prompt (their sampling, stops and limits may differ row by row; the others must be the first's)."""
+        prompt (their sampling, stops and limits may differ row by row; the others must be the first's). A prompt
+        whose options ask n > 1 gives n completions in a row, each drawn from its own stream: the rows a job writes
+        for it (`create_inference_h5.py --n`), prefilled once."""
         per_prompt = list(options) if isinstance(options, (list, tuple)) else [options or self.default_options()] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"{len(per_prompt)} options for {len(prompts)} prompts")
@@ -113,16 +116,19 @@ class ZooModel:
                                  samples=any(not o.greedy for o in per_prompt),
                                  top_p=any(o.top_p < 1.0 for o in per_prompt))
         engine = self._engine(defaults, variety)
-        requests = (Request(i, self.encode(p, chat_template), o) for i, (p, o) in enumerate(zip(prompts, per_prompt)))
+        rows = sum(o.n for o in per_prompt)
+        first_rows = np.cumsum([0] + [o.n for o in per_prompt])  # each prompt's first row: a sample index, as in a job
+        requests = (Request(int(first) + sample, ids, o) for first, p, o in zip(first_rows, prompts, per_prompt)
+                    for ids in [self.encode(p, chat_template)] for sample in range(o.n))
         out: dict[int, Generated] = {}
-        with _progress(len(prompts), progress, "generating") as bar:
+        with _progress(rows, progress, "generating") as bar:
             for completion in engine.generate(requests):
                 ids = completion.tokens.tolist()
                 out[completion.index] = Generated(self.tokenizer.decode(ids, skip_special_tokens=True), ids,
                                                   completion.reason,
                                                   None if completion.logprobs is None else completion.logprobs.tolist())
                 bar.update(1)
-        return [out[i] for i in range(len(prompts))]
+        return [out[i] for i in range(rows)]
 
     def _engine(self, defaults: GenerationOptions, variety: RequestVariety) -> GenerationEngine:
         """The engine for these options: the current one where they are its own, else a new one over the same model
@@ -135,19 +141,15 @@ class ZooModel:
     # ---- scoring ------------------------------------------------------------------------------------------------
 
     def encode_pair(self, context: Prompt, continuation: Prompt) -> tuple[np.ndarray, np.ndarray]:
-        """(context ids, continuation ids). Text pairs are encoded whole and split where the context's own encoding
-        ends (trailing spaces of the context move to the continuation), as lm-evaluation-harness does, so the
-        continuation's tokens are those the model would read after the context."""
+        """(context ids, continuation ids). Text pairs are split as lm-evaluation-harness splits them (trailing spaces of
+        the context move to the continuation; an empty context is BOS, else EOS: modelzoo/generation/pairs.py), as the
+        job's data tool does, so the continuation's tokens are those the model would read after the context."""
         if not isinstance(context, str) or not isinstance(continuation, str):
             ids = [self.encode(part) if isinstance(part, str) else np.asarray(part, dtype=np.int64)
                    for part in (context, continuation)]
             return ids[0], ids[1]
-        spaces = len(context) - len(context.rstrip())
-        if spaces:
-            context, continuation = context[:-spaces], context[-spaces:] + continuation
-        whole = self.tokenizer(context + continuation)["input_ids"]
-        head = self.tokenizer(context)["input_ids"]
-        return np.asarray(head, dtype=np.int64), np.asarray(whole[len(head):], dtype=np.int64)
+        head, tail = split_pair(self.tokenizer, context, continuation)
+        return np.asarray(head, dtype=np.int64), np.asarray(tail, dtype=np.int64)
 
     def score(self, pairs: Sequence[tuple[Prompt, Prompt]], progress: bool = False) -> list[Score]:
         """Teacher-forced log-probabilities of each continuation after its context, in input order (`Score`: per

@@ -139,3 +139,16 @@ def test_manifests_of_jobs_without_the_new_options_stay_as_older_versions_wrote_
     assert not {"json_schema", "min_p", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "n",
                 "response_format"} & set(manifest["model"])
     assert manifest["model"]["temperature"] == 0.8 and manifest["model"]["seed"] == 11
+
+
+def test_the_python_api_gives_n_samples_as_the_job_writes_them(n_runs):
+    """ZooModel.generate with n: n completions per prompt in a row, each the job's row for that sample."""
+    from modelzoo.api import ZooModel
+
+    zoo = ZooModel(SMOLLM2_DIR, dtype="float32", max_seq_len=72, rows_in_flight=4)
+    options = GenerationOptions(max_tokens=12, stop_sequences=((EOS,),), temperature=0.8, seed=11, n=3)
+    answers = zoo.generate(PROMPTS, options, chat_template=True)
+    reference = rows_by_index(n_runs["runs"]["n_b7"])
+    assert [answer.token_ids for answer in answers] == [reference[i][0] for i in range(9)]
+    single = zoo.generate(PROMPTS[:1], [options.overridden(n=1)], chat_template=True)
+    assert [answer.token_ids for answer in single] == [reference[0][0]]

@@ -82,6 +82,20 @@ def test_scores_equal_transformers_log_softmax(scored):
     assert got[4][0] == [1]  # the empty context: SmolLM2's BOS
 
 
+def test_the_python_api_scores_every_pair_as_the_job_does(scored):
+    """ZooModel.score splits each text pair as the data tool does (an empty context included: BOS, though SmolLM2's
+    tokenizer adds none) and gives the job's log-probabilities and is_greedy."""
+    from modelzoo.api import ZooModel
+
+    zoo = ZooModel(SMOLLM2_DIR, dtype="float32", max_seq_len=48, rows_in_flight=4)
+    job = rows(scored["runs"][7])
+    for index, score in enumerate(zoo.score(PAIRS)):
+        context, continuation = zoo.encode_pair(*PAIRS[index])
+        assert (context.tolist(), continuation.tolist()) == (job[index][0], job[index][1]), index
+        np.testing.assert_allclose(score.logprobs, job[index][2], rtol=0, atol=1e-5)
+        assert score.is_greedy == job[index][3], index
+
+
 def test_scores_do_not_depend_on_the_batch_or_a_resume(scored):
     reference = rows(scored["runs"][7])
     for batch_size, model_dir in scored["runs"].items():
