@@ -331,11 +331,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch_size", type=int, default=32, help="sequences decoded together, every engine "
                         "(default: 32)")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16, float16, "
-                        "int8 (zoo-infer's int8 weights, float32 arithmetic; no transformers or peer row) (default: "
+                        "int8 (zoo-infer's int8 weights, float32 arithmetic; llama.cpp's Q8_0 beside it) (default: "
                         "float32,bfloat16)")
     parser.add_argument("--transformers_dtypes", default=None, help="the dtypes transformers generate() runs in "
                         "besides its float32 reference (default: every float dtype of --dtypes; 'float32': the "
                         "reference alone, e.g. where its emulated 16-bit GEMMs would take hours)")
+    parser.add_argument("--peer_dtypes", default=None, help="the float dtypes the peers run in (default: every float "
+                        "dtype of --dtypes; e.g. 'float32' where a peer emulates 16-bit arithmetic on this CPU)")
     parser.add_argument("--baseline_repo", type=Path, default=None, help="another zoo-infer checkout (an older "
                         "commit, its kernels built) run in every --dtypes too, after this one")
     parser.add_argument("--baseline_label", default="baseline", help="its name in the table (default: baseline)")
@@ -372,6 +374,10 @@ def main(argv: list[str] | None = None) -> int:
     if any(d not in FLOAT_DTYPES for d in hf_dtypes):
         sys.exit(f"error: --transformers_dtypes takes {', '.join(FLOAT_DTYPES)}; got {args.transformers_dtypes!r}")
     hf_dtypes = ["float32"] + [d for d in hf_dtypes if d != "float32"]  # the reference first, whatever is asked
+    peer_dtypes = float_dtypes if args.peer_dtypes is None else [
+        d.strip() for d in args.peer_dtypes.split(",") if d.strip()]
+    if any(d not in FLOAT_DTYPES for d in peer_dtypes):
+        sys.exit(f"error: --peer_dtypes takes {', '.join(FLOAT_DTYPES)}; got {args.peer_dtypes!r}")
     if args.baseline_repo is not None and not (args.baseline_repo / "run_inference.py").is_file():
         sys.exit(f"error: --baseline_repo {args.baseline_repo} holds no run_inference.py")
     if min(args.num_prompts, args.max_tokens, args.batch_size) < 1:
@@ -411,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         for dtype in dtypes:
             record(*run_zoo_dtype(args, prep, out, dtype, threads, args.baseline_repo.resolve(), args.baseline_label))
     for name in peers:
-        for dtype in float_dtypes + (["int8"] if name == "llamacpp" and "int8" in dtypes else []):
+        for dtype in peer_dtypes + (["int8"] if name == "llamacpp" and "int8" in dtypes else []):
             record(*run_peer(name, args, prep, out, dtype, threads))
 
     probe.measure()  # again, keeping the best of both: a dip in the machine's speed does not lower the limits
@@ -424,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     config = {
         "model": str(args.model), "prompt_set": f"{PYPI_NAME} (HumanEval), seed {args.seed}, chat template",
         "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "batch_size": args.batch_size,
-        "dtypes": dtypes, "transformers_dtypes": hf_dtypes, "peers": peers, "threads": threads, "eos_id": prep.eos_id,
+        "dtypes": dtypes, "transformers_dtypes": hf_dtypes, "peers": peers, "peer_dtypes": peer_dtypes, "threads": threads, "eos_id": prep.eos_id,
         **({"baseline_repo": str(args.baseline_repo.resolve()), "baseline_label": args.baseline_label}
            if args.baseline_repo is not None else {}),
         **({"vllm_python": args.vllm_python} if "vllm" in peers else {}),

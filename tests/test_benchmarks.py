@@ -43,6 +43,7 @@ def test_throughput_table(tmp_path: Path, capsys: pytest.CaptureFixture) -> None
     out = tmp_path / "results"
     throughput = load_script("benchmarks/throughput.py")
     for bad, message in ((["--transformers_dtypes", "int8"], "--transformers_dtypes takes float32, bfloat16, float16"),
+                         (["--peer_dtypes", "int8"], "--peer_dtypes takes float32, bfloat16, float16"),
                          (["--baseline_repo", str(tmp_path)], "holds no run_inference.py")):
         with pytest.raises(SystemExit, match=message):
             throughput.main(["--dtypes", "float32", "--peers", "none", "--out", str(out), *bad])
