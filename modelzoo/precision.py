@@ -246,8 +246,7 @@ class HalfLinear(PackedLinear):
 
 def pack_half_weight(weight: torch.Tensor) -> torch.Tensor:
     """W (N, K) bfloat16 or float16 -> (ceil(N/16), K, 16) in its dtype: for each input, 16 output rows' values side
-    by side (zero rows pad N), packed by the C++ kernels (every block in parallel, straight into the packed tensor:
-    no third copy of a large weight, a vocabulary head, while the model holds the other two)."""
+    by side (zero rows pad N), written by the C++ kernels straight into the packed tensor, every block in parallel."""
     from modelzoo.kernels import cpu_kernels
 
     return cpu_kernels().pack_half_weight(weight)
