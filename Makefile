@@ -20,7 +20,7 @@ $(MODEL)/config.json: $(STAMP) data_tools/prepare_default_model.py
 # The C++ CPU kernels, compiled for this machine (a no-op when up to date). Without a compiler this
 # warns and zoo-infer runs its PyTorch code path instead.
 kernels: $(STAMP)
-	$(PY) -m modelzoo.kernels || echo "warning: C++ CPU kernels not built; the PyTorch code path will be used"
+	$(PY) -m modelzoo.cpu.kernels || echo "warning: C++ CPU kernels not built; the PyTorch code path will be used"
 
 setup: $(STAMP) $(MODEL)/config.json kernels
 

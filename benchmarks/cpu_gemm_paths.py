@@ -6,12 +6,12 @@ with before, side by side on this CPU.
     .venv/bin/python benchmarks/cpu_gemm_paths.py --shapes 576x1536 --rows 1,64 --threads 2
 
 For each weight shape (K inputs x N outputs) and row count M, GFLOP/s of:
-  - `half_linear` (modelzoo/kernels/half_gemm.cpp): bfloat16 weights kept in 2 bytes, widened to float32 as they are
+  - `half_linear` (modelzoo/cpu/kernels/half_gemm.cpp): bfloat16 weights kept in 2 bytes, widened to float32 as they are
     read, on its AVX2 path and, where built, its AVX-512 one;
   - `float32 weights`: the same values widened once to float32 and multiplied by the fastest float32 GEMM candidate
-    (modelzoo/gemm.py, as `auto` picks): what a 16-bit job ran on before on a CPU without native 16-bit multiplies,
+    (modelzoo/cpu/gemm.py, as `auto` picks): what a 16-bit job ran on before on a CPU without native 16-bit multiplies,
     at twice the bytes of weights;
-  - `vnni16` (modelzoo/kernels/int8_gemm.cpp): int8 weights in groups of 32 inputs, 16-bit activations, on its AVX2
+  - `vnni16` (modelzoo/cpu/kernels/int8_gemm.cpp): int8 weights in groups of 32 inputs, 16-bit activations, on its AVX2
     path and, where the CPU has AVX512-VNNI, its VNNI one;
   - `int8 float`: the same int8 weights dequantized per call, the only int8 backend an AVX2 CPU had before.
 Forcing the AVX2 paths on an AVX-512 CPU shows how that code runs (on this CPU's clock and caches; an AVX2 CPU's
@@ -34,11 +34,11 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.machine import cpu_description  # noqa: E402
-from modelzoo.cpu import cpu_flags  # noqa: E402
-from modelzoo.gemm import _shape_key, available_backends, measured_shapes, wrap  # noqa: E402
-from modelzoo.int8_compute import _candidate  # noqa: E402
-from modelzoo.kernels import cpu_kernels  # noqa: E402
-from modelzoo.precision import HalfLinear  # noqa: E402
+from modelzoo.cpu.facts import cpu_flags  # noqa: E402
+from modelzoo.cpu.gemm import _shape_key, available_backends, measured_shapes, wrap  # noqa: E402
+from modelzoo.cpu.int8_compute import _candidate  # noqa: E402
+from modelzoo.cpu.kernels import cpu_kernels  # noqa: E402
+from modelzoo.cpu.precision import HalfLinear  # noqa: E402
 
 # SmolLM2-135M's MLP, then Llama-3.2-3B's attention output, MLP up and MLP down
 DEFAULT_SHAPES = "576x1536,3072x3072,3072x8192,8192x3072"

@@ -44,7 +44,7 @@ from benchmarks.engines import check_gguf_options, start_run, zoo_teacher_forced
 from benchmarks.throughput import prepare  # noqa: E402
 
 PROMPT_SETS = {"raw": False, "chat": True}  # name -> chat template
-ZOO_DTYPES = ("float32", "bfloat16", "float16")  # each under its precision policy (modelzoo/precision.py)
+ZOO_DTYPES = ("float32", "bfloat16", "float16")  # each under its precision policy (modelzoo/cpu/precision.py)
 PEER_DTYPES = {"vllm": ("bfloat16",), "llamacpp": ("bfloat16", "float16"), "ctranslate2": ()}
 
 

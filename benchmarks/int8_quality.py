@@ -8,7 +8,7 @@ chat template, greedy, stop at EOS, batch 32). Runs run_inference.py once per va
 at a time: float32 (the reference), bfloat16, and `weight_dtype: int8` for each --group_sizes
 (0 = one scale per output channel) with each --int8_backends (on AVX512-VNNI, `vnni16`: activations
 quantized per row and chunk to 16 bits, `vnni8`: to 8 bits; `float`: the int8 weight turned into
-floats at each call; see modelzoo/int8_compute.py). For each it prints:
+floats at each call; see modelzoo/cpu/int8_compute.py). For each it prints:
 
 - tokens/s and its ratio to float32's (the generation part, from summary.json);
 - weight MiB: the model's weights as the job holds them (int8, scales, packed copies);
@@ -41,11 +41,11 @@ if str(REPO_ROOT) not in sys.path:
 from benchmarks.engines import add_run_options, start_run  # noqa: E402
 from benchmarks.machine import cpu_description  # noqa: E402
 from benchmarks.throughput import prepare, run_zoo  # noqa: E402
-from modelzoo.checkpoint import load_model  # noqa: E402
-from modelzoo.gemm import apply_gemm_backend, weight_bytes  # noqa: E402
-from modelzoo.generation.kv_cache import KVCache  # noqa: E402
-from modelzoo.int8_compute import apply_int8_backend  # noqa: E402
-from modelzoo.quantization import dequantize_rows, quantize_rows  # noqa: E402
+from modelzoo.models.checkpoint import load_model  # noqa: E402
+from modelzoo.cpu.gemm import apply_gemm_backend, weight_bytes  # noqa: E402
+from modelzoo.models.kv_cache import KVCache  # noqa: E402
+from modelzoo.cpu.int8_compute import apply_int8_backend  # noqa: E402
+from modelzoo.cpu.quantization import dequantize_rows, quantize_rows  # noqa: E402
 
 CPU = torch.device("cpu")
 

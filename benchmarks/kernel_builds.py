@@ -3,7 +3,7 @@
 and the attention over every layer's own KV cache (SmolLM2-135M's shapes by default), so weights and cache come
 from memory, as in a job, and not from a CPU cache a loop over one tensor keeps warm.
 
-    python -m modelzoo.kernels        # prints this checkout's build folder; edit a kernel, run it again
+    python -m modelzoo.cpu.kernels        # prints this checkout's build folder; edit a kernel, run it again
     python benchmarks/kernel_builds.py before=<build folder> after=<build folder>
     python benchmarks/kernel_builds.py                   # this checkout's build alone
 
@@ -28,9 +28,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from modelzoo.generation.kv_cache import zeroed_cache_tensor  # noqa: E402
-from modelzoo.kernels import _built_library, _load_library, kernel_build_dir  # noqa: E402
-from modelzoo.precision import SILU_GATE_TILE, pack_bf16_weight  # noqa: E402
+from modelzoo.models.kv_cache import zeroed_cache_tensor  # noqa: E402
+from modelzoo.cpu.kernels import _built_library, _load_library, kernel_build_dir  # noqa: E402
+from modelzoo.cpu.precision import SILU_GATE_TILE, pack_bf16_weight  # noqa: E402
 
 
 def load_builds(specs: list[str]) -> dict[str, ModuleType]:
@@ -44,7 +44,7 @@ def load_builds(specs: list[str]) -> dict[str, ModuleType]:
             sys.exit(f"error: a build is label=folder, not {spec!r}")
         library = _built_library(Path(folder))
         if library is None:
-            sys.exit(f"error: no built kernel library in {folder} (python -m modelzoo.kernels builds one)")
+            sys.exit(f"error: no built kernel library in {folder} (python -m modelzoo.cpu.kernels builds one)")
         builds[label] = _load_library(library)
     return builds
 

@@ -28,7 +28,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from benchmarks.engines import run_zoo  # noqa: E402
 from benchmarks.throughput import start_variants, variant_data, variant_parser  # noqa: E402
-from modelzoo.checkpoint import load_hf_config  # noqa: E402
+from modelzoo.models.checkpoint import load_hf_config  # noqa: E402
 
 ADAPTERS = 4
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",

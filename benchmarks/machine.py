@@ -5,7 +5,7 @@ Both limits count only the linear layers (2 FLOPs per weight per row): every pro
 all prompts share once) through every layer but the LM head, one row per prompt through the head,
 and every generated token through all of them. Attention, norms and sampling are left out, so no
 engine reaches either:
-  - the GEMM ceiling: those FLOPs at the best rate the job's own probe (modelzoo/gemm.py) measured
+  - the GEMM ceiling: those FLOPs at the best rate the job's own probe (modelzoo/cpu/gemm.py) measured
     for each weight shape, prompt rows at M = 1024 and generated rows at M = the rows decoded
     together. The fraction of it an engine reaches says how much of the machine it uses.
   - the peak bound: those FLOPs at the CPU's arithmetic peak for the dtype (benchmarks/peak_rate.py:
@@ -25,9 +25,9 @@ import torch
 from torch import nn
 
 from benchmarks import peak_rate
-from modelzoo.cpu import cpu_flags, cpu_model
-from modelzoo.gemm import ShapeChoice, available_backends, measure_shape, wrap
-from modelzoo.precision import BF16Linear, HalfLinear, precision_policy
+from modelzoo.cpu.facts import cpu_flags, cpu_model
+from modelzoo.cpu.gemm import ShapeChoice, available_backends, measure_shape, wrap
+from modelzoo.cpu.precision import BF16Linear, HalfLinear, precision_policy
 
 RATE_ROWS = (32, 1024)  # decode-sized and prefill-sized M, always timed
 SHOWN_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_bf16", "amx_fp16", "amx_int8")
@@ -49,7 +49,7 @@ class LinearShapes:
 
 def model_shapes(checkpoint: str) -> LinearShapes:
     """The linear shapes of the checkpoint's model, built on the meta device (no weights read)."""
-    from modelzoo.checkpoint import load_hf_config
+    from modelzoo.models.checkpoint import load_hf_config
     from modelzoo.models import model_class
 
     hf_config = load_hf_config(checkpoint)
@@ -68,7 +68,7 @@ def timed_rows(decode_rows: int) -> tuple[int, ...]:
 
 
 def gemm_rates(shapes: LinearShapes, dtype: torch.dtype, decode_rows: int) -> dict[tuple[int, int], ShapeChoice]:
-    """Each weight shape's measurement by the job's own probe (modelzoo/gemm.py), at timed_rows():
+    """Each weight shape's measurement by the job's own probe (modelzoo/cpu/gemm.py), at timed_rows():
     every backend's GFLOP/s (gflops[backend]["M=32"], ...) and whether it is batch-invariant. Where this CPU's
     precision policy multiplies the dtype with a C++ kernel of its own (bf16_linear, half_linear), that kernel."""
     policy = precision_policy(dtype, torch.device("cpu"))

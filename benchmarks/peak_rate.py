@@ -30,7 +30,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from modelzoo.cpu import cpu_flags  # noqa: E402
+from modelzoo.cpu.facts import cpu_flags  # noqa: E402
 
 SOURCE = Path(__file__).with_name("peak_rate.c")
 FP32_ZMM, FP32_YMM, BF16_ZMM, BF16_AMX, INT8_AMX = 0, 1, 2, 3, 4  # peak_gflops()'s `kind` in peak_rate.c

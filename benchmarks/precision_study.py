@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Which rounding costs bfloat16 its float32 answers: the study behind modelzoo/precision.py's policy.
+"""Which rounding costs bfloat16 its float32 answers: the study behind modelzoo/cpu/precision.py's policy.
 
     .venv/bin/python benchmarks/precision_study.py --num_prompts 64 --max_tokens 64 [--chat_template]
 
@@ -12,7 +12,7 @@ a time, in this process, and each variant's greedy rows are compared with plain 
   +kv_float16      the same with a float16 KV cache
   +gemm_inputs_but_<layer>  +gemm_inputs except the inputs of <layer> (qkv_proj, o_proj, gate_up_proj,
                    down_proj, lm_head), which stay float32: how much of the inputs' rounding that layer costs
-  policy           the bfloat16 job as it runs (modelzoo/precision.py), where this CPU has AVX512-BF16
+  policy           the bfloat16 job as it runs (modelzoo/cpu/precision.py), where this CPU has AVX512-BF16
   policy_kv_bfloat16, policy_kv_float32  the policy with another KV cache storage
   all_bfloat16     everything in bfloat16 (PyTorch's arithmetic, the C++ kernels in bfloat16 storage)
 Prints per variant: rows equal to float32; teacher-forced, over float32's own continuations, the mean absolute
@@ -39,9 +39,10 @@ if str(REPO_ROOT) not in sys.path:
 
 from benchmarks import machine  # noqa: E402
 from benchmarks.prompts import load_prompts  # noqa: E402
-from modelzoo import api, model_setup, precision  # noqa: E402
-from modelzoo.gemm import MKLPackedLinear, OneDNNLinear, RowBlockLinear  # noqa: E402
-from modelzoo.generation.kv_cache import KVCache  # noqa: E402
+from modelzoo import api, runtime  # noqa: E402
+from modelzoo.cpu import precision  # noqa: E402
+from modelzoo.cpu.gemm import MKLPackedLinear, OneDNNLinear, RowBlockLinear  # noqa: E402
+from modelzoo.models.kv_cache import KVCache  # noqa: E402
 from modelzoo.models import layers  # noqa: E402
 
 GEMMS = (torch.nn.Linear, OneDNNLinear, MKLPackedLinear, RowBlockLinear)
@@ -76,8 +77,8 @@ def build(variant: str, args: argparse.Namespace) -> api.ZooModel:
         return api.ZooModel(args.model, dtype="bfloat16", **kwargs)
     if variant.startswith("policy_kv_"):
         storage = getattr(torch, variant.removeprefix("policy_kv_"))
-        policy = model_setup.precision_policy
-        with patched(model_setup, "precision_policy",
+        policy = runtime.precision_policy
+        with patched(runtime, "precision_policy",
                      lambda *a, **k: dataclasses.replace(policy(*a, **k), kv_cache=storage)):
             return api.ZooModel(args.model, dtype="bfloat16", **kwargs)
     # float32 arithmetic on bfloat16-rounded weights: the policy of a CPU without native bfloat16

@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from modelzoo.predictions import file_states, predictions_path, write_predictions  # noqa: E402
+from modelzoo.job.predictions import file_states, predictions_path, write_predictions  # noqa: E402
 
 DIGEST = "0" * 64
 

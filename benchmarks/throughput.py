@@ -177,7 +177,7 @@ def rss_bound_mib(model: str, dtype: str, rows: int, max_seq_len: int) -> float:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from modelzoo.precision import precision_policy
+    from modelzoo.cpu.precision import precision_policy
 
     config = AutoConfig.from_pretrained(model)
     with torch.device("meta"):

@@ -46,8 +46,8 @@ from modelzoo.generation.structured import FormatCompiler, FormatError
 from data_tools.prompts import PromptFile, iter_prompt_file, load_tokenizer, read_text, tokenize_pairs, tokenize_prompts
 from modelzoo import __version__
 from modelzoo.errors import UserError
-from modelzoo.lora import base_names
-from modelzoo.params import load_params
+from modelzoo.models.lora import base_names
+from modelzoo.job.params import load_params
 
 TOOL_NAME = "zoo-infer create_inference_h5"
 CHUNK_PROMPTS = 4096  # prompts tokenized and written at a time

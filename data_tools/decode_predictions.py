@@ -43,11 +43,11 @@ import yaml
 from data_tools.openai_batch import response_line
 from data_tools.prompts import load_tokenizer
 from modelzoo.errors import UserError
-from modelzoo.predictions import OPTIONAL_PER_ROW_KEYS, PER_ROW_KEYS, REQUIRED_KEYS, SEQUENCE_KEYS
+from modelzoo.job.predictions import OPTIONAL_PER_ROW_KEYS, PER_ROW_KEYS, REQUIRED_KEYS, SEQUENCE_KEYS
 
 PREDICTIONS_SUBDIR = Path("artifacts") / "predictions"
 FILE_PATTERN = re.compile(r"^predictions_(\d+)\.npz$")
-# Keys every file must have (modelzoo/predictions.py owns the schema); `loop_dim` is optional (absent means 1).
+# Keys every file must have (modelzoo/job/predictions.py owns the schema); `loop_dim` is optional (absent means 1).
 # sample_index of the rows that only pad the last batch.
 DUMMY_INDEX = -1
 

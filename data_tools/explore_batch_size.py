@@ -38,7 +38,7 @@ from typing import Any
 import yaml
 
 from data_tools.measure import run_measured
-from modelzoo.memory import available_host_memory
+from modelzoo.cpu.memory import available_host_memory
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RUN_INFERENCE = REPO_ROOT / "run_inference.py"

@@ -22,15 +22,15 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from modelzoo.checkpoint import load_hf_config, resolve_dtype
+from modelzoo.models.checkpoint import load_hf_config, resolve_dtype
 from modelzoo.generation.engine import GenerationEngine, Request
 from modelzoo.generation.options import GenerationOptions, RequestVariety
 from modelzoo.generation.pairs import split_pair
 from modelzoo.generation.scoring import Score, Scorer, ScoreRequest
-from modelzoo.lora import plan_adapters
-from modelzoo.model_setup import ModelSetup, resolve_device
-from modelzoo.params import parse_params
-from modelzoo.tensor_parallel import TensorParallelGroup
+from modelzoo.models.lora import plan_adapters
+from modelzoo.runtime import ModelSetup, resolve_device
+from modelzoo.job.params import parse_params
+from modelzoo.models.tensor_parallel import TensorParallelGroup
 
 Prompt = str | Sequence[int]  # text, or token ids
 

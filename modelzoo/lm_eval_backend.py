@@ -30,7 +30,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 
 from modelzoo.api import ZooModel
-from modelzoo.checkpoint import load_hf_config
+from modelzoo.models.checkpoint import load_hf_config
 from modelzoo.generation.options import GenerationOptions
 
 log = logging.getLogger("zoo-infer")

@@ -80,7 +80,7 @@ def write_params(path: Path, checkpoint: Path, data_dir: Path, batch_size: int, 
 
 def run_job(params: Path, model_dir: Path, *flags: str) -> int:
     """Runs run_inference.py's main in this process; returns its exit code."""
-    from modelzoo.cli import main
+    from modelzoo.job.cli import main
 
     return main(["--params", str(params), "--model_dir", str(model_dir), *flags])
 
@@ -166,8 +166,8 @@ def shared_prefix_prompts(vocab_size: int, prefix_len: int = 20, seed: int = 1) 
 
 def our_last_logits(checkpoint: Path, prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
     """Our model's logits at the last prompt position, one prompt at a time: (vocab,) each."""
-    from modelzoo.checkpoint import load_model
-    from modelzoo.generation.kv_cache import KVCache
+    from modelzoo.models.checkpoint import load_model
+    from modelzoo.models.kv_cache import KVCache
 
     model, _ = load_model(checkpoint, torch.float32, torch.device("cpu"))
     c = model.config
@@ -205,7 +205,7 @@ def assert_family_matches_transformers(config: Any, tmp_path: Path, max_seq_len:
     write_h5(data, prompt_rows(prompts, max_seq_len, vocab))
     reference = hf_greedy(checkpoint, prompts, max_tokens)
     expected = expected_rows(prompts, reference, max_seq_len, vocab)
-    from modelzoo.gemm import available_backends
+    from modelzoo.cpu.gemm import available_backends
 
     for backend in available_backends(torch.device("cpu"), torch.float32):  # every GEMM library gives the same tokens
         params = write_params(tmp_path / f"params_{backend}.yaml", checkpoint, data, batch_size=batch_size,
@@ -241,7 +241,7 @@ def small_job(root: Path, num_samples: int = SMALL_SAMPLES, batch_size: int = SM
 
 def last_logits(model: torch.nn.Module, prompts: list[list[int]], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Last-position logits of each prompt, one at a time, in float32: (prompts, vocab)."""
-    from modelzoo.generation.kv_cache import KVCache
+    from modelzoo.models.kv_cache import KVCache
 
     c = model.config
     out = []

@@ -1,4 +1,4 @@
-"""The SDPA backend choice of a CUDA job (modelzoo/generation/attention_backends.py): nothing pinned on the CPU; on a
+"""The SDPA backend choice of a CUDA job (modelzoo/cuda/attention_backends.py): nothing pinned on the CPU; on a
 GPU timed once per GPU model, software, head layout, dtype and rows, remembered, and read back by the next job.
 The timing itself needs a GPU (tests/test_cuda.py runs it); here it is replaced by a recorder."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from modelzoo.generation import attention_backends as ab
-from modelzoo.kernels import machine_dir
+from modelzoo.cuda import attention_backends as ab
+from modelzoo.cpu.kernels import machine_dir
 
 
 def choices_file():

@@ -159,8 +159,8 @@ def test_gemm_rates_measure_the_kernel_the_precision_policy_multiplies_with(monk
 
     import torch
 
-    from modelzoo import precision
-    from modelzoo.kernels import cpu_kernels
+    from modelzoo.cpu import precision
+    from modelzoo.cpu.kernels import cpu_kernels
 
     if cpu_kernels() is None:
         pytest.skip("the C++ kernels cannot be built here")
@@ -381,8 +381,8 @@ def test_random_model_of_a_bfloat16_shape_is_saved_in_bfloat16(tmp_path: Path, m
 def test_cpu_gemm_paths(capsys: pytest.CaptureFixture) -> None:
     """benchmarks/cpu_gemm_paths.py on a tiny shape: a rate for every candidate this build has, at each row count
     (its own check that each kernel's paths agree passes); a malformed --shapes is refused."""
-    from modelzoo.cpu import cpu_flags
-    from modelzoo.kernels import cpu_kernels
+    from modelzoo.cpu.facts import cpu_flags
+    from modelzoo.cpu.kernels import cpu_kernels
 
     gemm_paths = load_script("benchmarks/cpu_gemm_paths.py")
     with pytest.raises(SystemExit, match="--shapes takes KxN,... .* got '64x'"):
@@ -407,7 +407,7 @@ def test_kernel_builds(capsys: pytest.CaptureFixture) -> None:
     """benchmarks/kernel_builds.py on tiny shapes: this checkout's build under two labels measures every figure for
     both and finds their outputs identical; a malformed build argument or a folder without a library is refused."""
     kernel_builds = load_script("benchmarks/kernel_builds.py")
-    from modelzoo.kernels import cpu_kernels, kernel_build_dir
+    from modelzoo.cpu.kernels import cpu_kernels, kernel_build_dir
 
     kernels = cpu_kernels()
     if kernels is None:

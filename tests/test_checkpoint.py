@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, GPT2Config
 
 from harness import our_last_logits, save_tiny_model
-from modelzoo.checkpoint import load_model
+from modelzoo.models.checkpoint import load_model
 from tiny_configs import narrow_llama_config
 
 PROMPT = [[5, 9, 2, 31, 7]]
@@ -56,7 +56,8 @@ def test_mapped_weights_are_released_once_converted(tmp_path):
     """read_safetensors maps the file: a weight the loader converts is read once and release_mapped drops its pages
     from this process (the file is never resident beside the converted copies), and a weight kept as it is still
     reads the file's values afterwards, writable without touching the file."""
-    from modelzoo.checkpoint import read_safetensors, release_mapped
+    from modelzoo.models.checkpoint import read_safetensors
+    from modelzoo.cpu.memory import release_mapped
 
     torch.manual_seed(0)
     tensors = {f"w{i}": torch.randn(4096, 1024) for i in range(4)}  # 16 MiB each

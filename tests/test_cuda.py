@@ -85,7 +85,7 @@ def test_captured_step_equals_eager_across_buckets(tmp_path, dtype):
     """The captured step writes the eager step's tokens while rows leave and join (7 prompts in 2 slots) and cross
     the cache length buckets 128, 256 and 304 (max_seq_len 300, rounded up to a multiple of 8): the longest captured
     in the warm-up, the other two while rows are in flight, and no other."""
-    from modelzoo.checkpoint import load_model
+    from modelzoo.models.checkpoint import load_model
     from modelzoo.generation.engine import GenerationEngine, Request
     from modelzoo.generation.options import GenerationOptions
 

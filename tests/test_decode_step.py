@@ -10,7 +10,7 @@ import torch
 from torch._dynamo.backends.common import aot_autograd
 
 from harness import save_tiny_model
-from modelzoo.checkpoint import load_model
+from modelzoo.models.checkpoint import load_model
 from modelzoo.generation.engine import GenerationEngine, Request
 from modelzoo.generation.options import GenerationOptions
 from modelzoo.generation.step import LENGTH_BUCKET, length_bucket, length_buckets

@@ -18,7 +18,7 @@ import pytest
 from fs_faults import error_lines, fill, grow, read_only, run_process, small_disk, start_job
 from harness import (SMALL_BATCH, SMALL_SAMPLES, SMALL_STEPS, SMALL_VOCAB, prompt_rows, run_job, small_job, write_h5,
                      write_params)
-from modelzoo.model_setup import ModelSetup
+from modelzoo.runtime import ModelSetup
 
 VOCAB, NUM_SAMPLES, BATCH, STEPS = SMALL_VOCAB, SMALL_SAMPLES, SMALL_BATCH, SMALL_STEPS
 START = VOCAB

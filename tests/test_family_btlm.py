@@ -22,7 +22,7 @@ from transformers import GPT2Config
 
 from harness import (expected_rows, family_prompts, hf_greedy, hf_last_logits, our_last_logits, prompt_rows,
                      run_job, save_tiny_model, stacked_predictions, write_h5, write_params)
-from modelzoo.checkpoint import load_hf_config
+from modelzoo.models.checkpoint import load_hf_config
 from modelzoo.errors import UserError
 from modelzoo.models.btlm import BTLMLMHeadModel
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-import modelzoo.gemm as gemm
-import modelzoo.kernels
+import modelzoo.cpu.gemm as gemm
+import modelzoo.cpu.kernels
 from modelzoo.errors import UserError
-from modelzoo.gemm import (INVARIANCE_ROWS, MKLPackedLinear, OneDNNLinear, RowBlockLinear, apply_gemm_backend,
+from modelzoo.cpu.gemm import (INVARIANCE_ROWS, MKLPackedLinear, OneDNNLinear, RowBlockLinear, apply_gemm_backend,
                            available_backends, linear_layers, measure_shape, weight_bytes, wrap)
 
 CPU = torch.device("cpu")
@@ -23,7 +23,7 @@ def choices_in_tmp(tmp_path, monkeypatch):
     """Each test measures afresh into its own cache file: every kernel root in tmp_path."""
     monkeypatch.delenv("ZOO_INFER_KERNEL_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setattr(modelzoo.kernels, "BUILD_ROOT", tmp_path / "build")
+    monkeypatch.setattr(modelzoo.cpu.kernels, "BUILD_ROOT", tmp_path / "build")
 
 
 @pytest.mark.parametrize("backend", FLOAT32_BACKENDS)
@@ -91,7 +91,7 @@ def test_a_vocabulary_sized_weight_is_timed_on_its_first_outputs(monkeypatch):
 
 def test_choice_is_cached_and_reused(tmp_path, monkeypatch):
     apply_gemm_backend(nn.Sequential(nn.Linear(32, 48)), torch.float32, CPU, "auto")
-    cached = json.loads((modelzoo.kernels.machine_dir(tmp_path / "build") / "gemm_choices.json").read_text())
+    cached = json.loads((modelzoo.cpu.kernels.machine_dir(tmp_path / "build") / "gemm_choices.json").read_text())
     assert list(cached["shapes"]) == ["float32 32x48"]
     monkeypatch.setattr(gemm, "measure_shape", lambda *args, **kwargs: pytest.fail("measured again"))
     plan = apply_gemm_backend(nn.Sequential(nn.Linear(32, 48)), torch.float32, CPU, "auto")
@@ -135,7 +135,7 @@ def test_onednn_single_row_equals_that_row_among_others():
 
 def test_onednn_holds_each_projection_once(tmp_path):
     """After the oneDNN backend re-lays the weights out, no linear layer is left holding the checkpoint's layout."""
-    import modelzoo.checkpoint as checkpoint
+    import modelzoo.models.checkpoint as checkpoint
     from harness import save_tiny_model
     from tiny_configs import narrow_llama_config
 

@@ -21,14 +21,14 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-import modelzoo.checkpoint as checkpoint_module
+import modelzoo.models.checkpoint as checkpoint_module
 from harness import (family_prompts, last_logits, prompt_rows, relative_error, run_job, save_tiny_model,
                      stacked_predictions, write_h5, write_params)
-from modelzoo.checkpoint import load_model, read_safetensors
+from modelzoo.models.checkpoint import load_model, read_safetensors
 from modelzoo.errors import UserError
 from modelzoo.models.gpt2 import Conv1D
-from modelzoo.gemm import apply_gemm_backend
-from modelzoo.quantization import Int8Embedding, Int8Linear, dequantize_rows, quantize_rows
+from modelzoo.cpu.gemm import apply_gemm_backend
+from modelzoo.cpu.quantization import Int8Embedding, Int8Linear, dequantize_rows, quantize_rows
 from tiny_configs import INT8_FAMILIES, INT8_LOGITS_REL_TOL, VOCAB
 
 CPU = torch.device("cpu")

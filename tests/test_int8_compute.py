@@ -1,5 +1,5 @@
-"""Group-wise int8 and the VNNI paths (modelzoo/quantization.py, modelzoo/int8_compute.py,
-modelzoo/kernels/int8_gemm.cpp): the group-wise quantizer's bound, the kernel against the arithmetic it
+"""Group-wise int8 and the VNNI paths (modelzoo/cpu/quantization.py, modelzoo/cpu/int8_compute.py,
+modelzoo/cpu/kernels/int8_gemm.cpp): the group-wise quantizer's bound, the kernel against the arithmetic it
 documents at 8- and 16-bit activations, batch invariance, every family through every backend, the choice,
 the params and the runner.
 
@@ -19,13 +19,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import modelzoo.int8_compute as int8_compute
+import modelzoo.cpu.int8_compute as int8_compute
 from harness import (family_prompts, last_logits, prompt_rows, relative_error, run_job, save_tiny_model,
                      stacked_predictions, write_h5, write_params)
-from modelzoo.checkpoint import load_model
+from modelzoo.models.checkpoint import load_model
 from modelzoo.errors import UserError
-from modelzoo.int8_compute import TiedInt8Embedding, VnniInt8Linear, apply_int8_backend, available_int8_backends
-from modelzoo.quantization import Int8Embedding, Int8Linear, dequantize_rows, quantize_rows
+from modelzoo.cpu.int8_compute import TiedInt8Embedding, VnniInt8Linear, apply_int8_backend, available_int8_backends
+from modelzoo.cpu.quantization import Int8Embedding, Int8Linear, dequantize_rows, quantize_rows
 from tiny_configs import INT8_FAMILIES, INT8_LOGITS_REL_TOL, VOCAB
 
 CPU = torch.device("cpu")
@@ -122,7 +122,7 @@ def test_group_wise_embedding_gathers_dequantized_rows():
 @contextlib.contextmanager
 def int16_path(path: str):
     """int8_linear's 16-bit activations on code path `path` (the one chosen before restored after)."""
-    from modelzoo.kernels import cpu_kernels
+    from modelzoo.cpu.kernels import cpu_kernels
 
     kernels = cpu_kernels()
     chosen = kernels.int8_gemm_path()
@@ -166,7 +166,7 @@ def test_kernel_computes_its_documented_arithmetic(out_features, in_features, gr
 def test_both_16_bit_paths_give_the_same_bits(group_size):
     """vpdpwssd (VNNI) and vpmaddwd + vpaddd (AVX2) make the same integer sums: the same outputs, whichever is timed
     faster (on every tile shape: 1-4 rows and 1-2 blocks on VNNI, a partial last block)."""
-    from modelzoo.kernels import cpu_kernels
+    from modelzoo.cpu.kernels import cpu_kernels
 
     kernels = cpu_kernels()
     layer, _ = int8_layer(72, 600, group_size)

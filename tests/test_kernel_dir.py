@@ -1,4 +1,4 @@
-"""Where the C++ kernels and the GEMM choices live (modelzoo/kernels): a read-only checkout holding a
+"""Where the C++ kernels and the GEMM choices live (modelzoo/cpu/kernels): a read-only checkout holding a
 build loads it without torch's build lock; a missing build goes to $ZOO_INFER_KERNEL_DIR, else the
 user cache; the GEMM choices follow the same roots. Each test copies the checkout's build, none compiles."""
 from __future__ import annotations
@@ -13,11 +13,11 @@ import torch
 from torch import nn
 
 import fs_faults
-import modelzoo.gemm as gemm
-import modelzoo.kernels
-from modelzoo.kernels import cpu_kernels, kernel_build_dir, machine_dir
+import modelzoo.cpu.gemm as gemm
+import modelzoo.cpu.kernels
+from modelzoo.cpu.kernels import cpu_kernels, kernel_build_dir, machine_dir
 
-BUILT = kernel_build_dir(modelzoo.kernels.BUILD_ROOT) if cpu_kernels() is not None else None
+BUILT = kernel_build_dir(modelzoo.cpu.kernels.BUILD_ROOT) if cpu_kernels() is not None else None
 needs_build = pytest.mark.skipif(BUILT is None, reason="the C++ kernels could not be built here")
 
 
@@ -25,7 +25,7 @@ needs_build = pytest.mark.skipif(BUILT is None, reason="the C++ kernels could no
 def roots(tmp_path, monkeypatch):
     """Every kernel root in tmp_path: the checkout's, the user cache's; no ZOO_INFER_KERNEL_DIR.
     cpp_extension.load records its build folder instead of compiling."""
-    monkeypatch.setattr(modelzoo.kernels, "BUILD_ROOT", tmp_path / "checkout")
+    monkeypatch.setattr(modelzoo.cpu.kernels, "BUILD_ROOT", tmp_path / "checkout")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.delenv("ZOO_INFER_KERNEL_DIR", raising=False)
     built = []
@@ -71,7 +71,7 @@ def test_a_read_only_checkout_loads_its_build_without_the_lock(tmp_path, roots, 
 def test_builds_in_two_folders_load_as_two_modules(tmp_path):
     """benchmarks/kernel_builds.py loads several builds in one process: each must run its own library, not the first
     one loaded under the same module name."""
-    from modelzoo.kernels import _built_library, _load_library
+    from modelzoo.cpu.kernels import _built_library, _load_library
 
     libraries = []
     for name in ("kernels-before", "kernels-after"):

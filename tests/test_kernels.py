@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from modelzoo.checkpoint import load_model
+from modelzoo.models.checkpoint import load_model
 from modelzoo.generation.engine import GenerationEngine, Request
 from modelzoo.generation.options import GenerationOptions
-import modelzoo.kernels
-from modelzoo.kernels import cpu_kernels
+import modelzoo.cpu.kernels
+from modelzoo.cpu.kernels import cpu_kernels
 from modelzoo.models import layers
 from modelzoo.models.config import RopeConfig
 from modelzoo.models.layers import RotaryEmbedding, apply_rotary
@@ -32,10 +32,10 @@ def test_a_failed_build_falls_back_with_a_warning(tmp_path, monkeypatch, caplog)
         raise RuntimeError("Error building extension\ng++: command not found")
 
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
-    monkeypatch.setattr(modelzoo.kernels, "BUILD_ROOT", tmp_path)  # no build in any root
+    monkeypatch.setattr(modelzoo.cpu.kernels, "BUILD_ROOT", tmp_path)  # no build in any root
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.delenv("ZOO_INFER_KERNEL_DIR", raising=False)
-    assert modelzoo.kernels.cpu_kernels.__wrapped__() is None
+    assert modelzoo.cpu.kernels.cpu_kernels.__wrapped__() is None
     assert "C++ CPU kernels unavailable (RuntimeError: g++: command not found)" in caplog.text
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from modelzoo.generation.kv_cache import HUGE_PAGE_BYTES, KVCache
+from modelzoo.models.kv_cache import HUGE_PAGE_BYTES, KVCache
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_HUGEPAGE) is Linux's")
 transparent_huge_pages = pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists(),

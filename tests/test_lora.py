@@ -21,7 +21,7 @@ from harness import (SMOLLM2_DIR, finish, hf_greedy, load_predictions, prompt_ro
                      torchrun, write_h5, write_params)
 from tiny_configs import INT8_FAMILIES, VOCAB, tiny_llama_config  # noqa: E402
 
-from modelzoo.kernels import cpu_kernels  # noqa: E402
+from modelzoo.cpu.kernels import cpu_kernels  # noqa: E402
 
 needs_kernels = pytest.mark.skipif(cpu_kernels() is None, reason="the C++ kernels could not be built here")
 
@@ -120,9 +120,9 @@ def test_rows_mixing_adapters_get_what_each_gets_alone(three_adapters, batch_siz
 def test_rows_mixing_adapters_without_the_kernel_get_what_each_gets_alone(three_adapters, monkeypatch):
     """The PyTorch path of per-row updates (every adapter's columns, masked: CUDA's, or a CPU without the C++
     kernels) gives the same rows as the kernel."""
-    import modelzoo.lora
+    import modelzoo.models.lora
 
-    monkeypatch.setattr(modelzoo.lora, "fused_kernels", lambda x: None)
+    monkeypatch.setattr(modelzoo.models.lora, "fused_kernels", lambda x: None)
     fields = ["attn", "", "mlp", "all", "base"] * 2
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(fields))]
     got = run_rows(three_adapters["root"], "mixed-torch", three_adapters["base"], prompts, 4, three_adapters["keys"],

@@ -1,7 +1,7 @@
 """The host memory a job may use: MemAvailable, capped by a cgroup limit when lower (a Slurm --mem)."""
 from __future__ import annotations
 
-import modelzoo.memory as memory
+import modelzoo.cpu.memory as memory
 
 
 def meminfo_available() -> int:

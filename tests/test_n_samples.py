@@ -16,7 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from data_tools import create_inference_h5 as create  # noqa: E402
 from data_tools import decode_predictions as decode  # noqa: E402
 from harness import SMOLLM2_DIR, load_predictions, run_job, save_tiny_model, write_params  # noqa: E402
-from modelzoo.checkpoint import load_model  # noqa: E402
+from modelzoo.models.checkpoint import load_model  # noqa: E402
 from modelzoo.generation.engine import GenerationEngine, Request  # noqa: E402
 from modelzoo.generation.options import GenerationOptions
 from tiny_configs import VOCAB, tiny_llama_config  # noqa: E402

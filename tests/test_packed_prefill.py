@@ -9,11 +9,11 @@ import torch
 from transformers import GPT2Config, LlamaConfig
 
 from harness import assert_family_matches_transformers, family_prompts, save_tiny_model, shared_prefix_prompts
-from modelzoo.checkpoint import load_model
+from modelzoo.models.checkpoint import load_model
 from modelzoo.generation.engine import GenerationEngine, Request
 from modelzoo.generation.options import GenerationOptions
-from modelzoo.generation.kv_cache import KVCache
-from modelzoo.kernels import cpu_kernels
+from modelzoo.models.kv_cache import KVCache
+from modelzoo.cpu.kernels import cpu_kernels
 from modelzoo.models import layers
 from modelzoo.models.layers import ForwardContext
 from tiny_configs import (TINY, VOCAB, bloom_config, falcon_config, gptj_config, mistral_config, mpt_config,

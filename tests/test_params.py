@@ -8,7 +8,7 @@ import yaml
 
 from harness import run_job
 from modelzoo.errors import UserError
-from modelzoo.params import load_params, parse_params, with_overrides
+from modelzoo.job.params import load_params, parse_params, with_overrides
 
 VALID = {
     "model": {"checkpoint_path": "ckpt", "start_token": 100, "stop_sequences": [[2], [5, 6]], "max_tokens": 8},

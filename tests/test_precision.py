@@ -1,4 +1,4 @@
-"""The precision policy (modelzoo/precision.py): which tensors are in which dtype, on CPUs with and without native
+"""The precision policy (modelzoo/cpu/precision.py): which tensors are in which dtype, on CPUs with and without native
 bfloat16; bfloat16 GEMMs with float32 outputs; how close the bfloat16 policy stays to float32."""
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from torch import nn
 
 from harness import (family_prompts, hf_last_logits, last_logits, prompt_rows, relative_error, run_job, save_tiny_model,
                      stacked_predictions, write_h5, write_params)
-from modelzoo import precision
-from modelzoo.kernels import cpu_kernels
+from modelzoo.cpu import precision
+from modelzoo.cpu.kernels import cpu_kernels
 from tiny_configs import INT8_FAMILIES, VOCAB, tiny_llama_config
 
 START = VOCAB  # outside the vocabulary, as recommended
@@ -100,7 +100,7 @@ def test_bf16_linear_sums_bf16_inputs_in_float32_and_is_batch_invariant(rows, in
 def test_both_broadcasts_of_the_bf16_gemms_give_the_same_bits():
     """The kernel times its two ways of broadcasting the input pairs and keeps the faster; either gives the same
     sums, on every tile shape (1-6 rows, 1-4 blocks, the SiLU-gated one), so the choice changes speed only."""
-    from modelzoo.kernels import cpu_kernels
+    from modelzoo.cpu.kernels import cpu_kernels
 
     kernels = cpu_kernels()
     chosen = kernels.bf16_gemm_broadcast()
@@ -141,14 +141,14 @@ def test_bf16_linear_rejects_bad_inputs():
     with pytest.raises(RuntimeError, match="does not match the packed weight"):
         layer(torch.randn(2, 30))
     with pytest.raises(RuntimeError, match="bias must be contiguous float32"):
-        from modelzoo.kernels import cpu_kernels
+        from modelzoo.cpu.kernels import cpu_kernels
         cpu_kernels().bf16_linear(torch.randn(2, 32), layer.packed, torch.zeros(16, dtype=BF16), 16)
 
 
 @needs_bf16
 @pytest.mark.parametrize("rows, in_features, intermediate", [(1, 64, 32), (7, 575, 96), (40, 96, 64)])
 def test_silu_gated_bf16_linear_has_silu_muls_bits_and_is_batch_invariant(rows, in_features, intermediate):
-    from modelzoo.kernels import cpu_kernels
+    from modelzoo.cpu.kernels import cpu_kernels
 
     generator = torch.Generator().manual_seed(rows)
     linear = nn.Linear(in_features, 2 * intermediate, bias=False, dtype=BF16)
@@ -184,7 +184,7 @@ def test_only_a_silu_gated_mlps_gate_up_projection_is_fused():
 
 @needs_bf16
 def test_bf16_silu_gate_rejects_a_weight_not_in_gated_tiles():
-    from modelzoo.kernels import cpu_kernels
+    from modelzoo.cpu.kernels import cpu_kernels
 
     layer = precision.BF16Linear(nn.Linear(32, 48, bias=False, dtype=BF16))  # 3 blocks: no whole tile of 2 + 2
     with pytest.raises(RuntimeError, match="packs gate | up of out_features each"):
@@ -282,7 +282,7 @@ def test_float32_queries_over_a_16_bit_cache_equal_the_pytorch_path(storage, hug
     """The C++ kernel (q float32, cache bfloat16 or float16) stores and attends over the same rounded keys and
     values as the PyTorch path; keys and values beyond float16's range saturate at its largest value in a float16
     cache (both paths), so attention stays finite."""
-    from modelzoo.generation.kv_cache import KVCache
+    from modelzoo.models.kv_cache import KVCache
     from modelzoo.models import layers
 
     generator = torch.Generator().manual_seed(3)
@@ -311,9 +311,9 @@ def test_float32_queries_over_a_16_bit_cache_equal_the_pytorch_path(storage, hug
 def bfloat16_setup(checkpoint, dtype: torch.dtype = BF16):
     """A job's model and engine in bfloat16 (or `dtype`; 4 rows in flight, max_seq_len 64), as the runner builds
     them."""
-    from modelzoo.model_setup import ModelSetup
-    from modelzoo.params import parse_params
-    from modelzoo.tensor_parallel import TensorParallelGroup
+    from modelzoo.runtime import ModelSetup
+    from modelzoo.job.params import parse_params
+    from modelzoo.models.tensor_parallel import TensorParallelGroup
 
     params = parse_params({"model": {"checkpoint_path": str(checkpoint), "dtype": str(dtype)[6:], "start_token": VOCAB},
                            "inference_input": {"data_dir": "-", "batch_size": 1},
@@ -423,7 +423,7 @@ def avx2_cpu(monkeypatch):
 def test_16_bit_weights_stay_16_bit_without_native_multiplies(dtype, tmp_path, avx2_cpu):
     from modelzoo.generation.engine import Request
     from modelzoo.generation.options import GenerationOptions
-    from modelzoo.gemm import weight_bytes
+    from modelzoo.cpu.gemm import weight_bytes
     from modelzoo.models.layers import RMSNorm
 
     checkpoint = save_tiny_model(tiny_llama_config(), tmp_path / "model")
@@ -476,8 +476,8 @@ def test_16_bit_job_without_native_multiplies_is_batch_invariant_and_keeps_today
 def test_a_tied_embedding_reads_the_packed_head(family, tmp_path):
     """A token embedding tied to the LM head reads its rows from the head's packed weight (one 16-bit copy of the
     table, not two), with the bits the embedding had."""
-    from modelzoo.checkpoint import load_model
-    from modelzoo.gemm import weight_bytes
+    from modelzoo.models.checkpoint import load_model
+    from modelzoo.cpu.gemm import weight_bytes
 
     checkpoint = save_tiny_model(INT8_FAMILIES[family](), tmp_path / "model")
     model, _ = load_model(checkpoint, F16, torch.device("cpu"))

@@ -1,4 +1,4 @@
-"""runconfig.rows_in_flight (modelzoo/model_setup.py): how many rows generate together, apart from the
+"""runconfig.rows_in_flight (modelzoo/runtime.py): how many rows generate together, apart from the
 files' batch_size. Any count gives the same files, equal to transformers' greedy rows; auto takes every
 row to do up to its cap and within the memory share; bad values are one-line errors."""
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import modelzoo.model_setup as model_setup
-from modelzoo.generation.kv_cache import stored_positions
+import modelzoo.runtime as model_setup
+from modelzoo.models.kv_cache import stored_positions
 from harness import (expected_rows, hf_greedy, load_predictions, prompt_rows, run_job, save_tiny_model,
                      stacked_predictions, write_h5, write_params)
 from tiny_configs import tiny_llama_config

@@ -11,7 +11,7 @@ import torch
 
 from harness import (expected_rows, hf_greedy, load_predictions, prompt_rows, run_job, save_tiny_model,
                      stacked_predictions, truncate_at_stop, write_h5, write_params)
-from modelzoo.checkpoint import load_model
+from modelzoo.models.checkpoint import load_model
 from modelzoo.generation.engine import GenerationEngine, Request
 from modelzoo.generation.options import GenerationOptions
 from tiny_configs import tiny_llama_config
@@ -78,7 +78,7 @@ def test_predictions_match_transformers_and_file_format(tmp_path, tiny_llama, pr
     assert summary["samples_done"] == 7 and summary["batches_done"] == 3 and summary["batches_remaining"] == 0
     assert summary["generated_tokens"] == sum(MAX_SEQ_LEN - n for n in PROMPT_LENGTHS)
     assert summary["decode_step"]["mode"] == "eager" and summary["decode_step"]["length_buckets"] == [MAX_SEQ_LEN]
-    from modelzoo.kernels import cpu_kernels  # the tiny Llama (head_dim 16, 2 query heads a kv head) takes the kernel
+    from modelzoo.cpu.kernels import cpu_kernels  # the tiny Llama (head_dim 16, 2 query heads a kv head) takes the kernel
     assert summary["decode_step"]["attention"] == ("cpu_kernel" if cpu_kernels() else "sdpa_grouped_queries")
     assert summary["setup_seconds"] > summary["decode_step"]["warm_up_seconds"] > 0
     assert (model_dir / "artifacts" / "params_inference.yaml").is_file()

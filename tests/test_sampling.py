@@ -11,7 +11,7 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinPLog
 
 from modelzoo.generation.sampling import (TokenChoice, apply_repetition_penalty, apply_temperature,
                                           ban_repeated_ngrams, draw, keep_top_k, keep_top_p, splitmix64, uniforms)
-from modelzoo.params import parse_params
+from modelzoo.job.params import parse_params
 
 NEG_INF = -float("inf")
 # Five-token distribution for the statistical tests.

@@ -8,7 +8,7 @@ import torch
 from transformers import GPT2Config
 
 from harness import assert_family_matches_transformers, save_tiny_model, shared_prefix_prompts
-from modelzoo.checkpoint import load_model
+from modelzoo.models.checkpoint import load_model
 from modelzoo.generation.engine import GenerationEngine, Request
 from modelzoo.generation.options import GenerationOptions
 from modelzoo.generation.shared_prefix import MIN_SHARED_TOKENS, common_prefix

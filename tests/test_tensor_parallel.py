@@ -108,8 +108,8 @@ def test_sigterm_stops_every_rank_and_resumes(root, tmp_path):
 
 def shard_models(checkpoint: Path) -> tuple[torch.nn.Module, list[torch.nn.Module]]:
     """The whole model, and what ranks 0 and 1 of 2 load (loading needs no process group)."""
-    from modelzoo.checkpoint import load_model
-    from modelzoo.tensor_parallel import TensorParallelGroup, shard_plan
+    from modelzoo.models.checkpoint import load_model
+    from modelzoo.models.tensor_parallel import TensorParallelGroup, shard_plan
 
     cpu = torch.device("cpu")
     full = load_model(checkpoint, torch.float32, cpu)[0]
@@ -167,7 +167,7 @@ def test_bin_checkpoints_load_the_same_shards(root, tmp_path):
 
 
 def test_ranks_form_groups_of_n_consecutive_ranks():
-    from modelzoo.distributed import tensor_parallel_shard
+    from modelzoo.job.distributed import tensor_parallel_shard
 
     shards = [tensor_parallel_shard(rank, 4, 4, 2) for rank in range(4)]
     assert [(s.index, s.count, s.tp_rank, s.writes) for s in shards] == [

@@ -31,8 +31,8 @@ import torch
 from torch import nn
 
 from modelzoo.errors import past_learned_positions
-from modelzoo.generation.attention_backends import AttentionBackends
-from modelzoo.generation.kv_cache import KVCache, aligned
+from modelzoo.cuda.attention_backends import AttentionBackends
+from modelzoo.models.kv_cache import KVCache, aligned
 from modelzoo.generation.options import GenerationOptions, RequestVariety
 from modelzoo.generation.sampling import RowSampling, TokenChoice, seed_key
 from modelzoo.generation.shared_prefix import SharedPrefix
@@ -125,7 +125,7 @@ class GenerationEngine:
         # values differ with it; -1: none); not with a drafter: a draft model would need the prefix's keys too.
         self.shared_prefixes: dict[int, SharedPrefix] = {}
         self.shared_prefix_decided = drafter is not None
-        self.adapters = getattr(model, "adapter_bank", None)  # LoRA adapters per row (modelzoo/lora.py)
+        self.adapters = getattr(model, "adapter_bank", None)  # LoRA adapters per row (modelzoo/models/lora.py)
         self.generated_tokens = 0  # over the engine's life, for throughput reports
         self.prefilled_tokens = 0  # prompt tokens run through the model (a shared prefix or a repeated prompt once)
         self.prefill_seconds = 0.0  # spent prefilling admitted prompts (their first tokens included)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from modelzoo.generation.kv_cache import KVCache
+from modelzoo.models.kv_cache import KVCache
 
 
 @dataclass

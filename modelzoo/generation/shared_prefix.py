@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from modelzoo.generation.kv_cache import KVCache
+from modelzoo.models.kv_cache import KVCache
 
 MIN_SHARED_TOKENS = 16  # below this, the copy and the smaller prefill groups are not worth it
 

@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from modelzoo.generation.kv_cache import KVCache
+from modelzoo.models.kv_cache import KVCache
 from modelzoo.generation.ngrams import earlier_occurrences
 
 

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Callable, ContextManager
 import torch
 from torch import nn
 
-from modelzoo.generation.kv_cache import KVCache
+from modelzoo.models.kv_cache import KVCache
 from modelzoo.generation.sampling import RowSampling
 from modelzoo.generation.stopping import CONTINUE, StopChecker
 from modelzoo.generation.structured import apply_token_bitmask

@@ -10,7 +10,7 @@ hooks where it differs. Capabilities are class attributes (or properties where t
                        max_position_embeddings and tie_word_embeddings
     packs_prompts      forward takes packed prompts: slots and positions (1, T), ForwardContext.packed
     position_limit     the size of a learned position table (positions must stay below it), None without one
-    splits_over_ranks  modelzoo/tensor_parallel.py can split it (runconfig.tensor_parallel)
+    splits_over_ranks  modelzoo/models/tensor_parallel.py can split it (runconfig.tensor_parallel)
     embedding_name     dotted name of the token embedding; register it before any position table
                        (int8 quantizes the first embedding with vocab_size rows)
     layers_name        dotted name of the nn.ModuleList of decoder layers
@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from modelzoo.generation.kv_cache import KVCache
+from modelzoo.models.kv_cache import KVCache
 from modelzoo.models.layers import ForwardContext, attention_kernel, last_token_states
 
 
@@ -41,7 +41,7 @@ class CausalLM(nn.Module):
     embedding_name: str
     layers_name: str
     head_name: str = "lm_head"
-    adapter_bank: Any = None  # a modelzoo.lora.AdapterBank once LoRA adapters are attached per row
+    adapter_bank: Any = None  # a modelzoo.models.lora.AdapterBank once LoRA adapters are attached per row
 
     def __init__(self, config: Any) -> None:
         super().__init__()

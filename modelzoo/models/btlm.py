@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from modelzoo.errors import UserError
-from modelzoo.generation.kv_cache import KVCache
+from modelzoo.models.kv_cache import KVCache
 from modelzoo.models.gpt2 import Conv1D, GPT2Attention, GPT2DecoderConfig, GPT2LMHeadModel, GPT2Model
 from modelzoo.models.layers import ForwardContext, activation
 

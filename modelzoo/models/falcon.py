@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from modelzoo.errors import UserError
-from modelzoo.generation.kv_cache import KVCache
+from modelzoo.models.kv_cache import KVCache
 from modelzoo.models.base import CausalLM
 from modelzoo.models.config import DecoderConfig, RopeConfig
 from modelzoo.models.layers import (DenseMLP, ForwardContext, RotaryEmbedding, alibi_slopes, apply_rotary,

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from modelzoo.errors import UserError, past_learned_positions
-from modelzoo.generation.kv_cache import KVCache
+from modelzoo.models.kv_cache import KVCache
 from modelzoo.models.base import CausalLM
 from modelzoo.models.config import DecoderConfig
 from modelzoo.models.layers import ForwardContext, activation, cached_attention, split_heads
@@ -54,7 +54,7 @@ def config_from_hf(hf: Any) -> GPT2DecoderConfig:
 class Conv1D(nn.Module):
     """A linear layer whose weight is stored (in, out), as transformers' Conv1D: x @ weight + bias."""
 
-    weight_is_in_out = True  # what modelzoo.quantization reads instead of importing this family
+    weight_is_in_out = True  # what modelzoo.cpu.quantization reads instead of importing this family
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from modelzoo.generation.kv_cache import KVCache, to_cache_storage
-from modelzoo.kernels import cpu_kernels
+from modelzoo.models.kv_cache import KVCache, to_cache_storage
+from modelzoo.cpu.kernels import cpu_kernels
 from modelzoo.models.config import RopeConfig
 
 
@@ -389,8 +389,13 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.act = activation(act)
 
+    @property
+    def silu_gated(self) -> bool:
+        """Whether the gate's activation is SiLU: a GEMM kernel may then apply it to gate_up_proj's output."""
+        return self.act is F.silu
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if getattr(self.gate_up_proj, "applies_silu_gate", False):  # bf16_silu_gate (modelzoo/precision.py)
+        if getattr(self.gate_up_proj, "applies_silu_gate", False):  # bf16_silu_gate (modelzoo/cpu/precision.py)
             return self.down_proj(self.gate_up_proj(x))
         gate_up = self.gate_up_proj(x)
         kernels = fused_kernels(gate_up) if self.act is F.silu else None

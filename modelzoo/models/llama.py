@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from modelzoo.generation.kv_cache import KVCache
+from modelzoo.models.kv_cache import KVCache
 from modelzoo.models.base import CausalLM
 from modelzoo.models.config import DecoderConfig, RopeConfig
 from modelzoo.models.layers import ForwardContext, GatedMLP, RMSNorm, RotaryEmbedding, cached_attention, split_heads

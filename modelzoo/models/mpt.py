@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from modelzoo.errors import UserError
-from modelzoo.generation.kv_cache import KVCache
+from modelzoo.models.kv_cache import KVCache
 from modelzoo.models.base import CausalLM
 from modelzoo.models.config import DecoderConfig
 from modelzoo.models.layers import DenseMLP, ForwardContext, alibi_bias, cached_attention, split_heads

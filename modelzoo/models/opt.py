@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from modelzoo.generation.kv_cache import KVCache
+from modelzoo.models.kv_cache import KVCache
 from modelzoo.models.base import CausalLM
 from modelzoo.models.config import DecoderConfig
 from modelzoo.models.gpt2 import check_learned_positions

@@ -269,7 +269,7 @@ def rank_share(a: torch.Tensor, b: torch.Tensor, where: Projection, part: Any,
 def attach_adapters(model: nn.Module, adapters: list[LoraAdapter], projections: dict[str, Projection],
                     dtype: torch.dtype, device: torch.device, shard: Any = None) -> AdapterBank:
     """Wraps every adapted module of `model` in a LoraLinear holding all `adapters`' updates of it (adapter i of the
-    bank is adapters[i]); returns the bank. Under tensor parallel, `shard` (modelzoo.tensor_parallel.
+    bank is adapters[i]); returns the bank. Under tensor parallel, `shard` (modelzoo.models.tensor_parallel.
     LlamaTensorParallel) says which share of each update this rank holds."""
     bank = AdapterBank([adapter.name for adapter in adapters])
     update_dtype = torch.float32 if device.type == "cpu" else dtype  # the C++ kernel's, on the CPU
@@ -350,7 +350,7 @@ def plan_adapters(adapters: dict[str, str], default: str | None, row_fields: lis
         if named:
             raise UserError(f"rows name adapters {named[:8]} but the params list none (model.adapters)")
         return None
-    from modelzoo.checkpoint import load_hf_config, weight_shapes
+    from modelzoo.models.checkpoint import load_hf_config, weight_shapes
     from modelzoo.models import model_class
 
     hf_config = load_hf_config(checkpoint)

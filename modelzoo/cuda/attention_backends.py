@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from modelzoo.kernels import read_machine_choices, write_machine_choices
+from modelzoo.cpu.kernels import read_machine_choices, write_machine_choices
 
 log = logging.getLogger("zoo-infer")
 
@@ -34,7 +34,7 @@ BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIE
 # cache positions for the job's rows in flight.
 PREFILL_ROWS, PREFILL_LENGTH, DECODE_LENGTH = 8, 512, 512
 TIMED_CALLS = 5
-SDPA_CHOICES, CACHE_VERSION = "sdpa_choices.json", 1  # beside the GEMM choices (modelzoo/kernels)
+SDPA_CHOICES, CACHE_VERSION = "sdpa_choices.json", 1  # beside the GEMM choices (modelzoo/cpu/kernels)
 
 
 @dataclass(frozen=True)

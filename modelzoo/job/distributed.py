@@ -7,7 +7,7 @@ because every step has exactly one owner and files are renamed into place.
 
 With `runconfig.tensor_parallel: N` (torchrun only), consecutive ranks [d*N, (d+1)*N) form one
 tensor-parallel group that owns data shard d of WORLD_SIZE / N: its ranks run every step of the
-shard together, and only its rank 0 writes files (modelzoo/tensor_parallel.py).
+shard together, and only its rank 0 writes files (modelzoo/models/tensor_parallel.py).
 """
 from __future__ import annotations
 

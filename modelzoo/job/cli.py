@@ -7,7 +7,7 @@ import signal
 import sys
 
 from modelzoo.errors import UserError
-from modelzoo.params import load_params, with_overrides
+from modelzoo.job.params import load_params, with_overrides
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,9 +48,9 @@ def main(argv: list[str] | None = None) -> int:
                           "device": args.device},
         })
         # torch imports only after the cheap argument checks have had their say
-        from modelzoo.distributed import close_process_group, detect_shard
-        from modelzoo.runner import InferenceJob
-        from modelzoo.tensor_parallel import check_tensor_parallel
+        from modelzoo.job.distributed import close_process_group, detect_shard
+        from modelzoo.job.runner import InferenceJob
+        from modelzoo.models.tensor_parallel import check_tensor_parallel
 
         tensor_parallel = params.runconfig.tensor_parallel
         check_tensor_parallel(params.model.checkpoint_path, tensor_parallel)  # before any process group opens

@@ -18,7 +18,7 @@ channels (and its columns the head's inputs), so a tied pair shares one int8 ten
 Int8Linear computes in the compute dtype: per-channel, (x @ q^T) * scale (+ bias), the int8 weight
 cast to the compute dtype (exact: every int8 fits in bfloat16 and float16) at each call; group-wise,
 x @ (q * scale)^T with the weight dequantized at each call. Where the CPU multiplies int8 natively,
-modelzoo/int8_compute.py replaces it by the int8 x int8 kernel when that measures faster.
+modelzoo/cpu/int8_compute.py replaces it by the int8 x int8 kernel when that measures faster.
 """
 from __future__ import annotations
 

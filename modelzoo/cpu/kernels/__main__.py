@@ -1,7 +1,7 @@
-"""`python -m modelzoo.kernels`: builds the C++ CPU kernels for this machine (run by `make setup`)."""
+"""`python -m modelzoo.cpu.kernels`: builds the C++ CPU kernels for this machine (run by `make setup`)."""
 import logging
 
-from modelzoo.kernels import cpu_kernels, kernel_build_dir
+from modelzoo.cpu.kernels import cpu_kernels, kernel_build_dir
 
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 if cpu_kernels() is None:

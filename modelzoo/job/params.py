@@ -15,8 +15,8 @@ from modelzoo.generation.structured import schema_format
 DATA_PROCESSOR = "GptHDF5MapDataProcessor"
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-GEMM_BACKENDS = ("auto", "mkl", "onednn", "torch", "onednn_blocks", "torch_blocks")  # modelzoo/gemm.py
-INT8_BACKENDS = ("auto", "vnni16", "vnni8", "float")  # modelzoo/int8_compute.py
+GEMM_BACKENDS = ("auto", "mkl", "onednn", "torch", "onednn_blocks", "torch_blocks")  # modelzoo/cpu/gemm.py
+INT8_BACKENDS = ("auto", "vnni16", "vnni8", "float")  # modelzoo/cpu/int8_compute.py
 DECODE_STEPS = ("auto", "eager", "compiled", "cuda_graph")  # modelzoo/generation/step.py
 WEIGHT_DTYPES = ("int8",)
 SPECULATIVE_METHODS = ("prompt_lookup", "draft_model")
@@ -179,11 +179,11 @@ class ModelParams(GenerationOptions):
     checkpoint_path: str | None = None
     dtype: str = "auto"
     weight_dtype: str | None = None
-    int8_group_size: int = 32  # inputs per int8 scale (0: one per output channel); modelzoo/quantization.py
+    int8_group_size: int = 32  # inputs per int8 scale (0: one per output channel); modelzoo/cpu/quantization.py
     loop_dim: int = 1
     json_schema: dict[str, Any] | None = None  # the output of rows without a response format of their own follows it
     speculative: SpeculativeParams | None = None
-    adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapter name -> folder (modelzoo/lora.py)
+    adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapter name -> folder (modelzoo/models/lora.py)
     adapter: str | None = None  # the adapter of rows that name none (None: the bare base model)
 
     def generation_defaults(self) -> GenerationOptions:
@@ -233,8 +233,8 @@ class RunConfig:
     num_threads: int | None = None
     log_steps: int = 10
     tensor_parallel: int = 1
-    gemm_backend: str = "auto"  # auto (measured at start-up), mkl, onednn or torch: see modelzoo/gemm.py
-    int8_backend: str = "auto"  # auto (measured at start-up), vnni16, vnni8 or float: modelzoo/int8_compute.py
+    gemm_backend: str = "auto"  # auto (measured at start-up), mkl, onednn or torch: see modelzoo/cpu/gemm.py
+    int8_backend: str = "auto"  # auto (measured at start-up), vnni16, vnni8 or float: modelzoo/cpu/int8_compute.py
     rows_in_flight: int | str = "auto"  # rows generated together (KV cache slots): auto or >= 1, see model_setup.py
     decode_step: str = "auto"  # how the decode step runs: auto, eager, compiled or cuda_graph (generation/step.py)
 

@@ -70,7 +70,7 @@ class KVCache:
         self.values = [zeroed_cache_tensor(shape, dtype, device) for _ in range(num_layers)]
         self.num_slots = num_slots
         self.max_len = max_len
-        # The LoRA adapter each slot's row runs with (index into the model's AdapterBank, -1: none; modelzoo/lora.py).
+        # The LoRA adapter each slot's row runs with (index into the model's AdapterBank, -1: none; modelzoo/models/lora.py).
         self.slot_adapter = torch.full((num_slots,), -1, dtype=torch.long, device=device)
 
     @staticmethod

@@ -6,7 +6,7 @@ bfloat16 and float16 storage (storage.h) computing in float32; and the GEMMs of 
 weights widened to float32 on any AVX2 CPU (half_gemm.cpp); and the updates of LoRA adapters chosen per row
 (lora_update.cpp).
 
-`make setup` builds them (`python -m modelzoo.kernels`); a process that finds them missing builds
+`make setup` builds them (`python -m modelzoo.cpu.kernels`); a process that finds them missing builds
 them itself (about a minute, once), and one that cannot (no C++ compiler) logs why and runs the
 PyTorch code path instead: the kernels change speed, not results beyond float rounding (the fused
 ops not even that: they are bit-identical to the PyTorch ops they replace). They need an x86-64 CPU
@@ -17,8 +17,8 @@ They are compiled with -march=native, so the build directory is keyed by this CP
 instruction sets and the torch version (then by the sources): nodes of another CPU type sharing
 the checkout build their own copy instead of loading one that could hit an illegal instruction.
 
-Where builds (and modelzoo/gemm.py's measured choices) live, `kernel_roots()`, in order:
-$ZOO_INFER_KERNEL_DIR if set, the checkout's modelzoo/kernels/build, the user cache
+Where builds (and modelzoo/cpu/gemm.py's measured choices) live, `kernel_roots()`, in order:
+$ZOO_INFER_KERNEL_DIR if set, the checkout's modelzoo/cpu/kernels/build, the user cache
 (${XDG_CACHE_HOME:-~/.cache}/zoo-infer/kernels). A build found in any of them is loaded directly,
 without torch's build lock, so a read-only shared install with its kernels built works as is; a
 missing one is built into `writable_root()`: $ZOO_INFER_KERNEL_DIR if set, else the checkout's
@@ -38,7 +38,7 @@ from types import ModuleType
 
 import torch
 
-from modelzoo.cpu import cpu_flags, cpu_model
+from modelzoo.cpu.facts import cpu_flags, cpu_model
 
 log = logging.getLogger("zoo-infer")
 
@@ -76,7 +76,7 @@ def writable_root() -> Path:
 
 
 def _machine_key() -> str:
-    """Hash of what the compiled code and the measured GEMM choices (modelzoo/gemm.py) depend on on
+    """Hash of what the compiled code and the measured GEMM choices (modelzoo/cpu/gemm.py) depend on on
     this machine: CPU model and instruction sets, architecture, torch version."""
     text = f"{platform.machine()} {cpu_model()} {' '.join(sorted(cpu_flags()))} {torch.__version__}"
     return hashlib.sha1(text.encode()).hexdigest()[:12]

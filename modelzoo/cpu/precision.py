@@ -3,7 +3,7 @@
 - float32: everything in float32.
 - bfloat16 on a CPU with AVX512-BF16 (AMX-BF16 CPUs have it too) and the C++ kernels built: **bfloat16
   GEMMs, float32 everywhere else.** The linear layers keep bfloat16 weights and multiply with bf16_linear
-  (modelzoo/kernels/bf16_gemm.cpp): inputs rounded to bfloat16, products summed and returned in float32 (a SiLU
+  (modelzoo/cpu/kernels/bf16_gemm.cpp): inputs rounded to bfloat16, products summed and returned in float32 (a SiLU
   GatedMLP's gate | up with bf16_silu_gate, which returns silu(gate) * up with silu_mul's bits). The
   residual stream, norms, rotary, attention's softmax, biases and embeddings' outputs are float32; the KV cache
   stores float16 (values beyond its range saturate at its largest). Chosen by benchmarks/precision_study.py,
@@ -13,7 +13,7 @@
   bfloat16's speed, where a bfloat16 cache adds about a tenth of the policy's difference from float32.
 - bfloat16 or float16 on a CPU without native multiplies for it (PyTorch emulates them there, at less than half the
   float32 rate): **16-bit weights, float32 arithmetic.** With the C++ kernels built, the linear layers keep their
-  weights in the dtype's 2 bytes and multiply with half_linear (modelzoo/kernels/half_gemm.cpp), which widens them
+  weights in the dtype's 2 bytes and multiply with half_linear (modelzoo/cpu/kernels/half_gemm.cpp), which widens them
   to float32 as it reads them: a float32 GEMM over the 16-bit values at half the bytes of weights held and read per
   decode step. Without the kernels the weights are widened once, at load. Everything else, the KV cache included,
   is float32: faster there, and closer to float32.
@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from modelzoo.checkpoint import release_mapped
-from modelzoo.cpu import cpu_flags
+from modelzoo.cpu.memory import release_mapped
+from modelzoo.cpu.facts import cpu_flags
 
 
 # dtype -> CPU flags (/proc/cpuinfo) of which any one means native matrix multiplies.
@@ -75,7 +75,7 @@ def native_multiplies(dtype: torch.dtype) -> bool:
 
 def bf16_kernel_available() -> bool:
     """Whether the C++ kernels are built with bf16_linear (an AVX512-BF16 CPU with a compiler)."""
-    from modelzoo.kernels import cpu_kernels
+    from modelzoo.cpu.kernels import cpu_kernels
 
     kernels = cpu_kernels()
     return kernels is not None and kernels.bf16_dot_available()
@@ -83,7 +83,7 @@ def bf16_kernel_available() -> bool:
 
 def half_kernel_available() -> bool:
     """Whether the C++ kernels are built (half_linear needs AVX2, which every build has)."""
-    from modelzoo.kernels import cpu_kernels
+    from modelzoo.cpu.kernels import cpu_kernels
 
     return cpu_kernels() is not None
 
@@ -153,7 +153,7 @@ class BF16Linear(PackedLinear):
         return pack_bf16_weight(self.arrange(weight))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from modelzoo.kernels import cpu_kernels
+        from modelzoo.cpu.kernels import cpu_kernels
 
         return cpu_kernels().bf16_linear(x, self.packed, self.bias, self.out_features)  # (..., N) float32
 
@@ -180,7 +180,7 @@ class SiluGatedBF16Linear(BF16Linear):
         return weight[rows.transpose(0, 1).reshape(-1)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from modelzoo.kernels import cpu_kernels
+        from modelzoo.cpu.kernels import cpu_kernels
 
         return cpu_kernels().bf16_silu_gate(x, self.packed, self.out_features)  # (..., N/2) float32
 
@@ -188,9 +188,7 @@ class SiluGatedBF16Linear(BF16Linear):
 def silu_gate_fusable(parent: nn.Module, name: str, layer: nn.Module) -> bool:
     """Whether `layer` is the gate | up projection of a SiLU GatedMLP whose gate can be applied in the GEMM: no bias
     (none of our families has one there) and a width in whole tiles."""
-    from modelzoo.models.layers import GatedMLP
-
-    return (isinstance(parent, GatedMLP) and name == "gate_up_proj" and parent.act is F.silu and layer.bias is None
+    return (name == "gate_up_proj" and getattr(parent, "silu_gated", False) and layer.bias is None
             and isinstance(layer, nn.Linear) and layer.out_features % (2 * SILU_GATE_TILE) == 0)
 
 
@@ -239,7 +237,7 @@ class HalfLinear(PackedLinear):
         return pack_half_weight(weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from modelzoo.kernels import cpu_kernels
+        from modelzoo.cpu.kernels import cpu_kernels
 
         return cpu_kernels().half_linear(x.float(), self.packed, self.bias, self.out_features)  # (..., N) float32
 
@@ -247,7 +245,7 @@ class HalfLinear(PackedLinear):
 def pack_half_weight(weight: torch.Tensor) -> torch.Tensor:
     """W (N, K) bfloat16 or float16 -> (ceil(N/16), K, 16) in its dtype: for each input, 16 output rows' values side
     by side (zero rows pad N), written by the C++ kernels straight into the packed tensor, every block in parallel."""
-    from modelzoo.kernels import cpu_kernels
+    from modelzoo.cpu.kernels import cpu_kernels
 
     return cpu_kernels().pack_half_weight(weight)
 

@@ -16,9 +16,9 @@ import numpy as np
 
 from modelzoo.errors import UserError
 from modelzoo.files import WriteError, make_folder, remove, remove_dead_temps, write_text_atomic
-from modelzoo.manifest import MANIFEST, ManifestState, check_manifest, manifest_digest, write_manifest
-from modelzoo.output_lock import OutputLock
-from modelzoo.predictions import (FileState, file_states, predictions_path, temp_files, write_predictions,
+from modelzoo.job.manifest import MANIFEST, ManifestState, check_manifest, manifest_digest, write_manifest
+from modelzoo.job.output_lock import OutputLock
+from modelzoo.job.predictions import (FileState, file_states, predictions_path, temp_files, write_predictions,
                                   written_steps)
 
 log = logging.getLogger("zoo-infer")

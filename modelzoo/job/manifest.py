@@ -15,7 +15,7 @@ from typing import Any
 import modelzoo
 from modelzoo.errors import UserError
 from modelzoo.files import write_text_atomic
-from modelzoo.params import InferenceParams
+from modelzoo.job.params import InferenceParams
 
 MANIFEST = "manifest.json"
 _SAMPLE = 1 << 20  # bytes hashed at the start, middle and end of large files

@@ -1,7 +1,7 @@
 """How int8 linear layers multiply on this CPU, chosen by measuring: int8 weights times activations
 quantized to 16 or 8 bits, or the weight in floats.
 
-- `vnni16`: the weight repacked once for the C++ kernel (modelzoo/kernels/int8_gemm.cpp); activations
+- `vnni16`: the weight repacked once for the C++ kernel (modelzoo/cpu/kernels/int8_gemm.cpp); activations
             quantized per row and chunk of the weight's group to 16 bits on the fly (error about 2^-16 of
             the chunk's absmax), integer dot products, both scales applied after: the weight-only int8
             answers. The packed weight replaces the plain one. On AVX512-VNNI the dot products are
@@ -10,10 +10,10 @@ quantized to 16 or 8 bits, or the weight in floats.
 - `vnni8`:  the same packed weight, activations quantized to 8 bits (absmax / 127), AVX512-VNNI only:
             faster than `vnni16`, but 8-bit activations change noticeably more answers (README "int8
             weights"), so `auto` never picks it: it must be asked for.
-- `float`:  Int8Linear as loaded (modelzoo/quantization.py): the weight cast (per-channel) or dequantized
+- `float`:  Int8Linear as loaded (modelzoo/cpu/quantization.py): the weight cast (per-channel) or dequantized
             (group-wise) to `model.dtype` at each call; activations stay exact. Works on every device.
 
-As for the float GEMMs (modelzoo/gemm.py), each int8 shape is timed with each backend at M = 256 and
+As for the float GEMMs (modelzoo/cpu/gemm.py), each int8 shape is timed with each backend at M = 256 and
 M = 32 on random weights and checked batch-invariant; `auto` keeps the faster of `vnni16` and `float`,
 the choice cached beside the kernels, logged and recorded in summary.json; `runconfig.int8_backend`
 forces one.
@@ -26,11 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from modelzoo.checkpoint import release_freed_memory
+from modelzoo.cpu.memory import release_freed_memory
 from modelzoo.errors import UserError
-from modelzoo.gemm import GemmPlan, measured_shapes, rates_text
-from modelzoo.kernels import cpu_kernels
-from modelzoo.quantization import Int8Embedding, Int8Linear, dequantize_rows, group_count, quantize_rows
+from modelzoo.cpu.gemm import GemmPlan, measured_shapes, rates_text
+from modelzoo.cpu.kernels import cpu_kernels
+from modelzoo.cpu.quantization import Int8Embedding, Int8Linear, dequantize_rows, group_count, quantize_rows
 
 log = logging.getLogger("zoo-infer")
 

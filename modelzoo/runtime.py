@@ -9,23 +9,23 @@ from typing import Callable
 
 import torch
 
-from modelzoo.checkpoint import load_model
+from modelzoo.models.checkpoint import load_model
 from modelzoo.errors import UserError
-from modelzoo.gemm import GemmPlan, apply_gemm_backend, weight_bytes
-from modelzoo.generation.attention_backends import choose_attention_backends
+from modelzoo.cpu.gemm import GemmPlan, apply_gemm_backend, weight_bytes
+from modelzoo.cuda.attention_backends import choose_attention_backends
 from modelzoo.generation.engine import GenerationEngine
-from modelzoo.generation.kv_cache import KVCache
+from modelzoo.models.kv_cache import KVCache
 from modelzoo.generation.options import GenerationOptions, RequestVariety
 from modelzoo.generation.speculative import DraftModelDrafter, Drafter, PromptLookupDrafter
 from modelzoo.generation.structured import FormatCompiler, FormatError, StructuredRows
-from modelzoo.int8_compute import apply_int8_backend
-from modelzoo.kernels import cpu_kernels, machine_dir
-from modelzoo.lora import AdapterPlan, attach_adapters
-from modelzoo.memory import available_host_memory
-from modelzoo.params import InferenceParams
-from modelzoo.precision import apply_bf16_gemm, apply_half_gemm, keep_gemm_weights, precision_policy
-from modelzoo.quantization import int8_summary
-from modelzoo.tensor_parallel import TensorParallelGroup, shard_plan
+from modelzoo.cpu.int8_compute import apply_int8_backend
+from modelzoo.cpu.kernels import cpu_kernels, machine_dir
+from modelzoo.models.lora import AdapterPlan, attach_adapters
+from modelzoo.cpu.memory import available_host_memory
+from modelzoo.job.params import InferenceParams
+from modelzoo.cpu.precision import apply_bf16_gemm, apply_half_gemm, keep_gemm_weights, precision_policy
+from modelzoo.cpu.quantization import int8_summary
+from modelzoo.models.tensor_parallel import TensorParallelGroup, shard_plan
 
 log = logging.getLogger("zoo-infer")
 
@@ -94,7 +94,7 @@ class ModelSetup:
         self.decode_step: dict[str, object] | None = None  # how the decode step ran: summary.json's, once built
 
     def dtype_name(self) -> str:
-        """The precision policy in words (modelzoo/precision.py)."""
+        """The precision policy in words (modelzoo/cpu/precision.py)."""
         return self.policy.describe()
 
     def build(self, tp: TensorParallelGroup, variety: RequestVariety = RequestVariety(), rows_to_do: int = 0,
@@ -320,7 +320,7 @@ class ModelSetup:
         elif mixed:
             name = str(policy.weights).replace("torch.", "")
             log.info("this CPU has no native %s matrix multiplies: weights keep their %s values, arithmetic and "
-                     "KV cache are float32 (faster here; see modelzoo/precision.py)", name, name)
+                     "KV cache are float32 (faster here; see modelzoo/cpu/precision.py)", name, name)
             model = model.to(self.dtype)
         return model
 
@@ -341,7 +341,7 @@ class ModelSetup:
         if self.policy.bf16_gemm:
             if backend != "auto":
                 log.warning("runconfig.gemm_backend %s ignored: bfloat16 multiplies with bf16_linear here (float32 "
-                            "outputs; see modelzoo/precision.py)", backend)
+                            "outputs; see modelzoo/cpu/precision.py)", backend)
             self.gemm = GemmPlan(backend, layers=apply_bf16_gemm(model))
             log.info("GEMMs: bf16_linear (bfloat16 weights and inputs, float32 sums and outputs; input pairs broadcast "
                      "%s, the faster here as timed) for %s", cpu_kernels().bf16_gemm_broadcast(),
@@ -351,7 +351,7 @@ class ModelSetup:
         if self.policy.half_gemm:
             if backend != "auto":
                 log.warning("runconfig.gemm_backend %s ignored: %s weights multiply with half_linear here (widened to "
-                            "float32; see modelzoo/precision.py)", backend, str(self.policy.weights)[6:])
+                            "float32; see modelzoo/cpu/precision.py)", backend, str(self.policy.weights)[6:])
             self.gemm = GemmPlan(backend, layers=apply_half_gemm(model))
             log.info("GEMMs: half_linear (%s weights widened to float32 as read, float32 inputs, sums and outputs; "
                      "%s code path, the faster here as timed) for %s", str(self.policy.weights)[6:],

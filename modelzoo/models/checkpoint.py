@@ -6,12 +6,8 @@ unexpected weight is named in the error.
 """
 from __future__ import annotations
 
-import ctypes
-import functools
 import json
-import mmap
 import os
-import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -20,8 +16,9 @@ import torch
 from torch import nn
 
 from modelzoo.errors import UserError
+from modelzoo.cpu.memory import map_private, release_freed_memory, release_mapped
 from modelzoo.models import model_class
-from modelzoo.quantization import quantize_modules, quantize_rows, scale_name
+from modelzoo.cpu.quantization import quantize_modules, quantize_rows, scale_name
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -92,10 +89,6 @@ SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.f
                       "BOOL": torch.bool}
 
 
-# Base address -> a checkpoint file's memory map, while any tensor views it (read_safetensors).
-_MAPPINGS: weakref.WeakValueDictionary[int, mmap.mmap] = weakref.WeakValueDictionary()
-
-
 def read_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of a .safetensors file, in file order, each a view of a private memory map of the file.
 
@@ -109,8 +102,7 @@ def read_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
         size = int.from_bytes(handle.read(8), "little")
         header = json.loads(handle.read(size))
         length = os.fstat(handle.fileno()).st_size
-        mapping = mmap.mmap(handle.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    _MAPPINGS[torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr()] = mapping
+        mapping = map_private(handle)
     header.pop("__metadata__", None)
     for name, info in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):  # file order
         begin, end = (8 + size + offset for offset in info["data_offsets"])
@@ -120,21 +112,6 @@ def read_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
         count = (end - begin) // dtype.itemsize
         tensor = torch.frombuffer(mapping, dtype=dtype, count=count, offset=begin) if count else torch.empty(0, dtype=dtype)
         yield name, tensor.reshape(info["shape"])
-
-
-def release_mapped(tensor: torch.Tensor) -> None:
-    """Drops the whole pages of `tensor` from this process if it views a checkpoint's memory map (read_safetensors),
-    once its values were copied elsewhere; they are read again from the file if the tensor is used. Anything else:
-    nothing happens."""
-    start = tensor.data_ptr()
-    stop = start + tensor.untyped_storage().nbytes() - tensor.storage_offset() * tensor.element_size()
-    for base, mapping in list(_MAPPINGS.items()):
-        if base <= start < base + len(mapping) and hasattr(mmap, "MADV_DONTNEED"):
-            first = -(-(start - base) // mmap.PAGESIZE) * mmap.PAGESIZE  # pages wholly inside: never a neighbour's
-            last = (stop - base) // mmap.PAGESIZE * mmap.PAGESIZE
-            if last > first:
-                mapping.madvise(mmap.MADV_DONTNEED, first, last - first)
-            return
 
 
 # What `select` may answer for a weight that this process does not hold at all (tensor parallel).
@@ -176,28 +153,12 @@ def iter_tensors(files: list[Path], select: Select | None = None) -> Iterator[tu
             raise UserError(f"cannot read weights from {file}: {exc}".splitlines()[0]) from exc
 
 
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    libc = ctypes.CDLL(None)  # the C library this process already uses
-    return getattr(libc, "malloc_trim", None)  # glibc only
-
-
-def release_freed_memory() -> None:
-    """Asks the C allocator to give freed memory back to the system (glibc's malloc_trim; a no-op
-    elsewhere). Loading int8 weights frees one full-precision tensor per weight, and malloc keeps
-    much of that memory between the int8 tensors allocated meanwhile. Measured loading SmolLM2-135M
-    in a process at 220 MiB: peak RSS 598 MiB without this, 478 MiB with it (float32: 871 MiB)."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
 def _listed(names: list[str]) -> str:
     return ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
 
 
 class ShardPlan(Protocol):
-    """One tensor-parallel rank's share of a model (modelzoo.tensor_parallel.shard_plan makes one)."""
+    """One tensor-parallel rank's share of a model (modelzoo.models.tensor_parallel.shard_plan makes one)."""
 
     config: Any  # the family config at one rank's size
 
@@ -234,9 +195,9 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, plan:
     Weights load by Hugging Face name. A family may fuse several HF weights into one of its own
     (`fused_weights()`: ours -> the HF names concatenated along dim 0); errors still name HF weights.
     With a shard `plan` (tensor parallel) the model is built at one rank's size and each weight is
-    read only in the part this rank holds (modelzoo/tensor_parallel.py), fused weights included.
+    read only in the part this rank holds (modelzoo/models/tensor_parallel.py), fused weights included.
     weight_dtype "int8": the linear layers and the token embedding are swapped for int8 ones before
-    loading (modelzoo/quantization.py) and each of their weights is quantized as soon as it (or its
+    loading (modelzoo/cpu/quantization.py) and each of their weights is quantized as soon as it (or its
     fused concatenation) is complete, so at most one of them is ever held in full precision.
     update: HF weight name -> a tensor of its full shape to add to it as it is read (a merged LoRA adapter's
     scaling * B A), or None; added in float32 before any cast, slicing or quantization.

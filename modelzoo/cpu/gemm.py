@@ -24,7 +24,7 @@ from an uninterrupted one's. A candidate that fails is not chosen (a forced one 
 warning). The fastest remaining one (time per row at M = 256 plus time per row at M = 32: as many
 prompt tokens as generated ones) is kept, logged with its rates, and cached per CPU model, flags
 and torch version beside the C++ kernels' builds (<root>/<machine>/gemm_choices.json: read from every
-kernel root of modelzoo/kernels, the first root's entry winning, written to its writable root), so that
+kernel root of modelzoo/cpu/kernels, the first root's entry winning, written to its writable root), so that
 every job on this machine type makes the same choice and produces the same bits.
 """
 from __future__ import annotations
@@ -39,9 +39,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from modelzoo.checkpoint import release_freed_memory, release_mapped
+from modelzoo.cpu.memory import release_freed_memory, release_mapped
 from modelzoo.errors import UserError
-from modelzoo.kernels import read_machine_choices, write_machine_choices
+from modelzoo.cpu.kernels import read_machine_choices, write_machine_choices
 
 log = logging.getLogger("zoo-infer")
 
@@ -268,7 +268,7 @@ class GemmPlan:
                         "%s", ", ".join(varying))
 
     def add(self, other: GemmPlan) -> None:
-        """Takes in another plan's layers (the int8 ones of modelzoo/int8_compute.py)."""
+        """Takes in another plan's layers (the int8 ones of modelzoo/cpu/int8_compute.py)."""
         self.requested = f"{self.requested}; int8 {other.requested}"
         self.layers.update(other.layers)
         self.measured.update(other.measured)

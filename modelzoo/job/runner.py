@@ -20,25 +20,25 @@ import numpy as np
 import torch
 import yaml
 
-from modelzoo.checkpoint import load_hf_config, resolve_dtype
-from modelzoo.data import Batch, GptHDF5MapDataProcessor, start_positions
-from modelzoo.distributed import Shard
+from modelzoo.models.checkpoint import load_hf_config, resolve_dtype
+from modelzoo.job.data import Batch, GptHDF5MapDataProcessor, start_positions
+from modelzoo.job.distributed import Shard
 from modelzoo.errors import UserError
 from modelzoo.files import WriteError
 from modelzoo.generation.engine import GenerationEngine, Request
-from modelzoo.generation.kv_cache import KVCache
+from modelzoo.models.kv_cache import KVCache
 from modelzoo.generation.scoring import Scorer, ScoreRequest
 from modelzoo.generation.stopping import DUMMY, EMPTY_PROMPT, NO_START_TOKEN, SCORED
-from modelzoo.lora import AdapterPlan, plan_adapters
-from modelzoo.manifest import build_manifest
-from modelzoo.model_setup import ModelSetup, resolve_device
-from modelzoo.output_folder import OutputFolder
-from modelzoo.params import InferenceParams
-from modelzoo.predictions import StepAssembly
-from modelzoo.preemption import Interrupted, StopRequest
-from modelzoo.reporting import (Progress, RunStats, log_totals, read_shard_stats, shard_stats_path, summary_of,
+from modelzoo.models.lora import AdapterPlan, plan_adapters
+from modelzoo.job.manifest import build_manifest
+from modelzoo.runtime import ModelSetup, resolve_device
+from modelzoo.job.output_folder import OutputFolder
+from modelzoo.job.params import InferenceParams
+from modelzoo.job.predictions import StepAssembly
+from modelzoo.job.preemption import Interrupted, StopRequest
+from modelzoo.job.reporting import (Progress, RunStats, log_totals, read_shard_stats, shard_stats_path, summary_of,
                                 write_json)
-from modelzoo.tensor_parallel import AgreedStop, open_group
+from modelzoo.job.tensor_group import AgreedStop, open_group
 
 log = logging.getLogger("zoo-infer")
 

@@ -1,0 +1,87 @@
+"""Host memory: what this process may still use (MemAvailable, capped by a cgroup limit: a Slurm job's --mem, a
+container's, when that is lower), checkpoint files mapped privately, and pages given back once their values were
+copied elsewhere."""
+from __future__ import annotations
+
+import ctypes
+import functools
+import mmap
+import os
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+# (limit, usage) files of cgroup v2, then v1
+_CGROUP_FILES = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                 ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
+
+
+def available_host_memory() -> int:
+    """Bytes: MemAvailable of /proc/meminfo (else physical memory), or the cgroup's room if lower."""
+    available = 0
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    if not available:
+        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit_path, usage_path in _CGROUP_FILES:
+        try:
+            limit = Path(limit_path).read_text().strip()
+            if limit == "max":
+                continue
+            room = int(limit) - int(Path(usage_path).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if 0 < room < available:
+            available = room
+    return available
+
+
+# Base address -> a checkpoint file's memory map, while any tensor views it (map_private).
+_MAPPINGS: weakref.WeakValueDictionary[int, mmap.mmap] = weakref.WeakValueDictionary()
+
+
+def map_private(handle) -> mmap.mmap:
+    """A private (copy-on-write) memory map of an open file, remembered while any tensor views it so that
+    release_mapped can drop its pages."""
+    mapping = mmap.mmap(handle.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    _MAPPINGS[torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr()] = mapping
+    return mapping
+
+
+def release_mapped(tensor: torch.Tensor) -> None:
+    """Drops the whole pages of `tensor` from this process if it views a checkpoint's memory map (read_safetensors),
+    once its values were copied elsewhere; they are read again from the file if the tensor is used. Anything else:
+    nothing happens."""
+    start = tensor.data_ptr()
+    stop = start + tensor.untyped_storage().nbytes() - tensor.storage_offset() * tensor.element_size()
+    for base, mapping in list(_MAPPINGS.items()):
+        if base <= start < base + len(mapping) and hasattr(mmap, "MADV_DONTNEED"):
+            first = -(-(start - base) // mmap.PAGESIZE) * mmap.PAGESIZE  # pages wholly inside: never a neighbour's
+            last = (stop - base) // mmap.PAGESIZE * mmap.PAGESIZE
+            if last > first:
+                mapping.madvise(mmap.MADV_DONTNEED, first, last - first)
+            return
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    libc = ctypes.CDLL(None)  # the C library this process already uses
+    return getattr(libc, "malloc_trim", None)  # glibc only
+
+
+def release_freed_memory() -> None:
+    """Asks the C allocator to give freed memory back to the system (glibc's malloc_trim; a no-op
+    elsewhere). Loading int8 weights frees one full-precision tensor per weight, and malloc keeps
+    much of that memory between the int8 tensors allocated meanwhile. Measured loading SmolLM2-135M
+    in a process at 220 MiB: peak RSS 598 MiB without this, 478 MiB with it (float32: 871 MiB)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
