@@ -20,17 +20,13 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
-import torch
 
-from modelzoo.models.checkpoint import load_hf_config, resolve_dtype
-from modelzoo.generation.engine import GenerationEngine, Request
-from modelzoo.generation.options import GenerationOptions, RequestVariety
+from modelzoo.generation.engine import Request
+from modelzoo.generation.options import GenerationOptions
 from modelzoo.generation.pairs import split_pair
-from modelzoo.generation.scoring import Score, Scorer, ScoreRequest
-from modelzoo.models.lora import plan_adapters
-from modelzoo.runtime import ModelSetup, resolve_device
-from modelzoo.job.params import parse_params
-from modelzoo.models.tensor_parallel import TensorParallelGroup
+from modelzoo.generation.scoring import Score, ScoreRequest
+from modelzoo.runtime import Runtime, RuntimePlan
+from modelzoo.runtime_spec import RuntimeSpec
 
 Prompt = str | Sequence[int]  # text, or token ids
 
@@ -63,27 +59,19 @@ class ZooModel:
         from transformers import AutoTokenizer
 
         self.checkpoint = str(checkpoint)
-        hf_config = load_hf_config(self.checkpoint)
         self.tokenizer = AutoTokenizer.from_pretrained(self.checkpoint)
-        vocab_size = int(hf_config.vocab_size)
-        self.params = parse_params({
-            "model": {"checkpoint_path": self.checkpoint, "dtype": dtype, "start_token": vocab_size},
-            "inference_input": {"data_dir": "-", "batch_size": 1},
-            "runconfig": {"device": device, "rows_in_flight": rows_in_flight, "num_threads": num_threads}})
-        self.device = resolve_device(device)
-        torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
-        weights_dtype = resolve_dtype(dtype, hf_config)
-        name = Path(adapter).name if adapter else ""
-        plan = plan_adapters({name: str(adapter)}, name, None, self.checkpoint) if adapter else None
-        self.setup = ModelSetup(self.params, self.device, weights_dtype, max_seq_len, vocab_size, plan)
-        self.max_seq_len = max_seq_len
+        adapters = {Path(adapter).name: str(adapter)} if adapter else {}
+        spec = RuntimeSpec(self.checkpoint, dtype=dtype, device=device, max_seq_len=max_seq_len,
+                           rows_in_flight=rows_in_flight, num_threads=num_threads, adapters=adapters,
+                           adapter=Path(adapter).name if adapter else None)
         rows = rows_in_flight if rows_in_flight != "auto" else 1 << 30  # auto: as many as memory holds, capped
-        self.model, self.engine = self.setup.build(TensorParallelGroup(device=self.device), rows_to_do=rows)
+        self.runtime = Runtime(RuntimePlan.of(spec), rows_to_do=rows)
+        self.model, self.device, self.max_seq_len = self.runtime.model, self.runtime.device, max_seq_len
         self.eos_token_id = self.tokenizer.eos_token_id
 
     @property
     def rows_in_flight(self) -> int:
-        return self.setup.rows_in_flight
+        return self.runtime.rows_in_flight
 
     # ---- generation ---------------------------------------------------------------------------------------------
 
@@ -111,11 +99,7 @@ class ZooModel:
         per_prompt = list(options) if isinstance(options, (list, tuple)) else [options or self.default_options()] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"{len(per_prompt)} options for {len(prompts)} prompts")
-        defaults = per_prompt[0] if per_prompt else self.default_options()
-        variety = RequestVariety(stop_sequences=tuple({s for o in per_prompt for s in o.stop_sequences}),
-                                 samples=any(not o.greedy for o in per_prompt),
-                                 top_p=any(o.top_p < 1.0 for o in per_prompt))
-        engine = self._engine(defaults, variety)
+        engine = self.runtime.engine_for(per_prompt) if per_prompt else self.runtime.engine
         rows = sum(o.n for o in per_prompt)
         first_rows = np.cumsum([0] + [o.n for o in per_prompt])  # each prompt's first row: a sample index, as in a job
         requests = (Request(int(first) + sample, ids, o) for first, p, o in zip(first_rows, prompts, per_prompt)
@@ -129,14 +113,6 @@ class ZooModel:
                                                   None if completion.logprobs is None else completion.logprobs.tolist())
                 bar.update(1)
         return [out[i] for i in range(rows)]
-
-    def _engine(self, defaults: GenerationOptions, variety: RequestVariety) -> GenerationEngine:
-        """The engine for these options: the current one where they are its own, else a new one over the same model
-        and cache size (the old one's memory freed first)."""
-        if self.engine.defaults != defaults or self.engine.variety != variety:
-            self.engine = None
-            self.engine = self.setup.engine(self.model, defaults, variety)
-        return self.engine
 
     # ---- scoring ------------------------------------------------------------------------------------------------
 
@@ -161,7 +137,7 @@ class ZooModel:
         requests = [ScoreRequest(i, np.asarray(c, dtype=np.int64), np.asarray(x, dtype=np.int64))
                     for i, (c, x) in enumerate(pairs)]
         order = sorted(requests, key=lambda r: (r.context.tobytes(), r.index))  # the choices of a question together
-        scorer = Scorer(self.model, self.engine.cache, self.device)
+        scorer = self.runtime.scorer()
         out: dict[int, Score] = {}
         with _progress(len(requests), progress, "scoring") as bar:
             for score in scorer.score(order):

@@ -163,24 +163,28 @@ class ZooInferLM(TemplateLM):
         return tuple(dict.fromkeys(stops))
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
-        """Every request's continuation, up to its `until` strings or max_gen_toks; requests with the same kwargs
-        run together."""
+        """Every request's continuation, up to its `until` strings or max_gen_toks. Each request carries its own
+        options (stops, max_gen_toks, sampling), so the requests run on one engine together, whatever their
+        generation kwargs; only a top_k (an option of the whole engine) splits them."""
         results: list[str | None] = [None] * len(requests)
-        groups: dict[str, list[int]] = {}
-        for index, request in enumerate(requests):
-            groups.setdefault(repr(sorted(request.args[1].items())), []).append(index)
+        options, untils, prompts = [], [], []
+        for request in requests:
+            option, until = self._options(request.args[1])
+            room = self.max_length - option.max_tokens
+            ids = self.tok_encode(request.args[0])
+            if len(ids) > room:
+                self.truncated_contexts += 1
+            options.append(option)
+            untils.append(until)
+            prompts.append(ids[-room:])
+        groups: dict[int, list[int]] = {}
+        for index, option in enumerate(options):
+            groups.setdefault(option.top_k, []).append(index)
         for indices in groups.values():
-            options, until = self._options(requests[indices[0]].args[1])
-            room = self.max_length - options.max_tokens
-            prompts = []
-            for index in indices:
-                ids = self.tok_encode(requests[index].args[0])
-                if len(ids) > room:
-                    self.truncated_contexts += 1
-                prompts.append(ids[-room:])
-            generated = self.zoo.generate(prompts, options, progress=not disable_tqdm)
+            generated = self.zoo.generate([prompts[i] for i in indices], [options[i] for i in indices],
+                                          progress=not disable_tqdm)
             for index, answer in zip(indices, generated):
-                text = postprocess_generated_text(self.tok_decode(answer.token_ids), until, None)
+                text = postprocess_generated_text(self.tok_decode(answer.token_ids), untils[index], None)
                 self.cache_hook.add_partial("generate_until", requests[index].args, text)
                 results[index] = text
         return results

@@ -1,31 +1,40 @@
-"""A job's model, made ready to generate: device, dtypes, loading (this rank's share, int8 if asked),
-the memory check, the GEMM path, the drafter, and the engine over them."""
+"""The front door: a checkpoint opened to run, for the job, the Python API (ZooModel) and the lm-eval backend alike.
+
+A `RuntimeSpec` (plain values, modelzoo/runtime_spec.py) is checked into a `RuntimePlan` before anything loads or
+is written (device, precision policy, decode-step mode, LoRA adapters read and checked); a `Runtime` is opened from
+the plan: the model loaded in the policy's dtypes (this rank's share, int8 if asked), the rows in flight sized and
+the KV cache checked against the memory, the GEMM path chosen for this machine, the drafter, the engine with its
+decode step prepared, and the scorer.
+"""
 from __future__ import annotations
 
 import logging
 import os
 import time
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 
-from modelzoo.models.checkpoint import load_model
-from modelzoo.errors import UserError
 from modelzoo.cpu.gemm import GemmPlan, apply_gemm_backend, weight_bytes
-from modelzoo.cuda.attention_backends import choose_attention_backends
-from modelzoo.generation.engine import GenerationEngine
-from modelzoo.models.kv_cache import KVCache
-from modelzoo.generation.options import GenerationOptions, RequestVariety
-from modelzoo.generation.speculative import DraftModelDrafter, Drafter, PromptLookupDrafter
-from modelzoo.generation.structured import FormatCompiler, FormatError, StructuredRows
 from modelzoo.cpu.int8_compute import apply_int8_backend
 from modelzoo.cpu.kernels import cpu_kernels, machine_dir
-from modelzoo.models.lora import AdapterPlan, attach_adapters
-from modelzoo.cpu.memory import available_host_memory
-from modelzoo.job.params import InferenceParams
-from modelzoo.cpu.precision import apply_bf16_gemm, apply_half_gemm, keep_gemm_weights, precision_policy
+from modelzoo.cpu.precision import (PrecisionPolicy, apply_bf16_gemm, apply_half_gemm, keep_gemm_weights,
+                                    precision_policy)
 from modelzoo.cpu.quantization import int8_summary
+from modelzoo.cuda.attention_backends import choose_attention_backends
+from modelzoo.cuda.memory import available_memory, prefill_token_budget
+from modelzoo.errors import UserError
+from modelzoo.generation.engine import GenerationEngine
+from modelzoo.generation.options import GenerationOptions, RequestVariety
+from modelzoo.generation.scoring import Scorer
+from modelzoo.generation.speculative import DraftModelDrafter, Drafter, PromptLookupDrafter
+from modelzoo.generation.structured import StructuredRows, compile_formats
+from modelzoo.models.checkpoint import load_hf_config, load_model, resolve_dtype
+from modelzoo.models.kv_cache import KVCache
+from modelzoo.models.lora import AdapterPlan, attach_adapters, plan_adapters
 from modelzoo.models.tensor_parallel import TensorParallelGroup, shard_plan
+from modelzoo.runtime_spec import RuntimeSpec
 
 log = logging.getLogger("zoo-infer")
 
@@ -43,11 +52,9 @@ KV_CACHE_SHARE = 0.5
 # a step of 8 rows takes 61-79 ms, one of 32 rows 108-138 ms.
 SMALL_STEP_ROWS = 8
 
-# Tokens of one prefill forward: the CPU's packed prompts (its attention kernel is fastest on groups about this
-# size); on a GPU, padded rows up to this many tokens, within PREFILL_MEMORY_SHARE of the free memory.
-PREFILL_TOKENS_CPU = 1024
-PREFILL_TOKENS_CUDA = 16384
-PREFILL_MEMORY_SHARE = 0.25
+# Rows of the scorer's own cache beside an engine that generates at the same time: continuations scored together at
+# most.
+SCORING_SLOTS = 32
 
 
 def resolve_device(name: str) -> torch.device:
@@ -62,77 +69,178 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def available_memory(device: torch.device) -> int:
-    """Bytes free on the device (CPU: the host's, cgroup limits included)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    return available_host_memory()
+def decode_step_mode(spec: RuntimeSpec, device: torch.device, adapters: AdapterPlan | None) -> str:
+    """runconfig.decode_step, checked against the job; auto: a CUDA graph on CUDA, eager on the CPU (its C++
+    kernels and measured GEMMs run faster than the inductor-compiled step there: benchmarks/decode_step.py);
+    eager under speculative decoding, whose verification step is a forward of its own, and with LoRA adapters per
+    row (not captured in a CUDA graph yet), and under tensor parallel (its all-reduce is not captured)."""
+    requested = spec.decode_step
+    if adapters is not None and adapters.bank:
+        if requested == "cuda_graph":
+            raise UserError(f"runconfig.decode_step {requested} does not take LoRA adapters per row yet; use auto, "
+                            f"eager or compiled (or one adapter for the whole job, model.adapter, merged into the "
+                            f"weights)")
+        if requested == "auto":
+            return "eager"
+    if spec.speculative:
+        if requested in ("compiled", "cuda_graph"):
+            raise UserError(f"runconfig.decode_step {requested} does not apply to speculative decoding, whose "
+                            f"steps verify drafted tokens; use auto or eager")
+        return "eager"
+    if requested == "cuda_graph" and device.type != "cuda":
+        raise UserError(f"runconfig.decode_step cuda_graph needs a CUDA device; this job runs on {device}")
+    if requested == "compiled" and device.type == "cpu":
+        if spec.weight_dtype == "int8":
+            raise UserError("runconfig.decode_step compiled does not take int8 weights on the CPU (their C++ "
+                            "kernels cannot be compiled); use auto or eager")
+        if spec.gemm_backend not in ("auto", "torch"):
+            raise UserError(f"runconfig.decode_step compiled multiplies with torch's own GEMMs; gemm_backend "
+                            f"{spec.gemm_backend} cannot be compiled (use auto or torch)")
+    if requested == "auto":
+        return "cuda_graph" if device.type == "cuda" and spec.tensor_parallel == 1 else "eager"
+    return requested
 
 
-class ModelSetup:
-    """Loads a job's model and builds its engine; `gemm` is the GEMM plan once chosen."""
+@dataclass(frozen=True)
+class RuntimePlan:
+    """A RuntimeSpec checked before anything loads or is written: the device, the checkpoint's vocabulary, the
+    precision policy (modelzoo/cpu/precision.py), the decode-step mode and the LoRA adapters (read and checked
+    against the checkpoint; None: the bare base). Threads are set as the spec says."""
 
-    def __init__(self, params: InferenceParams, device: torch.device, dtype: torch.dtype, max_seq_len: int,
-                 vocab_size: int, adapters: AdapterPlan | None = None) -> None:
-        self.params = params
-        self.adapters = adapters  # the job's LoRA adapters: merged at load, or attached per row
-        self.device = device
-        self.max_seq_len = max_seq_len
-        self.vocab_size = vocab_size
-        self.gemm: GemmPlan | None = None
-        self.small_step_rows: int | None = None  # rows of a job's last decode steps, once the GEMMs are chosen
-        self.rows_in_flight = params.inference_input.batch_size  # sized by build()
-        self.decode_step_mode = self._decode_step_mode()  # checked before anything is loaded or written
-        self.policy = precision_policy(dtype, device, int8_weights=params.model.weight_dtype == "int8",
-                                       compiled=self.decode_step_mode == "compiled")
-        self.dtype = self.policy.activations  # the arithmetic's dtype between the GEMMs
-        self.kv_dtype = self.policy.kv_cache
-        if self.decode_step_mode in ("compiled", "cuda_graph"):
+    spec: RuntimeSpec
+    device: torch.device
+    vocab_size: int
+    policy: PrecisionPolicy
+    decode_step_mode: str
+    adapters: AdapterPlan | None
+
+    @classmethod
+    def of(cls, spec: RuntimeSpec) -> RuntimePlan:
+        device = resolve_device(spec.device)
+        torch.set_num_threads(spec.num_threads or len(os.sched_getaffinity(0)))
+        hf_config = load_hf_config(spec.checkpoint)
+        row_adapters = list(spec.row_adapters) if spec.row_adapters is not None else None
+        adapters = plan_adapters(spec.adapters, spec.adapter, row_adapters, spec.checkpoint)
+        mode = decode_step_mode(spec, device, adapters)
+        policy = precision_policy(resolve_dtype(spec.dtype, hf_config), device, int8_weights=spec.weight_dtype == "int8",
+                                  compiled=mode == "compiled")
+        if mode in ("compiled", "cuda_graph"):
             # Inductor's compiled code beside the C++ kernels' builds (unless TORCHINDUCTOR_CACHE_DIR says where), so
             # the next job on this machine type reuses it; set before torch first asks for it (importing dynamo does).
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(machine_dir() / "inductor"))
-        self.decode_step: dict[str, object] | None = None  # how the decode step ran: summary.json's, once built
+        return cls(spec, device, int(hf_config.vocab_size), policy, mode, adapters)
+
+
+class Runtime:
+    """A checkpoint opened to run (module docstring): `model`, `engine`, `scorer()`, and how they were sized and
+    set up (`rows_in_flight`, `gemm`, `decode_step`, `dtype_name()`).
+
+    defaults: the options of a request without its own; variety: what the requests may bring besides them;
+    rows_to_do: the rows to generate (auto rows in flight take at most these); response_formats: every response
+    format some row follows, compiled before the model loads; tp: this rank's tensor-parallel group.
+    """
+
+    def __init__(self, plan: RuntimePlan, defaults: GenerationOptions = GenerationOptions(),
+                 variety: RequestVariety = RequestVariety(), rows_to_do: int = 0, response_formats: Sequence[str] = (),
+                 tp: TensorParallelGroup | None = None) -> None:
+        spec = self.spec = plan.spec
+        self.plan, self.device, self.policy, self.adapters = plan, plan.device, plan.policy, plan.adapters
+        self.dtype = self.policy.activations  # the arithmetic's dtype between the GEMMs
+        self.kv_dtype = self.policy.kv_cache
+        self.max_seq_len, self.vocab_size = spec.max_seq_len, plan.vocab_size
+        self.decode_step: dict[str, object] | None = None  # how the decode step ran: summary.json's
+        tp = tp or TensorParallelGroup(device=self.device)
+        if spec.speculative and variety.samples:
+            raise UserError("some rows of the data sample (their own temperature > 0) but model.speculative decodes "
+                            "greedily; drop model.speculative or the rows' temperatures")
+        if response_formats and spec.speculative:
+            raise UserError("some rows follow a response format (model.json_schema or the data's response_format) but "
+                            "model.speculative cannot constrain its drafts; drop model.speculative")
+        self.compiler = (compile_formats(spec.checkpoint, self.vocab_size, defaults.stop_sequences, list(response_formats))
+                         if response_formats else None)
+        self.model = self._load_model(tp)
+        free = available_memory(self.device)
+        self.rows_in_flight = self._rows_in_flight(rows_to_do, free, tp)
+        self._check_memory(free, tp)
+        if self.adapters is not None and self.adapters.bank:
+            attach_adapters(self.model, self.adapters.bank, self.adapters.projections, self.dtype, self.device,
+                            shard_plan(spec.checkpoint, tp))
+            log.info("LoRA adapters per row: %s (each row's update added to the base projections' output)",
+                     ", ".join(f"{a.name} ({len(a.updates)} projections)" for a in self.adapters.bank))
+        self.gemm: GemmPlan | None = None
+        cache = self.kv_cache_bytes(self.rows_in_flight)
+        self.small_step_rows = self._choose_gemm(spare_bytes=(free - cache) // 2)  # rows of the last decode steps
+        self.drafter = self._drafter()
+        self.engine = self._build_engine(defaults, variety)
+        self._scoring_cache: KVCache | None = None
 
     def dtype_name(self) -> str:
         """The precision policy in words (modelzoo/cpu/precision.py)."""
         return self.policy.describe()
 
-    def build(self, tp: TensorParallelGroup, variety: RequestVariety = RequestVariety(), rows_to_do: int = 0,
-              response_formats: list[str] = ()) -> tuple[torch.nn.Module, GenerationEngine]:
-        """Loads the model (and drafter), sizes the rows in flight, checks the KV cache fits, chooses the GEMM
-        path, builds the engine (variety: what the data's rows bring besides the job's options; rows_to_do: the
-        real rows this run will generate; response_formats: every response format some row follows, compiled
-        before the model loads)."""
-        if self.params.model.speculative and variety.samples:
-            raise UserError("some rows of the data sample (their own temperature > 0) but model.speculative decodes "
-                            "greedily; drop model.speculative or the rows' temperatures")
-        compiler = self._format_compiler(response_formats) if response_formats else None
+    def engine_for(self, options: Sequence[GenerationOptions]) -> GenerationEngine:
+        """The engine to run requests with these options: the current one where it takes them all (per-row options:
+        modelzoo/generation/options.py), else a new one over the same model and cache size (the old one's memory
+        freed first) that takes them and whatever the old one took."""
+        if all(self.engine.accepts(o) for o in options):
+            return self.engine
+        first = options[0]
+        defaults = first.overridden(logprobs=any(o.logprobs for o in options),
+                                    top_logprobs=max(o.top_logprobs for o in options))
+        variety = self.engine.variety.union(RequestVariety.covering(options))
+        self.engine = None
+        self.engine = self._build_engine(defaults, variety)
+        return self.engine
+
+    def scorer(self, beside_generation: bool = False) -> Scorer:
+        """The scorer (teacher-forced log-probabilities, with the spec's scoring_top_k likeliest tokens): in the
+        engine's KV cache, between generations; `beside_generation` (a job whose data mixes rows to generate and to
+        score, scored while other rows generate): in a cache of its own of at most SCORING_SLOTS rows."""
+        cache = self.engine.cache
+        if beside_generation:
+            if self._scoring_cache is None:
+                c = self.model.config
+                self._scoring_cache = KVCache(c.num_layers, min(self.rows_in_flight, SCORING_SLOTS), c.num_kv_heads,
+                                              self.max_seq_len, c.head_dim, self.kv_dtype, self.device)
+            cache = self._scoring_cache
+        return Scorer(self.model, cache, self.device, top_k=self.spec.scoring_top_k)
+
+    def kv_cache_bytes(self, rows: int) -> int:
+        """The KV cache of `rows` rows x max_seq_len."""
+        c = self.model.config
+        return KVCache.nbytes(c.num_layers, rows, c.num_kv_heads, self.max_seq_len, c.head_dim, self.kv_dtype)
+
+    def _load_model(self, tp: TensorParallelGroup) -> torch.nn.Module:
+        """The model, the job's merged adapter in its weights, logged with its load time (and int8's savings)."""
+        spec = self.spec
         load_start = time.perf_counter()
-        weight_dtype = self.params.model.weight_dtype
         merged = self.adapters.merged if self.adapters is not None else None
-        model = self.load(self.params.model.checkpoint_path, tp, weight_dtype,
+        model = self.load(spec.checkpoint, tp, spec.weight_dtype,
                           self.adapters.merge_update() if merged is not None else None)
         if merged is not None:
             log.info("LoRA adapter %r (%s, %d projections) merged into the weights", merged.name, merged.folder,
                      len(merged.updates))
-        log.info("loaded %s (%s, %s%s) on %s in %.1fs", self.params.model.checkpoint_path, type(model).__name__,
-                 self.dtype_name(), f", {weight_dtype} weights" if weight_dtype else "", self.device,
+        log.info("loaded %s (%s, %s%s) on %s in %.1fs", spec.checkpoint, type(model).__name__, self.dtype_name(),
+                 f", {spec.weight_dtype} weights" if spec.weight_dtype else "", self.device,
                  time.perf_counter() - load_start)
-        if weight_dtype == "int8":
+        if spec.weight_dtype == "int8":
             q = int8_summary(model, self.dtype)
-            group = self.params.model.int8_group_size
+            group = spec.int8_group_size
             log.info("int8 weights: %d linear layers and %d token embedding quantized %s: %.1f MiB instead of %.1f MiB "
                      "in %s, %.1f MiB saved", q.linear_layers, q.embeddings,
                      f"in groups of {group} inputs" if group else "per output channel", q.int8_bytes / 2**20,
                      q.full_bytes / 2**20, str(self.dtype).replace("torch.", ""), q.saved_bytes / 2**20)
-        free = available_memory(self.device)
-        self.rows_in_flight = self._rows_in_flight(model, rows_to_do, free, tp)
-        weights, cache = self.memory_estimate(model)
+        return model
+
+    def _check_memory(self, free: int, tp: TensorParallelGroup) -> None:
+        """Logs the weights and KV cache against the free memory; one error line where the cache does not fit."""
+        weights, cache = weight_bytes(self.model), self.kv_cache_bytes(self.rows_in_flight)
+        weight_dtype = self.spec.weight_dtype
         log.info("memory: weights %.2f GiB%s + KV cache %.2f GiB (%d rows in flight x max_seq_len %d); %.2f GiB "
                  "available", weights / 2**30, f" ({weight_dtype})" if weight_dtype else "", cache / 2**30,
                  self.rows_in_flight, self.max_seq_len, free / 2**30)
         if tp.size > 1:
-            c, n = model.config, tp.size  # the config of one rank's share
+            c, n = self.model.config, tp.size  # the config of one rank's share
             log.info("tensor parallel %d: each rank holds %d of %d query heads, %d of %d kv heads, %d of %d MLP columns "
                      "and 1/%d of the vocabulary rows: this rank %.1f MiB of weights, %.1f MiB of KV cache", n,
                      c.num_heads, c.num_heads * n, c.num_kv_heads, c.num_kv_heads * n, c.intermediate_size,
@@ -141,114 +249,27 @@ class ModelSetup:
             raise UserError(f"the KV cache needs {cache / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB is available on "
                             f"{self.device}; lower runconfig.rows_in_flight (or inference_input.batch_size) or the "
                             f"data's max_seq_len")
-        if self.adapters is not None and self.adapters.bank:
-            attach_adapters(model, self.adapters.bank, self.adapters.projections, self.dtype, self.device,
-                            shard_plan(self.params.model.checkpoint_path, tp))
-            log.info("LoRA adapters per row: %s (each row's update added to the base projections' output)",
-                     ", ".join(f"{a.name} ({len(a.updates)} projections)" for a in self.adapters.bank))
-        self.small_step_rows = self._choose_gemm(model, weight_dtype, spare_bytes=(free - cache) // 2)
-        engine = self.engine(model, self.params.model.generation_defaults(), variety, compiler, self._drafter())
-        return model, engine
 
-    def engine(self, model: torch.nn.Module, defaults: GenerationOptions, variety: RequestVariety = RequestVariety(),
-               compiler: FormatCompiler | None = None, drafter: Drafter | None = None) -> GenerationEngine:
-        """An engine over the built model (`build` first): its KV cache of the rows in flight, its decode step
-        compiled or captured and warmed up as runconfig.decode_step says."""
-        c = model.config
+    def _build_engine(self, defaults: GenerationOptions, variety: RequestVariety) -> GenerationEngine:
+        """An engine over the model: its KV cache of the rows in flight, its decode step compiled or captured and
+        warmed up as the decode-step mode says."""
+        c = self.model.config
         attention = choose_attention_backends(c.num_heads, c.num_kv_heads, c.head_dim, self.kv_dtype, self.device,
                                               self.rows_in_flight)
-        engine = GenerationEngine(model, self.rows_in_flight, self.max_seq_len, self.device, self.kv_dtype, defaults,
-                                  variety, drafter=drafter, small_step_rows=self.small_step_rows,
-                                  structured=None if compiler is None else StructuredRows(
-                                      compiler, self.rows_in_flight, model.config.vocab_size, self.device),
-                                  prefill_token_budget=self.prefill_token_budget(model), attention=attention)
+        structured = (None if self.compiler is None else
+                      StructuredRows(self.compiler, self.rows_in_flight, c.vocab_size, self.device))
+        engine = GenerationEngine(self.model, self.rows_in_flight, self.max_seq_len, self.device, self.kv_dtype,
+                                  defaults, variety, drafter=self.drafter, small_step_rows=self.small_step_rows,
+                                  structured=structured, prefill_token_budget=prefill_token_budget(c, self.dtype, self.device),
+                                  attention=attention)
         self._prepare_decode_step(engine)
         return engine
-
-    def prefill_token_budget(self, model: torch.nn.Module) -> int:
-        """Tokens one prefill forward runs at most (padding included where prompts are padded): on the CPU
-        PREFILL_TOKENS_CPU; on a GPU as many as PREFILL_MEMORY_SHARE of the memory left free holds (each token's
-        activations within a layer, at most PREFILL_TOKENS_CUDA)."""
-        if self.device.type != "cuda":
-            return PREFILL_TOKENS_CPU
-        c = model.config
-        element = torch.empty((), dtype=self.dtype).element_size()
-        per_token = element * (4 * c.hidden_size + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-                               + 3 * c.intermediate_size)
-        free = available_memory(self.device)
-        budget = int(min(PREFILL_TOKENS_CUDA, free * PREFILL_MEMORY_SHARE // per_token))
-        log.info("prefill: prompts right-padded in groups of up to %d tokens (%.2f GiB of activations at most)", budget,
-                 budget * per_token / 2**30)
-        return max(budget, 1)
-
-    def _format_compiler(self, formats: list[str]) -> FormatCompiler:
-        """The grammar compiler of the checkpoint's tokenizer, with every response format compiled (one error line for
-        the first that cannot be, or for a job that cannot end a row once its document is complete)."""
-        model = self.params.model
-        if model.speculative:
-            raise UserError("some rows follow a response format (model.json_schema or the data's response_format) but "
-                            "model.speculative cannot constrain its drafts; drop model.speculative")
-        stop_ids = [seq[0] for seq in model.stop_sequences if len(seq) == 1]
-        if not stop_ids:
-            raise UserError("rows that follow a response format need a one-token stop sequence (the EOS, e.g. "
-                            "model.stop_sequences: [[2]]) to end once their JSON is complete")
-        start = time.perf_counter()
-        try:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(model.checkpoint_path)
-        except (OSError, ValueError) as error:
-            raise UserError(f"rows that follow a response format need the checkpoint's tokenizer, which "
-                            f"{model.checkpoint_path} lacks ({str(error).splitlines()[0][:120]})") from None
-        try:
-            compiler = FormatCompiler(tokenizer, self.vocab_size, stop_ids)
-        except FormatError as error:
-            raise UserError(str(error)) from None
-        for text in formats:
-            try:
-                compiler.compile(text)
-            except FormatError as error:
-                raise UserError(f"response format {text[:120]}: {error}") from None
-        log.info("structured output: %d response format(s) compiled in %.1fs (xgrammar); a row's document ends on "
-                 "stop token(s) %s", len(formats), time.perf_counter() - start, stop_ids)
-        return compiler
-
-    def _decode_step_mode(self) -> str:
-        """runconfig.decode_step, checked against the job; auto: a CUDA graph on CUDA, eager on the CPU (its C++
-        kernels and measured GEMMs run faster than the inductor-compiled step there: benchmarks/decode_step.py);
-        eager under speculative decoding, whose verification step is a forward of its own, and with LoRA adapters per
-        row (not captured in a CUDA graph yet), and under tensor parallel (its all-reduce is not captured)."""
-        requested = self.params.runconfig.decode_step
-        if self.adapters is not None and self.adapters.bank:
-            if requested == "cuda_graph":
-                raise UserError(f"runconfig.decode_step {requested} does not take LoRA adapters per row yet; use auto, "
-                                f"eager or compiled (or one adapter for the whole job, model.adapter, merged into the "
-                                f"weights)")
-            if requested == "auto":
-                return "eager"
-        if self.params.model.speculative:
-            if requested in ("compiled", "cuda_graph"):
-                raise UserError(f"runconfig.decode_step {requested} does not apply to speculative decoding, whose "
-                                f"steps verify drafted tokens; use auto or eager")
-            return "eager"
-        if requested == "cuda_graph" and self.device.type != "cuda":
-            raise UserError(f"runconfig.decode_step cuda_graph needs a CUDA device; this job runs on {self.device}")
-        if requested == "compiled" and self.device.type == "cpu":
-            if self.params.model.weight_dtype == "int8":
-                raise UserError("runconfig.decode_step compiled does not take int8 weights on the CPU (their C++ "
-                                "kernels cannot be compiled); use auto or eager")
-            if self.params.runconfig.gemm_backend not in ("auto", "torch"):
-                raise UserError(f"runconfig.decode_step compiled multiplies with torch's own GEMMs; gemm_backend "
-                                f"{self.params.runconfig.gemm_backend} cannot be compiled (use auto or torch)")
-        if requested == "auto":
-            return "cuda_graph" if self.device.type == "cuda" and self.params.runconfig.tensor_parallel == 1 else "eager"
-        return requested
 
     def _prepare_decode_step(self, engine: GenerationEngine) -> None:
         """Compiles or captures the decode step as runconfig.decode_step says, and runs it once per shape it can
         take, all before the generation clock starts (kernel builds and GEMM primitives included); logged and kept
         for summary.json."""
-        mode = self.decode_step_mode
+        mode = self.plan.decode_step_mode
         shapes = engine.step_shapes()
         if mode == "compiled":
             engine.decode.compile(len(shapes))
@@ -267,30 +288,20 @@ class ModelSetup:
                             "warm_up_seconds": round(seconds, 3),
                             "sdpa_backends": {"prefill": engine.attention.prefill, "decode": engine.attention.decode}}
 
-    def memory_estimate(self, model: torch.nn.Module) -> tuple[int, int]:
-        """(weight bytes: a tied weight once, prepacked copies counted; KV cache bytes of the rows in flight)."""
-        return weight_bytes(model), self.kv_cache_bytes(model, self.rows_in_flight)
-
-    def kv_cache_bytes(self, model: torch.nn.Module, rows: int) -> int:
-        """The KV cache of `rows` rows x max_seq_len."""
-        c = model.config
-        return KVCache.nbytes(c.num_layers, rows, c.num_kv_heads, self.max_seq_len, c.head_dim, self.kv_dtype)
-
-    def _rows_in_flight(self, model: torch.nn.Module, rows_to_do: int, free: int, tp: TensorParallelGroup) -> int:
-        """runconfig.rows_in_flight, or for auto: every row to do up to AUTO_ROWS_IN_FLIGHT (on CUDA
-        AUTO_ROWS_IN_FLIGHT_CUDA), as many as
-        KV_CACHE_SHARE of the `free` bytes hold, never fewer than batch_size (the ranks of a tensor-parallel
-        group, which must agree, and speculative decoding, whose steps are worth it only where few rows share
-        a step, keep batch_size). Logged with the reason."""
-        requested, batch_size = self.params.runconfig.rows_in_flight, self.params.inference_input.batch_size
+    def _rows_in_flight(self, rows_to_do: int, free: int, tp: TensorParallelGroup) -> int:
+        """The spec's rows_in_flight, or for auto: every row to do up to AUTO_ROWS_IN_FLIGHT (on CUDA
+        AUTO_ROWS_IN_FLIGHT_CUDA), as many as KV_CACHE_SHARE of the `free` bytes hold, never fewer than min_rows (a
+        job's batch_size; the ranks of a tensor-parallel group, which must agree, and speculative decoding, whose
+        steps are worth it only where few rows share a step, keep it). Logged with the reason."""
+        requested, batch_size = self.spec.rows_in_flight, self.spec.min_rows
         if requested != "auto":
             log.info("rows in flight: %d (runconfig.rows_in_flight)", requested)
             return requested
-        if tp.size > 1 or self.params.model.speculative:
+        if tp.size > 1 or self.spec.speculative:
             log.info("rows in flight: %d (auto under %s: batch_size)", batch_size,
                      "tensor parallel" if tp.size > 1 else "speculative decoding")
             return batch_size
-        per_row = self.kv_cache_bytes(model, rows=1)
+        per_row = self.kv_cache_bytes(rows=1)
         fit = int(free * KV_CACHE_SHARE) // per_row
         cap = AUTO_ROWS_IN_FLIGHT_CUDA if self.device.type == "cuda" else AUTO_ROWS_IN_FLIGHT
         rows = max(batch_size, min(rows_to_do, cap, fit))
@@ -313,7 +324,7 @@ class ModelSetup:
         policy = self.policy
         mixed = policy.weights != policy.activations and not weight_dtype
         model, _ = load_model(checkpoint, policy.weights if mixed else self.dtype, self.device,
-                              shard_plan(checkpoint, tensor_parallel), weight_dtype, self.params.model.int8_group_size,
+                              shard_plan(checkpoint, tensor_parallel), weight_dtype, self.spec.int8_group_size,
                               update)
         if mixed and policy.packed_gemm:
             keep_gemm_weights(model, policy.activations)
@@ -324,20 +335,20 @@ class ModelSetup:
             model = model.to(self.dtype)
         return model
 
-    def _choose_gemm(self, model: torch.nn.Module, weight_dtype: str | None, spare_bytes: int) -> int | None:
+    def _choose_gemm(self, spare_bytes: int) -> int | None:
         """Puts every float linear layer in the layout of the GEMM backend chosen for it (runconfig.gemm_backend;
         MKL's second copy of the weights only within `spare_bytes`), and every int8 one in its backend's
-        (runconfig.int8_backend); returns the row count of a job's last
+        (int8_backend); returns the row count of a job's last
         decode steps, or None to keep every step full.
 
         Every decode forward has one row per row in flight (times K + 1 when verifying K drafted tokens);
         once at most SMALL_STEP_ROWS rows are left, steps run only those, which keeps each row's bits only
         where every chosen backend is batch-invariant.
         """
-        spec = self.params.model.speculative
+        model, weight_dtype, spec = self.model, self.spec.weight_dtype, self.spec.speculative
         rows = self.rows_in_flight
         # Compiled, torch's own GEMMs: the re-laid-out weights of the other backends cannot be traced.
-        backend = "torch" if self.decode_step_mode == "compiled" else self.params.runconfig.gemm_backend
+        backend = "torch" if self.plan.decode_step_mode == "compiled" else self.spec.gemm_backend
         if self.policy.bf16_gemm:
             if backend != "auto":
                 log.warning("runconfig.gemm_backend %s ignored: bfloat16 multiplies with bf16_linear here (float32 "
@@ -361,14 +372,14 @@ class ModelSetup:
                                        decode_rows=rows * (1 + (spec.num_tokens if spec else 0)),
                                        spare_bytes=spare_bytes)
         if weight_dtype == "int8":
-            self.gemm.add(apply_int8_backend(model, self.dtype, self.device, self.params.runconfig.int8_backend))
-        if spec or rows <= SMALL_STEP_ROWS or self.device.type != "cpu" or self.decode_step_mode == "compiled":
+            self.gemm.add(apply_int8_backend(model, self.dtype, self.device, self.spec.int8_backend))
+        if spec or rows <= SMALL_STEP_ROWS or self.device.type != "cpu" or self.plan.decode_step_mode == "compiled":
             return None  # compiled: another shape is another graph, whose fusions may round a row otherwise
         return SMALL_STEP_ROWS if self.gemm.batch_invariant else None
 
     def _drafter(self) -> Drafter | None:
         """The speculative-decoding drafter of `model.speculative`, if any (loads the draft model)."""
-        spec = self.params.model.speculative
+        spec = self.spec.speculative
         if spec is None:
             return None
         if spec.method == "prompt_lookup":

@@ -18,7 +18,7 @@ import pytest
 from fs_faults import error_lines, fill, grow, read_only, run_process, small_disk, start_job
 from harness import (SMALL_BATCH, SMALL_SAMPLES, SMALL_STEPS, SMALL_VOCAB, prompt_rows, run_job, small_job, write_h5,
                      write_params)
-from modelzoo.runtime import ModelSetup
+from modelzoo.runtime import Runtime
 
 VOCAB, NUM_SAMPLES, BATCH, STEPS = SMALL_VOCAB, SMALL_SAMPLES, SMALL_BATCH, SMALL_STEPS
 START = VOCAB
@@ -260,7 +260,7 @@ def test_second_identical_job_is_refused_and_shards_share_the_folder(job, tmp_pa
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_while_loading_stops_with_a_summary(job, tmp_path, capsys, monkeypatch, sig):
-    load = ModelSetup.load
+    load = Runtime.load
 
     def load_then_signal(self, *args, **kwargs):
         model = load(self, *args, **kwargs)
@@ -268,7 +268,7 @@ def test_signal_while_loading_stops_with_a_summary(job, tmp_path, capsys, monkey
         time.sleep(1)  # never reached: the handler raises
         raise AssertionError("the signal did not stop the loading")
 
-    monkeypatch.setattr(ModelSetup, "load", load_then_signal)
+    monkeypatch.setattr(Runtime, "load", load_then_signal)
     model_dir = tmp_path / "run"
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     assert run_job(job["params"], model_dir) == 128 + sig

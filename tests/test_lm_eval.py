@@ -181,3 +181,25 @@ def test_long_contexts_are_left_truncated_and_counted(evaluated):
     (value, _), = model._loglikelihood_tokens([(None, long_context, [7, 8])])
     (expected, _), = model._loglikelihood_tokens([(None, long_context[-(WINDOW - 1):], [7, 8])])
     assert value == expected and model.truncated_contexts == before + 1
+
+
+def test_generate_until_runs_every_generation_kwargs_group_on_one_engine(evaluated, monkeypatch):
+    """Requests whose generation kwargs differ (until, max_gen_toks) run together on one engine, each with its own
+    options, and write what each one writes alone; an engine that took them once takes them again without a new
+    build (a build is a new KV cache and a new warm-up)."""
+    from types import SimpleNamespace
+
+    from modelzoo.runtime import Runtime
+
+    model = evaluated["model"]
+    kwargs = [{"until": ["\n"], "max_gen_toks": 12, "do_sample": False},
+              {"until": [".", "\n\n"], "max_gen_toks": 5, "do_sample": False}]
+    requests = [SimpleNamespace(args=(question, kwargs[i % 2])) for i, (question, _) in enumerate(GEN)]
+    alone = [model.generate_until([request])[0] for request in requests]
+    builds = []
+    build = Runtime._build_engine
+    monkeypatch.setattr(Runtime, "_build_engine", lambda self, *args: builds.append(args) or build(self, *args))
+    assert model.generate_until(requests) == alone
+    assert model.generate_until(requests[::-1]) == alone[::-1]
+    assert builds == []
+    assert alone[1] != alone[0] and len(model.tok_encode(alone[1])) <= 5  # the second kwargs' own limit held

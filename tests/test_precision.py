@@ -309,18 +309,14 @@ def test_float32_queries_over_a_16_bit_cache_equal_the_pytorch_path(storage, hug
 
 
 def bfloat16_setup(checkpoint, dtype: torch.dtype = BF16):
-    """A job's model and engine in bfloat16 (or `dtype`; 4 rows in flight, max_seq_len 64), as the runner builds
-    them."""
-    from modelzoo.runtime import ModelSetup
-    from modelzoo.job.params import parse_params
-    from modelzoo.models.tensor_parallel import TensorParallelGroup
+    """A job's runtime, model and engine in bfloat16 (or `dtype`; 4 rows in flight, max_seq_len 64), as the runner
+    opens them."""
+    from modelzoo.runtime import Runtime, RuntimePlan
+    from modelzoo.runtime_spec import RuntimeSpec
 
-    params = parse_params({"model": {"checkpoint_path": str(checkpoint), "dtype": str(dtype)[6:], "start_token": VOCAB},
-                           "inference_input": {"data_dir": "-", "batch_size": 1},
-                           "runconfig": {"device": "cpu", "rows_in_flight": 4}})
-    setup = ModelSetup(params, torch.device("cpu"), dtype, 64, VOCAB)
-    model, engine = setup.build(TensorParallelGroup(device=torch.device("cpu")), rows_to_do=4)
-    return setup, model, engine
+    spec = RuntimeSpec(str(checkpoint), dtype=str(dtype)[6:], device="cpu", max_seq_len=64, rows_in_flight=4)
+    runtime = Runtime(RuntimePlan.of(spec), rows_to_do=4)
+    return runtime, runtime.model, runtime.engine
 
 
 @needs_bf16

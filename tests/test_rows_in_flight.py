@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import modelzoo.runtime as model_setup
+import modelzoo.runtime as runtime
 from modelzoo.models.kv_cache import stored_positions
 from harness import (expected_rows, hf_greedy, load_predictions, prompt_rows, run_job, save_tiny_model,
                      stacked_predictions, write_h5, write_params)
@@ -78,16 +78,16 @@ def test_auto_keeps_the_kv_cache_within_its_memory_share(tiny_llama, prompts, tm
     config = tiny_llama_config()
     per_row = 2 * config.num_hidden_layers * config.num_key_value_heads * stored_positions(MAX_SEQ_LEN) * \
         (config.hidden_size // config.num_attention_heads) * 4  # keys and values, float32, the positions cached
-    monkeypatch.setattr(model_setup, "available_memory", lambda device: 10 * per_row)  # 50%: 5 rows
+    monkeypatch.setattr(runtime, "available_memory", lambda device: 10 * per_row)  # 50%: 5 rows
     model_dir = run(tmp_path, tiny_llama, prompts, "capped", "auto")
     assert summary(model_dir)["rows_in_flight"] == 5
-    monkeypatch.setattr(model_setup, "AUTO_ROWS_IN_FLIGHT", 4)
+    monkeypatch.setattr(runtime, "AUTO_ROWS_IN_FLIGHT", 4)
     model_dir = run(tmp_path, tiny_llama, prompts, "cap", "auto")
     assert summary(model_dir)["rows_in_flight"] == 4
 
 
 def test_a_count_whose_cache_does_not_fit_is_a_one_line_error(tiny_llama, prompts, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(model_setup, "available_memory", lambda device: 1000)
+    monkeypatch.setattr(runtime, "available_memory", lambda device: 1000)
     write_h5(tmp_path / "data", prompt_rows(prompts, MAX_SEQ_LEN, START))
     params = write_params(tmp_path / "p.yaml", tiny_llama, tmp_path / "data", batch_size=BATCH, start_token=START,
                           max_tokens=MAX_TOKENS, rows_in_flight=4)

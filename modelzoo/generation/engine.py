@@ -206,6 +206,14 @@ class GenerationEngine:
         with torch.inference_mode():
             return self.decode.warm_up(shapes)
 
+    def accepts(self, options: GenerationOptions) -> bool:
+        """Whether a request with these options can run on this engine (RequestVariety.check)."""
+        try:
+            self.variety.check(self.defaults, options)
+        except ValueError:
+            return False
+        return True
+
     def _prefill(self, admitted: list[tuple[int, Request]]) -> None:
         """Runs the prompts of newly admitted requests and appends each one's first token. A prompt admitted
         several times at once (a request's n samples) runs once: its keys and values and its last logits are

@@ -9,7 +9,7 @@ a `RequestVariety`.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import Any, Sequence
 
 MAX_TOP_LOGPROBS = 20  # as the OpenAI API
 MAX_SAMPLES = 128  # n: rows of one request
@@ -77,6 +77,18 @@ class RequestVariety:
     samples: bool = False
     top_p: bool = False
 
+    @classmethod
+    def covering(cls, options: Sequence[GenerationOptions]) -> RequestVariety:
+        """The variety of requests with these options: each one's stop sequences, whether one samples or keeps a
+        top-p set."""
+        return cls(tuple(dict.fromkeys(s for o in options for s in o.stop_sequences)),
+                   samples=any(not o.greedy for o in options), top_p=any(o.top_p < 1.0 for o in options))
+
+    def union(self, other: RequestVariety) -> RequestVariety:
+        """What either variety may bring."""
+        return RequestVariety(tuple(dict.fromkeys(self.stop_sequences + other.stop_sequences)),
+                              self.samples or other.samples, self.top_p or other.top_p)
+
     def check(self, defaults: GenerationOptions, options: GenerationOptions) -> None:
         """Raises ValueError where a request's options ask what the engine cannot give it next to the defaults."""
         for field in fields(GenerationOptions):
@@ -90,3 +102,7 @@ class RequestVariety:
             raise ValueError("a request samples but the engine was told none would (RequestVariety.samples)")
         if options.top_p < 1.0 and defaults.top_p == 1.0 and not self.top_p:
             raise ValueError("a request keeps a top-p set but the engine was told none would (RequestVariety.top_p)")
+        unknown = set(options.stop_sequences) - set(defaults.stop_sequences) - set(self.stop_sequences)
+        if unknown:
+            raise ValueError(f"a request's stop sequences {sorted(map(list, unknown))[:4]} were not among the engine's "
+                             "(RequestVariety.stop_sequences)")

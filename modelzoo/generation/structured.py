@@ -15,9 +15,12 @@ from __future__ import annotations
 import json
 import logging
 import re
+import time
 from typing import Any
 
 import torch
+
+from modelzoo.errors import UserError
 
 log = logging.getLogger("zoo-infer")
 
@@ -89,6 +92,37 @@ class FormatCompiler:
                 raise FormatError(f"the JSON schema cannot be compiled: {message or type(error).__name__}") from None
             self.compiled[text] = grammar
         return self.compiled[text]
+
+
+def compile_formats(checkpoint: str, vocab_size: int, stop_sequences: tuple[tuple[int, ...], ...],
+                    formats: list[str]) -> FormatCompiler:
+    """The grammar compiler of the checkpoint's tokenizer with every response format compiled; a UserError line for
+    the first that cannot be, or for a job that cannot end a row once its document is complete (no one-token stop
+    sequence)."""
+    stop_ids = [seq[0] for seq in stop_sequences if len(seq) == 1]
+    if not stop_ids:
+        raise UserError("rows that follow a response format need a one-token stop sequence (the EOS, e.g. "
+                        "model.stop_sequences: [[2]]) to end once their JSON is complete")
+    start = time.perf_counter()
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    except (OSError, ValueError) as error:
+        raise UserError(f"rows that follow a response format need the checkpoint's tokenizer, which "
+                        f"{checkpoint} lacks ({str(error).splitlines()[0][:120]})") from None
+    try:
+        compiler = FormatCompiler(tokenizer, vocab_size, stop_ids)
+    except FormatError as error:
+        raise UserError(str(error)) from None
+    for text in formats:
+        try:
+            compiler.compile(text)
+        except FormatError as error:
+            raise UserError(f"response format {text[:120]}: {error}") from None
+    log.info("structured output: %d response format(s) compiled in %.1fs (xgrammar); a row's document ends on "
+             "stop token(s) %s", len(formats), time.perf_counter() - start, stop_ids)
+    return compiler
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         shard = detect_shard(args.num_shards, args.shard_index, tensor_parallel)
         if not shard.writes:  # tensor parallel: the group's rank 0 speaks for it
             logging.getLogger("zoo-infer").setLevel(logging.WARNING)
-        stats = InferenceJob(params, args.model_dir, shard, overwrite=args.overwrite).run()
+        stats = InferenceJob.open(params, args.model_dir, shard, overwrite=args.overwrite).run()
         close_process_group()
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -11,6 +11,7 @@ import yaml
 from modelzoo.errors import UserError
 from modelzoo.generation.options import MAX_TOP_LOGPROBS, GenerationOptions
 from modelzoo.generation.structured import schema_format
+from modelzoo.runtime_spec import RuntimeSpec, SpeculativeParams
 
 DATA_PROCESSOR = "GptHDF5MapDataProcessor"
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
@@ -97,20 +98,6 @@ def _stop_sequences(key: str, value: Any) -> tuple[tuple[int, ...], ...]:
         if not isinstance(seq, list) or not seq or not all(_is_int(t) and t >= 0 for t in seq):
             raise UserError(f"{key}[{i}] must be a non-empty list of token ids >= 0, got {seq!r}")
     return tuple(tuple(seq) for seq in value)
-
-
-@dataclass(frozen=True)
-class SpeculativeParams:
-    """`model.speculative:` draft K tokens per step, then verify them in one forward of the model.
-
-    prompt_lookup drafts from earlier n-grams (up to max_ngram tokens) of the row's own prompt and
-    output; draft_model drafts with a smaller checkpoint of the same vocabulary.
-    """
-
-    method: str
-    num_tokens: int = 4
-    checkpoint_path: str | None = None
-    max_ngram: int = 3
 
 
 def _json_schema(key: str, value: Any) -> dict[str, Any] | None:
@@ -235,7 +222,7 @@ class RunConfig:
     tensor_parallel: int = 1
     gemm_backend: str = "auto"  # auto (measured at start-up), mkl, onednn or torch: see modelzoo/cpu/gemm.py
     int8_backend: str = "auto"  # auto (measured at start-up), vnni16, vnni8 or float: modelzoo/cpu/int8_compute.py
-    rows_in_flight: int | str = "auto"  # rows generated together (KV cache slots): auto or >= 1, see model_setup.py
+    rows_in_flight: int | str = "auto"  # rows generated together (KV cache slots): auto or >= 1, see modelzoo/runtime.py
     decode_step: str = "auto"  # how the decode step runs: auto, eager, compiled or cuda_graph (generation/step.py)
 
     def __post_init__(self) -> None:
@@ -251,6 +238,19 @@ class InferenceParams:
     model: ModelParams
     inference_input: InputParams
     runconfig: RunConfig
+
+    def runtime_spec(self, max_seq_len: int, row_adapters: list[str] | None, num_threads: int) -> RuntimeSpec:
+        """What the job's Runtime is opened from: these params, the data's max_seq_len and the adapter names its rows
+        give (None: rows name none), and this process's CPU threads."""
+        model, run = self.model, self.runconfig
+        return RuntimeSpec(
+            checkpoint=model.checkpoint_path, dtype=model.dtype, weight_dtype=model.weight_dtype,
+            int8_group_size=model.int8_group_size, device=run.device, max_seq_len=max_seq_len,
+            rows_in_flight=run.rows_in_flight, min_rows=self.inference_input.batch_size, num_threads=num_threads,
+            decode_step=run.decode_step, gemm_backend=run.gemm_backend, int8_backend=run.int8_backend,
+            tensor_parallel=run.tensor_parallel, speculative=model.speculative, adapters=model.adapters,
+            adapter=model.adapter, row_adapters=None if row_adapters is None else tuple(row_adapters),
+            scoring_top_k=model.top_logprobs)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain YAML-ready dict (tuples become lists), each section's keys in the params reference's order."""

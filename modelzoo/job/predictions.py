@@ -62,6 +62,20 @@ class StepAssembly:
     top_logprob_ids: np.ndarray | None = None  # (batch_size, max_seq_len, K) int32, with model.top_logprobs K
     top_logprobs: np.ndarray | None = None  # (batch_size, max_seq_len, K) float32
 
+    def fill(self, row: int, begin: int, count: int, tokens: np.ndarray | None = None,
+             logprobs: np.ndarray | None = None, top_ids: np.ndarray | None = None,
+             top_logprobs: np.ndarray | None = None) -> None:
+        """Row `row`'s `count` tokens from position `begin`: the tokens (None: already in place) and, where given,
+        their log-probabilities and top log-probabilities."""
+        end = begin + count
+        if tokens is not None:
+            self.predictions[row, begin:end] = tokens
+        if logprobs is not None:
+            self.logprobs[row, begin:end] = logprobs
+        if top_ids is not None:
+            self.top_logprob_ids[row, begin:end] = top_ids
+            self.top_logprobs[row, begin:end] = top_logprobs
+
     def arrays(self, loop_dim: int) -> dict[str, np.ndarray]:
         """The npz payload; SEQUENCE_KEYS as (max_seq_len, batch_size[, K]) when loop_dim is 0."""
         keys = SEQUENCE_KEYS + PER_ROW_KEYS + OPTIONAL_PER_ROW_KEYS

@@ -20,39 +20,59 @@ import numpy as np
 import torch
 import yaml
 
-from modelzoo.models.checkpoint import load_hf_config, resolve_dtype
-from modelzoo.job.data import Batch, GptHDF5MapDataProcessor, start_positions
-from modelzoo.job.distributed import Shard
 from modelzoo.errors import UserError
 from modelzoo.files import WriteError
 from modelzoo.generation.engine import GenerationEngine, Request
-from modelzoo.models.kv_cache import KVCache
 from modelzoo.generation.scoring import Scorer, ScoreRequest
 from modelzoo.generation.stopping import DUMMY, EMPTY_PROMPT, NO_START_TOKEN, SCORED
-from modelzoo.models.lora import AdapterPlan, plan_adapters
+from modelzoo.job.data import Batch, GptHDF5MapDataProcessor, start_positions
+from modelzoo.job.distributed import Shard
 from modelzoo.job.manifest import build_manifest
-from modelzoo.runtime import ModelSetup, resolve_device
 from modelzoo.job.output_folder import OutputFolder
 from modelzoo.job.params import InferenceParams
 from modelzoo.job.predictions import StepAssembly
 from modelzoo.job.preemption import Interrupted, StopRequest
 from modelzoo.job.reporting import (Progress, RunStats, log_totals, read_shard_stats, shard_stats_path, summary_of,
-                                write_json)
+                                    write_json)
 from modelzoo.job.tensor_group import AgreedStop, open_group
+from modelzoo.models.tensor_parallel import TensorParallelGroup
+from modelzoo.runtime import Runtime, RuntimePlan
 
 log = logging.getLogger("zoo-infer")
 
-SCORING_SLOTS = 32  # cache rows of the scorer of scoring data: the continuations scored together at most
 
 class InferenceJob:
-    """One run of `run_inference.py`: owns the data, the model, the engine and the output folder."""
+    """One run of `run_inference.py`, top to bottom: open the data and check the runtime's plan (`open`), take the
+    output folder, open the runtime, stream the batches through its engine, write each step's file (`run`)."""
 
-    def __init__(self, params: InferenceParams, model_dir: str | Path, shard: Shard = Shard(),
-                 overwrite: bool = False) -> None:
-        self.params = params
-        self.shard = shard
-        self.overwrite = overwrite
+    def __init__(self, params: InferenceParams, model_dir: str | Path, data: GptHDF5MapDataProcessor,
+                 plan: RuntimePlan, shard: Shard = Shard(), overwrite: bool = False) -> None:
+        self.params, self.data, self.plan = params, data, plan
+        self.shard, self.overwrite = shard, overwrite
         self.model_dir = Path(model_dir)
+        self.writes = shard.writes  # tensor parallel: only rank 0 of the group writes files
+        self.start_tokens = np.array(params.model.start_token, dtype=np.int64)
+        self.pad_token = int(params.model.start_token[0])
+        self.device, self.vocab_size, self.adapters = plan.device, plan.vocab_size, plan.adapters
+        self.defaults = params.model.generation_defaults()  # the options of every row without its own
+        self.stats = RunStats()
+        self.written: set[int] = set()  # steps this run wrote
+        self.shape = ((params.inference_input.batch_size, data.max_seq_len) if params.model.loop_dim == 1
+                      else (data.max_seq_len, params.inference_input.batch_size))  # of `predictions`
+        self.steps_of_shard = [step for step in self.steps() if shard.owns(step)]
+        self.todo = self.steps_of_shard  # until the resume check says which are left
+        self.output = OutputFolder(self.model_dir, shard.index, shard.count, self.writes)
+        self.artifacts, self.predictions_dir = self.output.artifacts, self.output.predictions_dir
+        self.output_taken = False  # True once this run writes into the folder (lock held, steps planned)
+        self.tp = TensorParallelGroup(device=self.device)  # this rank's group, opened by run() under torchrun
+        self.runtime: Runtime | None = None  # opened by run() once the output folder is taken
+        self.scorer: Scorer | None = None  # for scoring data: the continuations' log-probabilities
+
+    @classmethod
+    def open(cls, params: InferenceParams, model_dir: str | Path, shard: Shard = Shard(),
+             overwrite: bool = False) -> InferenceJob:
+        """The job of these params: the data opened and checked against the checkpoint, the runtime's plan checked
+        (device, dtypes, decode step, LoRA adapters read); nothing loaded or written yet."""
         model = params.model
         if not model.checkpoint_path:
             raise UserError("no checkpoint: set model.checkpoint_path in params or pass --checkpoint_path")
@@ -60,37 +80,14 @@ class InferenceJob:
             raise UserError(f"runconfig.tensor_parallel is {params.runconfig.tensor_parallel} but this process is one "
                             f"of {shard.tp_size} tensor-parallel ranks; launch with torchrun "
                             f"--nproc_per_node={params.runconfig.tensor_parallel} run_inference.py ...")
-        self.writes = shard.writes  # tensor parallel: only rank 0 of the group writes files
-        self.start_tokens = np.array(model.start_token, dtype=np.int64)
-        self.pad_token = int(model.start_token[0])
-        self.device = resolve_device(params.runconfig.device)
+        pad_token = int(model.start_token[0])
+        data = GptHDF5MapDataProcessor(params.inference_input.data_dir, params.inference_input.batch_size,
+                                       model.loop_dim, pad_token)
         # Ranks on one machine share its cores rather than each taking them all.
-        torch.set_num_threads(params.runconfig.num_threads or max(1, len(os.sched_getaffinity(0)) // shard.local_count))
-        self.data = GptHDF5MapDataProcessor(params.inference_input.data_dir, params.inference_input.batch_size,
-                                            model.loop_dim, self.pad_token)
-        hf_config = load_hf_config(model.checkpoint_path)
-        weights_dtype = resolve_dtype(model.dtype, hf_config)  # the values the weights keep
-        self.vocab_size = int(hf_config.vocab_size)
-        self.adapters = self._plan_adapters()  # read and checked before anything is written
-        self.setup = ModelSetup(params, self.device, weights_dtype, self.data.max_seq_len, self.vocab_size,
-                                self.adapters)
-        self.data.check_against_model(self.start_tokens, self.vocab_size)
-        self.defaults = model.generation_defaults()  # the options of every row without its own
-        self.stats = RunStats()
-        self.written: set[int] = set()  # steps this run wrote
-        self.shape = ((params.inference_input.batch_size, self.data.max_seq_len) if model.loop_dim == 1
-                      else (self.data.max_seq_len, params.inference_input.batch_size))  # of `predictions`
-        self.steps_of_shard = [step for step in self.steps() if shard.owns(step)]
-        self.todo = self.steps_of_shard  # until the resume check says which are left
-        self.output = OutputFolder(self.model_dir, shard.index, shard.count, self.writes)
-        self.artifacts, self.predictions_dir = self.output.artifacts, self.output.predictions_dir
-        self.output_taken = False  # True once this run writes into the folder (lock held, steps planned)
-        self.scorer: Scorer | None = None  # for scoring data: the continuations' log-probabilities
-
-    def _plan_adapters(self) -> AdapterPlan | None:
-        """The job's LoRA adapters (model.adapters, the rows' `adapter` fields), each checked against the checkpoint."""
-        model = self.params.model
-        return plan_adapters(model.adapters, model.adapter, self.data.distinct_values("adapter"), model.checkpoint_path)
+        threads = params.runconfig.num_threads or max(1, len(os.sched_getaffinity(0)) // shard.local_count)
+        plan = RuntimePlan.of(params.runtime_spec(data.max_seq_len, data.distinct_values("adapter"), threads))
+        data.check_against_model(np.array(model.start_token, dtype=np.int64), plan.vocab_size)
+        return cls(params, model_dir, data, plan, shard, overwrite)
 
     def steps(self) -> list[int]:
         """Global steps this run processes: all, or the first `inference_steps` (clamped, with a warning)."""
@@ -100,8 +97,8 @@ class InferenceJob:
         return list(range(1, min(wanted or self.data.num_steps, self.data.num_steps) + 1))
 
     def run(self) -> RunStats:
-        """Validates, takes the output folder, loads, then either checks one forward pass
-        (compile_only) or writes this shard's steps. A stop signal during set-up ends the run at
+        """Takes the output folder, opens the runtime, then either checks one forward pass (compile_only) or
+        streams this shard's steps through the engine into their files. A stop signal during set-up ends the run at
         once; a UserError after the output folder is taken is recorded in summary.json first."""
         with StopRequest() as request, contextlib.closing(self.output):
             try:
@@ -111,14 +108,14 @@ class InferenceJob:
                         return self.stats
                     setup_start = time.perf_counter()
                     with self._out_of_memory_named("setting up"):
-                        model, engine = self.setup.build(self.tp, self.data.request_variety(),
-                                                         sum(self._real_samples(step) for step in todo),
-                                                         self._response_formats())
+                        self.runtime = Runtime(self.plan, self.defaults, self.data.request_variety(),
+                                               sum(self._real_samples(step) for step in todo), self._response_formats(),
+                                               self.tp)
                     if "continuation_length" in self.data.per_row:
-                        self.scorer = self._scorer(model)
+                        self.scorer = self.runtime.scorer(beside_generation=True)
                     self.stats.setup_seconds = time.perf_counter() - setup_start
                     if self.params.runconfig.compile_only:
-                        self._check_forward(model, engine)
+                        self._check_forward(self.runtime.model, self.runtime.engine)
                         return self.stats
                     log.info("%d samples, %d steps of %d rows (shard %d of %d: %d steps, %d to do), max_seq_len %d; "
                              "writing to %s", self.data.num_samples, self.data.num_steps,
@@ -127,7 +124,7 @@ class InferenceJob:
                 stop = AgreedStop(request, self.tp) if self.tp.size > 1 else request
                 gc.freeze()  # the garbage collector's full passes skip the objects of imports and set-up from here on
                 with self._out_of_memory_named("generating"):
-                    self._generate(engine, todo, stop)
+                    self._generate(self.runtime.engine, todo, stop)
             except Interrupted as interrupted:
                 request.signum = interrupted.signum
             except UserError as error:
@@ -190,7 +187,7 @@ class InferenceJob:
         except torch.OutOfMemoryError as error:
             detail = str(error).strip().splitlines()[0][:160] if str(error).strip() else "no detail"
             raise UserError(f"out of memory on {self.device} while {phase} ({detail}); lower runconfig.rows_in_flight "
-                            f"(this run: {self.setup.rows_in_flight}) or the data's max_seq_len, then rerun: it "
+                            f"(this run: {self._rows_in_flight()}) or the data's max_seq_len, then rerun: it "
                             f"resumes after the files already written") from None
 
     def _count_remaining(self) -> None:
@@ -217,13 +214,6 @@ class InferenceJob:
             raise UserError("compile_only: the forward pass produced non-finite logits; check the checkpoint and dtype")
         log.info("compile_only: params, data and checkpoint are valid; one forward pass gave logits %s; "
                  "no predictions written", tuple(logits.shape))
-
-    def _scorer(self, model: torch.nn.Module) -> Scorer:
-        """The scorer of the data's scoring rows, with a KV cache of its own (rows to generate keep the engine's)."""
-        c, slots = model.config, min(self.setup.rows_in_flight, SCORING_SLOTS)
-        cache = KVCache(c.num_layers, slots, c.num_kv_heads, self.data.max_seq_len, c.head_dim, self.setup.kv_dtype,
-                        self.device)
-        return Scorer(model, cache, self.device, top_k=self.params.model.top_logprobs)
 
     def _response_formats(self) -> list[str]:
         """Every response format the job's rows follow: model.json_schema's and the rows' own."""
@@ -279,51 +269,49 @@ class InferenceJob:
             row, count = score.index, len(score.logprobs)
             begin = int(assembly.prompt_length[row]) - count
             assembly.prompt_length[row], assembly.num_generated[row] = begin, count
-            assembly.logprobs[row, begin: begin + count] = score.logprobs
-            if score.top_ids is not None:
-                assembly.top_logprob_ids[row, begin: begin + count] = score.top_ids
-                assembly.top_logprobs[row, begin: begin + count] = score.top_logprobs
+            assembly.fill(row, begin, count, None, score.logprobs, score.top_ids, score.top_logprobs)
             assembly.is_greedy[row] = score.is_greedy
             assembly.stop_reason[row] = SCORED
 
     def _generate(self, engine: GenerationEngine, steps: list[int], stop: Callable[[], bool]) -> None:
-        """Feeds the engine batch by batch and writes each step's file as soon as its rows are all done."""
+        """Streams the steps' rows through the engine and writes each step's file as soon as its rows are all done:
+        a step whose rows all pass through (dummy, no start token, scored) as soon as it is read."""
         batch_size = self.params.inference_input.batch_size
-        pending: dict[int, StepAssembly] = {}
+        pending: dict[int, StepAssembly] = {}  # steps read whose rows are not all done
         progress = Progress(len(steps), self.params.runconfig.log_steps, show=self.writes)
 
         def requests() -> Iterator[Request]:
+            """The engine's requests, batch by batch, each batch's output arrays pending until its rows are done."""
             for batch in self.data.batches(steps):
                 if stop():
                     return
-                assembly, batch_requests = self._assemble(batch)
-                pending[batch.step] = assembly
-                if assembly.remaining == 0:
-                    self._write(batch.step, pending.pop(batch.step), progress, engine)
+                pending[batch.step], batch_requests = self._assemble(batch)
+                self._write_done(batch.step, pending, progress, engine)
                 yield from batch_requests
 
         start = time.perf_counter()
         for completion in engine.generate(requests(), stop):
             step, row = completion.index // batch_size + 1, completion.index % batch_size
             assembly = pending[step]
-            begin = assembly.prompt_length[row]
-            assembly.predictions[row, begin: begin + len(completion.tokens)] = completion.tokens
-            assembly.num_generated[row] = len(completion.tokens)
-            if completion.logprobs is not None:
-                assembly.logprobs[row, begin: begin + len(completion.tokens)] = completion.logprobs
-            if completion.top_ids is not None:
-                assembly.top_logprob_ids[row, begin: begin + len(completion.tokens)] = completion.top_ids
-                assembly.top_logprobs[row, begin: begin + len(completion.tokens)] = completion.top_logprobs
+            tokens = completion.tokens
+            assembly.fill(row, int(assembly.prompt_length[row]), len(tokens), tokens, completion.logprobs,
+                          completion.top_ids, completion.top_logprobs)
+            assembly.num_generated[row] = len(tokens)
             assembly.stop_reason[row] = completion.reason
             assembly.remaining -= 1
-            if assembly.remaining == 0:
-                self._write(step, pending.pop(step), progress, engine)
+            self._write_done(step, pending, progress, engine)
         self.stats.generation_seconds = time.perf_counter() - start
         self.stats.drafted_tokens, self.stats.accepted_tokens = engine.drafted_tokens, engine.accepted_tokens
         self.stats.prefilled_tokens = engine.prefilled_tokens
-        if self.setup.decode_step is not None:
-            self.setup.decode_step.update(engine.time_split())
+        if self.runtime.decode_step is not None:
+            self.runtime.decode_step.update(engine.time_split())
         progress.close()
+
+    def _write_done(self, step: int, pending: dict[int, StepAssembly], progress: Progress,
+                    engine: GenerationEngine) -> None:
+        """Writes step `step` if its rows are all done (the one place a step's file is written from)."""
+        if pending[step].remaining == 0:
+            self._write(step, pending.pop(step), progress, engine)
 
     def _write(self, step: int, assembly: StepAssembly, progress: Progress, engine: GenerationEngine) -> None:
         """Writes one complete step (rank 0 of a tensor-parallel group) and counts it (every rank)."""
@@ -362,9 +350,14 @@ class InferenceJob:
 
     def _summary(self, stats: list[RunStats]) -> dict[str, Any]:
         """summary.json's content over `stats` (one per shard), with this process's setup."""
-        gemm = self.setup.gemm.to_dict() if self.setup.gemm else None
-        return summary_of(stats, str(self.device), self.setup.dtype_name(), self.shard.count, gemm,
-                          self.setup.rows_in_flight, self.setup.decode_step)
+        runtime = self.runtime
+        gemm = runtime.gemm.to_dict() if runtime is not None and runtime.gemm else None
+        return summary_of(stats, str(self.device), self.plan.policy.describe(), self.shard.count, gemm,
+                          self._rows_in_flight(), runtime.decode_step if runtime is not None else None)
+
+    def _rows_in_flight(self) -> int:
+        """The runtime's rows in flight; batch_size before it is open."""
+        return self.runtime.rows_in_flight if self.runtime is not None else self.params.inference_input.batch_size
 
     def _finish_quietly(self) -> None:
         """`_finish` for a run that is failing: a summary that cannot be written only adds a warning."""
