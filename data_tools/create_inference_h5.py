@@ -35,19 +35,17 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
-import h5py
 import numpy as np
 import yaml
 
-from data_tools.openai_batch import BatchRequest, prompt_text, read_batch_file, stop_token_ids
+from data_tools.batch_rows import openai_rows, repeat_rows
 from data_tools.h5_writer import RowsWriter
-from modelzoo.generation.options import MAX_SAMPLES, GenerationOptions
-from modelzoo.generation.structured import FormatCompiler, FormatError
-from data_tools.prompts import PromptFile, iter_prompt_file, load_tokenizer, read_text, tokenize_pairs, tokenize_prompts
+from data_tools.openai_batch import BatchRequest
+from data_tools.prompts import PromptFile, iter_prompt_file, load_tokenizer, tokenize_pairs, tokenize_prompts
 from modelzoo import __version__
 from modelzoo.errors import UserError
-from modelzoo.models.lora import base_names
-from modelzoo.job.params import load_params
+from modelzoo.generation.options import MAX_SAMPLES
+from modelzoo.job.rows import column
 
 TOOL_NAME = "zoo-infer create_inference_h5"
 CHUNK_PROMPTS = 4096  # prompts tokenized and written at a time
@@ -157,8 +155,10 @@ def summary_text(
     eos_token_id: int,
     vocab_size: int,
     output_dir: str,
+    model_keys: dict[str, Any] | None = None,
 ) -> str:
-    """Returns the human-readable report and the YAML snippet printed after writing."""
+    """Returns the human-readable report and the YAML snippet printed after writing (`model_keys`: more model: keys
+    the data needs, e.g. the logprobs its requests ask for)."""
     lines = [
         f"wrote {target}",
         f"  rows:          {len(prompt_lengths)}",
@@ -183,6 +183,8 @@ def summary_text(
         "model:",
         f"  start_token: {start_token}",
         f"  stop_sequences: {stop}",
+        *(f"  {key}: {yaml_scalar(value) if isinstance(value, str) else str(value).lower()}"
+          for key, value in (model_keys or {}).items()),
         "inference_input:",
         "  data_processor: GptHDF5MapDataProcessor",
         f"  data_dir: {yaml_scalar(output_dir)}",
@@ -227,8 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="prompts: a prompt file as above; openai_batch: an OpenAI batch file of "
                         "/v1/chat/completions and /v1/completions requests (default: prompts)")
     parser.add_argument("--params", type=Path, default=None, help="openai_batch: the run's params.yaml; a request may "
-                        "set temperature, top_p, seed or logprobs only to its values (default: greedy, top_p 1, "
-                        "seed 0, no logprobs), and its `model` names one of its model.adapters (LoRA), or the base")
+                        "set presence_penalty, frequency_penalty or logprobs only to its values (default: 0, 0, no "
+                        "logprobs), ask at most its top_logprobs, and its `model` names one of its model.adapters "
+                        "(LoRA), or the base")
     parser.add_argument(
         "--start_token", type=int, default=None,
         help="id that fills every position after the prompt; generation starts at the first one "
@@ -284,118 +287,6 @@ def check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--start_token must be between 0 and {INT32_MAX}, got {args.start_token}")
 
 
-def openai_rows(args: argparse.Namespace, tokenizer: Any) -> tuple[PromptFile, list[list[int]], dict[str, Any],
-                                                                 list[str], list[BatchRequest]]:
-    """An OpenAI batch file's runnable requests as prompts with ids, their token ids, their per-row datasets
-    (max_tokens, 0 = none; stop_sequences, JSON token-id lists; temperature, top_p and seed where a request
-    has its own), the `requests` table (every request, runnable
-    or not, in input order: what decode_predictions.py --format openai_batch answers) and the rejected ones."""
-    params = None if args.params is None else load_params(args.params).model
-    run = GenerationOptions() if params is None else params.generation_defaults()
-    requests = read_batch_file(args.input, read_text(args.input), run)
-    adapters = params.adapters if params is not None else {}
-    if adapters:  # a request's model picks its LoRA adapter
-        bare = base_names(params.checkpoint_path or "")
-        for request in requests:
-            if request.runs and request.model not in adapters and request.model not in bare:
-                request.error = (f"model {request.model!r} is neither an adapter of this run ({', '.join(adapters)}) "
-                                 f"nor its base model ({params.checkpoint_path})")
-    check_response_formats(tokenizer, [request for request in requests if request.runs])
-    runnable: list[BatchRequest] = []
-    stops: list[list[list[int]]] = []
-    texts: list[str] = []
-    token_lists: list[list[int]] = []
-    room = args.max_seq_len - args.min_new_tokens
-    for request in requests:
-        sequences = stop_token_ids(tokenizer, request.stop) if request.runs else []
-        if isinstance(sequences, str):
-            request.error = sequences
-        if not request.runs:
-            continue
-        text = prompt_text(tokenizer, request)
-        # The chat template writes the special tokens itself; a raw completion prompt gets the tokenizer's own.
-        ids = (request.prompt_ids if request.prompt_ids is not None
-               else list(tokenizer(text, add_special_tokens=request.kind == "completion")["input_ids"]))
-        request.error = prompt_ids_error(request, ids, len(tokenizer), room)
-        if request.runs:
-            runnable.append(request)
-            stops.append(sequences)
-            texts.append(text)
-            token_lists.append(ids)
-    samples = np.array([r.option("n") for r in runnable])
-    first_rows = np.cumsum(samples) - samples  # each request's first row: its n samples are consecutive rows
-    rows = {request.custom_id: int(row) for row, request in zip(first_rows, runnable)}
-    table = [json.dumps({"line": r.line, "custom_id": r.custom_id, "kind": r.kind, "model": r.model, "stop": r.stop,
-                         "echo": r.echo, "logprobs": r.option("logprobs"), "top_logprobs": r.option("top_logprobs"),
-                         "error": r.error, "row": rows.get(r.custom_id, -1), "n": r.option("n")})
-             for r in requests]
-    per_row = {"max_tokens": np.array([r.option("max_tokens") or 0 for r in runnable], dtype=np.int32),
-               "stop_sequences": [json.dumps(s) for s in stops]}
-    if adapters:
-        per_row["adapter"] = [r.model for r in runnable]
-    if any(r.echo for r in runnable):  # a scored prompt: every token after the first is its continuation
-        per_row["continuation_length"] = np.array([len(ids) - 1 if r.echo else 0
-                                                   for ids, r in zip(token_lists, runnable)], dtype=np.int32)
-    if any(r.option("response_format") for r in runnable):
-        per_row["response_format"] = [r.option("response_format") or "" for r in runnable]
-    # Each request's own sampling options, where some request has one: NaN / -1 = the params'.
-    for name in ("temperature", "top_p"):
-        if any(name in r.options for r in runnable):
-            per_row[name] = np.array([r.options.get(name, np.nan) for r in runnable], dtype=np.float32)
-    if any("seed" in r.options for r in runnable):
-        per_row["seed"] = np.array([r.options.get("seed", -1) for r in runnable], dtype=np.int64)
-    if (samples > 1).any():  # a request's n samples: n rows, numbered
-        per_row["sample"] = np.concatenate([np.arange(n, dtype=np.int32) for n in samples])
-        per_row = {name: values if name == "sample" else repeat_rows(values, samples) for name, values in per_row.items()}
-        texts, token_lists = repeat_rows(texts, samples), repeat_rows(token_lists, samples)
-        runnable = repeat_rows(runnable, samples)
-    rejected = [request for request in requests if not request.runs]
-    return PromptFile(texts, [r.custom_id for r in runnable]), token_lists, per_row, table, rejected
-
-
-def prompt_ids_error(request: BatchRequest, ids: list[int], vocab_size: int, room: int) -> str:
-    """Why a request's prompt token ids cannot run (its own ids outside the vocabulary, or a prompt to score that
-    has no second token or does not fit the row whole), or its error so far."""
-    if request.prompt_ids is not None and max(ids) >= vocab_size:
-        return f"prompt token id {max(ids)} is outside the vocabulary of {vocab_size} tokens"
-    if request.echo and len(ids) < 2:
-        return "echo scores a prompt's tokens after its first: the prompt needs at least 2 tokens"
-    if request.echo and len(ids) > room:
-        return (f"the prompt to score has {len(ids)} tokens, more than max_seq_len - min_new_tokens = {room} "
-                "(a scored prompt is not truncated)")
-    return request.error
-
-
-def check_response_formats(tokenizer: Any, requests: list[BatchRequest]) -> None:
-    """Compiles each distinct response format of the requests once; a request whose format does not compile becomes
-    an error record."""
-    formats = {r.option("response_format") for r in requests if r.option("response_format")}
-    if not formats:
-        return
-    errors: dict[str, str] = {}
-    try:
-        compiler = FormatCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id or 0])
-    except FormatError as error:
-        errors = dict.fromkeys(formats, str(error))
-    else:
-        for text in formats:
-            try:
-                compiler.compile(text)
-            except FormatError as error:
-                errors[text] = str(error)
-    for request in requests:
-        if request.option("response_format") in errors:
-            request.error = errors[request.option("response_format")]
-
-
-def repeat_rows(values: np.ndarray | list, counts: np.ndarray | int) -> np.ndarray | list:
-    """Each value repeated counts[i] times (or `counts` times each), in order: an array or a list alike."""
-    counts = np.broadcast_to(counts, (len(values),))
-    if isinstance(values, np.ndarray):
-        return np.repeat(values, counts, axis=0)
-    return [value for value, count in zip(values, counts) for _ in range(int(count))]
-
-
 def prompt_chunks(tokenizer: Any, read: Iterable[PromptFile], chat_template: bool
                   ) -> Iterator[tuple[PromptFile, list[list[int]], dict]]:
     """Each chunk of a prompt file as (prompts, token ids, per-row datasets): scoring pairs (each row's context and
@@ -408,7 +299,7 @@ def prompt_chunks(tokenizer: Any, read: Iterable[PromptFile], chat_template: boo
             token_lists = tokenize_prompts(tokenizer, chunk.prompts, chat_template)
         else:
             token_lists, lengths = tokenize_pairs(tokenizer, chunk.prompts, chunk.continuations, first_row=row)
-            per_row["continuation_length"] = np.array(lengths, dtype=np.int32)
+            per_row["continuation_length"] = column("continuation_length", lengths)
         if "adapter" in chunk.texts:
             per_row["adapter"] = [name.strip() for name in chunk.texts["adapter"]]
         yield chunk, token_lists, per_row
@@ -426,8 +317,9 @@ def run(args: argparse.Namespace) -> str:
     eos_token_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else -1
     tables: dict[str, list[str]] = {}
     rejected: list[BatchRequest] = []
+    model_keys: dict[str, Any] = {}  # more params model: keys the data needs
     if args.format == "openai_batch":
-        prompts, token_lists, per_row, tables["requests"], rejected = openai_rows(args, tokenizer)
+        prompts, token_lists, per_row, tables["requests"], rejected, model_keys = openai_rows(args, tokenizer)
         if not prompts.prompts:
             raise UserError(f"{args.input}: no request can run here: " + "; ".join(
                 f"{r.custom_id}: {r.error}" for r in rejected[:MAX_LISTED_ROWS]))
@@ -455,7 +347,7 @@ def run(args: argparse.Namespace) -> str:
             if args.n > 1:  # every prompt n times, numbered
                 data, prompt_lengths = repeat_rows(data, args.n), repeat_rows(prompt_lengths, args.n)
                 per_row = {name: repeat_rows(values, args.n) for name, values in per_row.items()}
-                per_row["sample"] = np.tile(np.arange(args.n, dtype=np.int32), len(prompts.prompts))
+                per_row["sample"] = column("sample", np.tile(np.arange(args.n), len(prompts.prompts)))
             writer.append(data, prompt_lengths, per_row)
             # "Empty" is judged on the text: with a chat template an empty prompt still has tokens.
             empty_rows += [row + i for i, prompt in enumerate(prompts.prompts) if not prompt.strip()]
@@ -479,7 +371,7 @@ def run(args: argparse.Namespace) -> str:
         }
         target = writer.finish(attrs, tables)
     summary = summary_text(target, np.concatenate(lengths), num_truncated, empty_rows, start_token, int(eos_token_id),
-                           vocab_size, str(args.output_dir))
+                           vocab_size, str(args.output_dir), model_keys)
     if rejected:
         shown = "; ".join(f"line {r.line} ({r.custom_id}): {r.error}" for r in rejected[:MAX_LISTED_ROWS])
         more = f" and {len(rejected) - MAX_LISTED_ROWS} more" if len(rejected) > MAX_LISTED_ROWS else ""

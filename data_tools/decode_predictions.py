@@ -161,7 +161,7 @@ def as_text(value: Any) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
-def top_pieces(batch: PredictionBatch, row: int, start: int, end: int, tokenizer: Any) -> list[list[tuple[str, float]]]:
+def likeliest_pieces(batch: PredictionBatch, row: int, start: int, end: int, tokenizer: Any) -> list[list[tuple[str, float]]]:
     """Each generated position's likeliest tokens as (text, log-probability), descending (model.top_logprobs)."""
     return [[(tokenizer.decode([int(i)]), float(v)) for i, v in zip(ids, values)]
             for ids, values in zip(batch.top_logprob_ids[row, start:end], batch.top_logprobs[row, start:end])]
@@ -203,7 +203,7 @@ def decode_batch(batch: PredictionBatch, tokenizer: Any, skip_special_tokens: bo
             records[-1]["top_logprobs"] = [
                 [{"token": text, "token_id": int(i), "logprob": value}
                  for (text, value), i in zip(pieces, batch.top_logprob_ids[row, position])]
-                for position, pieces in zip(range(start, end), top_pieces(batch, row, start, end, tokenizer))]
+                for position, pieces in zip(range(start, end), likeliest_pieces(batch, row, start, end, tokenizer))]
     return records
 
 
@@ -305,7 +305,7 @@ def _completion(batch: PredictionBatch, row: int, request: dict, tokenizer: Any)
         completion["token_logprobs"] = [(tokenizer.decode([i]), float(v))
                                         for i, v in zip(ids, batch.logprobs[row, start:start + count])]
     if batch.top_logprob_ids is not None:
-        completion["top_logprobs"] = top_pieces(batch, row, start, start + count, tokenizer)
+        completion["top_logprobs"] = likeliest_pieces(batch, row, start, start + count, tokenizer)
     return completion
 
 
@@ -318,7 +318,7 @@ def _scored_prompt(batch: PredictionBatch, row: int, end: int, tokenizer: Any) -
                   "token_logprobs": [(tokenizer.decode([i]), None if at == 0 else float(batch.logprobs[row, at]))
                                      for at, i in enumerate(ids)]}
     if batch.top_logprob_ids is not None:
-        completion["top_logprobs"] = [None] + top_pieces(batch, row, 1, end, tokenizer)
+        completion["top_logprobs"] = [None] + likeliest_pieces(batch, row, 1, end, tokenizer)
     return completion
 
 

@@ -4,8 +4,9 @@ Input, one request per line:
     {"custom_id": "q1", "method": "POST", "url": "/v1/chat/completions",
      "body": {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 64, "stop": ["\\n\\n"]}}
 `/v1/chat/completions` bodies go through the tokenizer's chat template; `/v1/completions` bodies are raw
-prompts. Per request: `max_tokens` (or `max_completion_tokens`), `stop` strings, `temperature`, `top_p`
-and `seed` (greedy and sampled requests side by side, each drawn from its own seed's streams), `n`
+prompts. Per request: `max_tokens` (or `max_completion_tokens`), `stop` strings, the sampling options that
+GenerationOptions declares an OpenAI key for (SAMPLING_KEYS: temperature, top-p, seed; greedy and sampled requests
+side by side, each drawn from its own seed's streams), `n`
 (up to MAX_SAMPLES samples, n rows of the data, the prompt prefilled once) and `response_format` (`json_object` or
 `json_schema`: the answer follows the schema's grammar; a schema that cannot be compiled is that request's
 error record), honoured by the runner. A `/v1/completions` body with `echo: true` and `max_tokens: 0` scores its
@@ -29,19 +30,19 @@ from typing import Any, Sequence
 
 from data_tools.prompts import json_records
 from modelzoo.errors import UserError
-from modelzoo.generation.options import MAX_SAMPLES, GenerationOptions
-from modelzoo.generation.structured import FormatError, canonical_format
+from modelzoo.generation.options import BOUNDS, MAX_SAMPLES, OPENAI_KEYS, ROW_OPTION_DATASETS, GenerationOptions
+from modelzoo.generation.formats import FormatError, canonical_format
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 KINDS = {CHAT_URL: "chat", COMPLETIONS_URL: "completion"}
 # Body keys read or allowed as they are.
 READ_KEYS = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "stop", "n", "echo"}
-SAMPLING_KEYS = ("temperature", "top_p", "seed")  # each request's own, honoured row by row
+# Each request's own sampling options, honoured row by row: GenerationOptions' OpenAI keys held in a row dataset.
+SAMPLING_KEYS = tuple(key for key, name in OPENAI_KEYS.items() if name in ROW_OPTION_DATASETS and key not in READ_KEYS)
 IGNORED_KEYS = {"user", "metadata", "store", "service_tier"}
 # Body keys the runner applies to every row alike: allowed where the request asks for the run's value.
 # name -> the GenerationOptions field it must equal (None: `stream`, which must be false).
-RUN_WIDE = {"stream": None, "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
-            "logprobs": "logprobs"}
+RUN_WIDE = {"stream": None, "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty"}
 # What a request asks that no run here does (e.g. logit_bias, tools, response_format): its error record.
 
 
@@ -58,7 +59,7 @@ class BatchRequest:
     prompt_ids: list[int] | None = None  # a completions prompt given as token ids
     echo: bool = False  # a completions request scoring its prompt (echo, max_tokens 0): no token generated
     stop: list[str] = field(default_factory=list)
-    # The request's own GenerationOptions values by field name (max_tokens, temperature, top_p, seed, n,
+    # The request's own GenerationOptions values by field name (max_tokens, the sampling options, n,
     # logprobs, top_logprobs, response_format); the others are the run's.
     options: dict[str, Any] = field(default_factory=dict)
     error: str = ""  # non-empty: the request's error record, nothing is generated for it
@@ -83,16 +84,14 @@ def _text_content(content: Any) -> str | None:
 
 
 def _sampling_option(key: str, value: Any) -> tuple[float | int | None, str]:
-    """A request's temperature, top_p or seed, checked: (value, "") or (None, why it cannot run)."""
+    """A request's value of a SAMPLING_KEYS key, checked against its option's declared range: (value, "") or
+    (None, why it cannot run)."""
+    bound = BOUNDS[OPENAI_KEYS[key]]
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if key == "seed":
-        ok = number and float(value).is_integer() and value >= 0
-        return (int(value), "") if ok else (None, f"seed must be an integer >= 0, got {value!r}")
-    if key == "temperature":
-        ok = number and value >= 0
-        return (float(value), "") if ok else (None, f"temperature must be a number >= 0, got {value!r}")
-    ok = number and 0 < value <= 1
-    return (float(value), "") if ok else (None, f"top_p must be a number in (0, 1], got {value!r}")
+    ok = number and (float(value).is_integer() if bound.integer else True) and bound.holds(value)
+    if not ok:
+        return None, f"{key} must be {bound.text()}, got {value!r}"
+    return (int(value) if bound.integer else float(value)), ""
 
 
 def _read_body(request: BatchRequest, body: dict[str, Any], run: GenerationOptions) -> None:
@@ -121,7 +120,7 @@ def _read_body(request: BatchRequest, body: dict[str, Any], run: GenerationOptio
                 if why:
                     request.error = why
                     return
-                request.options[key] = own
+                request.options[OPENAI_KEYS[key]] = own
             continue
         if key == "logprobs" and request.kind == "completion" and isinstance(value, int) and not isinstance(value, bool):
             # The completions API's logprobs is a count: that many likeliest tokens at each position. A scored
@@ -133,6 +132,14 @@ def _read_body(request: BatchRequest, body: dict[str, Any], run: GenerationOptio
                 return
             request.options["top_logprobs"] = value
             request.options["logprobs"] = True
+            continue
+        if key == "logprobs":
+            if value not in (None, False, True):
+                request.error = f"logprobs must be true or false, got {value!r}"
+                return
+            if value and not run.logprobs:
+                request.error = "logprobs asks for more than this run keeps: model.logprobs: true in the params"
+                return
             continue
         if key in RUN_WIDE:
             name = RUN_WIDE[key]

@@ -21,6 +21,7 @@ backend's peft); `--batch_size` caps the rows run together (auto: as many as mem
 from __future__ import annotations
 
 import logging
+from dataclasses import fields
 from typing import Any
 
 import torch
@@ -31,7 +32,7 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 
 from modelzoo.api import ZooModel
 from modelzoo.models.checkpoint import load_hf_config
-from modelzoo.generation.options import GenerationOptions
+from modelzoo.generation.options import PER_ROW_OPTIONS, GenerationOptions
 
 log = logging.getLogger("zoo-infer")
 
@@ -165,7 +166,7 @@ class ZooInferLM(TemplateLM):
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
         """Every request's continuation, up to its `until` strings or max_gen_toks. Each request carries its own
         options (stops, max_gen_toks, sampling), so the requests run on one engine together, whatever their
-        generation kwargs; only a top_k (an option of the whole engine) splits them."""
+        generation kwargs; only an option of the whole engine (a top_k) splits them."""
         results: list[str | None] = [None] * len(requests)
         options, untils, prompts = [], [], []
         for request in requests:
@@ -177,9 +178,10 @@ class ZooInferLM(TemplateLM):
             options.append(option)
             untils.append(until)
             prompts.append(ids[-room:])
-        groups: dict[int, list[int]] = {}
+        groups: dict[tuple, list[int]] = {}  # by the options of a whole engine (PER_ROW_OPTIONS are each row's)
         for index, option in enumerate(options):
-            groups.setdefault(option.top_k, []).append(index)
+            engine_wide = tuple(getattr(option, f.name) for f in fields(option) if f.name not in PER_ROW_OPTIONS)
+            groups.setdefault(engine_wide, []).append(index)
         for indices in groups.values():
             generated = self.zoo.generate([prompts[i] for i in indices], [options[i] for i in indices],
                                           progress=not disable_tqdm)

@@ -14,7 +14,7 @@ import torch
 from harness import assert_family_matches_transformers
 from modelzoo.errors import UserError
 from modelzoo.models.falcon import config_from_hf as falcon_config_from_hf
-from modelzoo.models.layers import alibi_slopes
+from modelzoo.models.positions import alibi_slopes
 from modelzoo.models.mpt import config_from_hf as mpt_config_from_hf
 from modelzoo.models.mpt import mpt_alibi_slopes
 from tiny_configs import bloom_config, falcon_config, mpt_config

@@ -227,8 +227,10 @@ def test_rows_sample_with_their_own_options_side_by_side(tmp_path, checkpoint, p
 
 
 @pytest.mark.parametrize("name, values, message", [
-    ("top_p", np.float32([0.5, 1.5]), "a row's top_p must be a number in (0, 1], got 1.5"),
-    ("temperature", np.float32([-0.5, 1.0]), "a row's temperature must be a number >= 0, got -0.5"),
+    ("top_p", np.float32([0.5, 1.5]),
+     "a row's top_p must be a number > 0.0 and <= 1.0 (NaN: the params' top_p), got 1.5"),
+    ("temperature", np.float32([-0.5, 1.0]),
+     "a row's temperature must be a number >= 0.0 (NaN: the params' temperature), got -0.5"),
     ("seed", np.float64([1.5, 2.0]), "a row's seed must be an integer >= 0 (-1: the params' seed), got 1.5"),
     ("seed", np.int64([3, -2]), "a row's seed must be an integer >= 0 (-1: the params' seed), got -2"),
 ])

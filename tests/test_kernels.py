@@ -17,7 +17,7 @@ import modelzoo.cpu.kernels
 from modelzoo.cpu.kernels import cpu_kernels
 from modelzoo.models import layers
 from modelzoo.models.config import RopeConfig
-from modelzoo.models.layers import RotaryEmbedding, apply_rotary
+from modelzoo.models.positions import RotaryEmbedding, apply_rotary
 from harness import family_prompts, save_tiny_model
 from tiny_configs import tiny_llama_config
 

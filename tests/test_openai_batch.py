@@ -58,6 +58,20 @@ def write_run_params(path: Path, data_dir: Path) -> Path:
     return path
 
 
+def run_and_decode(tmp_path: Path, **model_keys) -> dict[str, dict]:
+    """The job on tmp_path/data under the test params with more `model_keys`, decoded as an OpenAI batch:
+    custom_id -> output line."""
+    params = write_run_params(tmp_path / "params.yaml", tmp_path / "data")
+    raw = yaml.safe_load(params.read_text())
+    raw["model"].update(model_keys)
+    params.write_text(yaml.safe_dump(raw))
+    assert run_job(params, tmp_path / "run") == 0
+    out = tmp_path / "responses.jsonl"
+    assert decode.main(["--model_dir", str(tmp_path / "run"), "--tokenizer", str(MODEL), "--format", "openai_batch",
+                        "--output", str(out)]) == 0
+    return {line["custom_id"]: line for line in map(json.loads, out.read_text().splitlines())}
+
+
 @pytest.fixture(scope="module")
 def batch_run(tmp_path_factory) -> dict:
     """The OpenAI batch file through the three tools; what each printed and wrote."""
@@ -155,15 +169,7 @@ def test_a_sampled_request_is_the_row_of_a_job_sampling_alike(batch_run, tmp_pat
     source = write_jsonl(tmp_path / "requests.jsonl", plain)
     assert create.main(["--input", str(source), "--format", "openai_batch", "--tokenizer", str(MODEL),
                         "--max_seq_len", str(MAX_SEQ_LEN), "--output_dir", str(tmp_path / "data")]) == 0
-    params = write_run_params(tmp_path / "params.yaml", tmp_path / "data")
-    raw = yaml.safe_load(params.read_text())
-    raw["model"].update(temperature=0.9, seed=5)
-    params.write_text(yaml.safe_dump(raw))
-    assert run_job(params, tmp_path / "run") == 0
-    out = tmp_path / "responses.jsonl"
-    assert decode.main(["--model_dir", str(tmp_path / "run"), "--tokenizer", str(MODEL), "--format", "openai_batch",
-                        "--output", str(out)]) == 0
-    job_wide = {line["custom_id"]: line for line in map(json.loads, out.read_text().splitlines())}
+    job_wide = run_and_decode(tmp_path, temperature=0.9, seed=5)
     own = {line["custom_id"]: line for line in batch_run["lines"]}
     hot = own["hot"]["response"]["body"]["choices"][0]
     assert hot == job_wide["hot"]["response"]["body"]["choices"][0]
@@ -171,8 +177,8 @@ def test_a_sampled_request_is_the_row_of_a_job_sampling_alike(batch_run, tmp_pat
 
 
 @pytest.mark.parametrize("option, value, message", [
-    ("temperature", -1, "temperature must be a number >= 0, got -1"),
-    ("top_p", 0, "top_p must be a number in (0, 1], got 0"),
+    ("temperature", -1, "temperature must be a number >= 0.0, got -1"),
+    ("top_p", 0, "top_p must be a number > 0.0 and <= 1.0, got 0"),
     ("seed", 1.5, "seed must be an integer >= 0, got 1.5"),
     ("seed", "7", "seed must be an integer >= 0, got '7'"),
 ])
@@ -422,3 +428,32 @@ def test_echo_scores_the_prompt(tmp_path):
         "short": "echo scores a prompt's tokens after its first: the prompt needs at least 2 tokens",
         "vocab": "prompt token id 49152 is outside the vocabulary of 49152 tokens",
         "zero": "max_tokens must be an integer >= 1 (0 only with echo: true), got 0"}
+
+
+def test_without_params_the_data_tool_prints_the_logprobs_its_requests_need(tmp_path, capsys):
+    """No --params: requests asking logprobs are kept, and the printed model: snippet holds the logprobs and the
+    most top_logprobs any request asks; a run with that snippet answers each as asked. With params that keep no
+    logprobs, such a request is an error record naming the key."""
+    requests = [request("two", CHAT, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, logprobs=True,
+                        top_logprobs=2),
+                request("three", COMPLETIONS, prompt="Once upon a time", max_tokens=4, logprobs=3),
+                request("plain", COMPLETIONS, prompt="Hello", max_tokens=4, logprobs=False)]
+    source = write_jsonl(tmp_path / "r.jsonl", requests)
+    assert create.main(["--input", str(source), "--format", "openai_batch", "--tokenizer", str(MODEL),
+                        "--max_seq_len", "40", "--output_dir", str(tmp_path / "data")]) == 0
+    snippet = yaml.safe_load(capsys.readouterr().out.split("Add to the params YAML:\n")[1])
+    assert snippet["model"]["logprobs"] is True and snippet["model"]["top_logprobs"] == 3
+    lines = run_and_decode(tmp_path, logprobs=snippet["model"]["logprobs"],
+                           top_logprobs=snippet["model"]["top_logprobs"])
+    chat = lines["two"]["response"]["body"]["choices"][0]["logprobs"]["content"]
+    assert len(chat) == 4 and all(len(entry["top_logprobs"]) == 2 for entry in chat)
+    text = lines["three"]["response"]["body"]["choices"][0]["logprobs"]
+    assert len(text["token_logprobs"]) == 4 and len(text["top_logprobs"]) == 4
+    assert lines["plain"]["response"]["body"]["choices"][0]["logprobs"] is None
+    bare = write_run_params(tmp_path / "bare.yaml", tmp_path / "data2")
+    assert create.main(["--input", str(source), "--format", "openai_batch", "--tokenizer", str(MODEL),
+                        "--max_seq_len", "40", "--output_dir", str(tmp_path / "data2"), "--params", str(bare)]) == 0
+    with h5py.File(tmp_path / "data2" / "data.h5") as h5:
+        errors = {r["custom_id"]: r["error"] for r in map(json.loads, h5["requests"][:])}
+    assert errors["two"] == "logprobs asks for more than this run keeps: model.logprobs: true in the params"
+    assert errors["plain"] == ""

@@ -21,8 +21,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from data_tools import create_inference_h5 as create  # noqa: E402
 from data_tools import decode_predictions as decode  # noqa: E402
 from harness import SMOLLM2_DIR, load_predictions, prompt_rows, run_job, write_h5, write_params  # noqa: E402
-from modelzoo.generation.structured import (FormatCompiler, FormatError, apply_token_bitmask,  # noqa: E402
-                                            canonical_format, schema_format)
+from modelzoo.generation.formats import FormatError, canonical_format, schema_format  # noqa: E402
+from modelzoo.generation.structured import FormatCompiler, apply_token_bitmask  # noqa: E402
 
 EOS, START, MAX_SEQ_LEN = 2, 49152, 160
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},

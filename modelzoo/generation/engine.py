@@ -34,7 +34,8 @@ from modelzoo.errors import past_learned_positions
 from modelzoo.cuda.attention_backends import AttentionBackends
 from modelzoo.models.kv_cache import KVCache, aligned
 from modelzoo.generation.options import GenerationOptions, RequestVariety
-from modelzoo.generation.sampling import RowSampling, TokenChoice, seed_key
+from modelzoo.generation.prefill import prefill_groups, prefill_inputs
+from modelzoo.generation.sampling import TokenChoice
 from modelzoo.generation.shared_prefix import SharedPrefix
 from modelzoo.generation.step import DecodeStep, SlotState, choose_tokens, length_bucket, length_buckets
 from modelzoo.generation.stopping import REASON_NAMES, StopChecker
@@ -236,7 +237,7 @@ class GenerationEngine:
         if not self.shared_prefix_decided and len(leading) >= 2:
             self.shared_prefix_decided = True
             self._find_shared_prefixes(leading)
-        for group in self._prefill_groups(leading):
+        for group in prefill_groups(leading, self._shared_offset, self.packs_prompts, self.prefill_token_budget):
             run_slots = torch.tensor([slot for slot, _, _ in group], device=self.device)
             rows = [(slot, request) for slot, request, _ in group]  # the group's rows, then their copies
             source = list(range(len(group)))  # the prefilled row whose logits each row takes
@@ -254,12 +255,12 @@ class GenerationEngine:
             state.seq_len[slots] = state.prompt_len[slots] = prompt_len
             state.sample_index[slots] = torch.tensor([r.index for r in requests], device=self.device)
             if self.choice is not None:
-                self._set_sampling(slots, options)
+                self.state.sampling.put(slots, options)
             for adapter, prefix in self.shared_prefixes.items():
                 prefixed = [slot for slot, request, offset in group if offset and request.adapter == adapter]
                 if prefixed:
                     prefix.copy_into(self.cache, torch.tensor(prefixed, device=self.device))
-            tokens, positions, token_slots, last = self._prefill_inputs(group, run_slots)
+            tokens, positions, token_slots, last = prefill_inputs(group, run_slots, self.packs_prompts, self.device)
             self.prefilled_tokens += sum(len(request.prompt) - offset for _, request, offset in group)
             logits = self.model(tokens, positions, self.cache, token_slots, last)
             if self.packs_prompts:
@@ -280,6 +281,11 @@ class GenerationEngine:
                 self.structured.advance(state.last_token, [slot for slot, _ in rows])
             for slot, request in rows:
                 self.length_bound[slot] = len(request.prompt) + 1
+
+    def _shared_offset(self, request: Request) -> int:
+        """The length of the shared prefix `request`'s prompt starts with (its keys are copied, not computed), else 0."""
+        shared = self.shared_prefixes.get(request.adapter)
+        return len(shared) if shared is not None and shared.starts(request.prompt) else 0
 
     def _find_shared_prefixes(self, leading: list[tuple[int, Request]]) -> None:
         """The prefix the first prompts of each adapter share (-1: no adapter), prefilled once in the first one's
@@ -310,61 +316,6 @@ class GenerationEngine:
             else:
                 first[key] = slot
         return copies
-
-    def _set_sampling(self, slots: torch.Tensor, options: list[GenerationOptions]) -> None:
-        """Each slot's temperature, top-p cut and seed key, from its request's options."""
-        sampling = self.state.sampling
-        sampling.temperature[slots] = torch.tensor([o.temperature for o in options], dtype=torch.float32,
-                                                   device=self.device)
-        sampling.top_p_cut[slots] = torch.tensor([RowSampling.cut(o.top_p) for o in options], dtype=torch.float32,
-                                                 device=self.device)
-        sampling.seed_key[slots] = torch.tensor([seed_key(o.seed) for o in options], dtype=torch.long,
-                                                device=self.device)
-
-    def _prefill_groups(self, admitted: list[tuple[int, Request]]) -> list[list[tuple[int, Request, int]]]:
-        """Splits admitted requests into groups of (slot, request, offset) run by one forward each:
-        offset = the shared prefix's length for prompts that start with it (their keys are copied, not
-        computed), else 0. Sorted by what is left to run, each group within the token budget: its real
-        tokens when packed, else its rows padded to the longest."""
-        def offset(request: Request) -> int:
-            shared = self.shared_prefixes.get(request.adapter)
-            return len(shared) if shared is not None and shared.starts(request.prompt) else 0
-
-        ordered = sorted(((slot, r, offset(r)) for slot, r in admitted), key=lambda item: len(item[1].prompt) - item[2])
-        groups: list[list[tuple[int, Request, int]]] = []
-        tokens = 0  # real tokens in the last group
-        for slot, request, skipped in ordered:
-            width = len(request.prompt) - skipped  # sorted ascending: the widest of its group so far
-            rows = len(groups[-1]) + 1 if groups else 1
-            cost = tokens + width if self.packs_prompts else rows * width
-            if not groups or cost > self.prefill_token_budget:
-                groups.append([])
-                tokens = 0
-            groups[-1].append((slot, request, skipped))
-            tokens += width
-        return groups
-
-    def _prefill_inputs(self, group: list[tuple[int, Request, int]], slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(tokens, positions, slots, last) of one prefill forward over what each prompt has left after its
-        offset. Packed: the prompts side by side in one row, (1, N) each and last (1, B). Else right-padded
-        rows (B, T) (padding is never attended), slots and last (B,)."""
-        suffixes = [request.prompt[offset:] for _, request, offset in group]
-        lengths = np.array([len(suffix) for suffix in suffixes])
-        offsets = np.array([offset for _, _, offset in group])
-        if self.packs_prompts:
-            tokens = np.concatenate(suffixes)[None]
-            positions = np.concatenate([offset + np.arange(n) for offset, n in zip(offsets, lengths)])[None]
-            token_slots = torch.repeat_interleave(slots, torch.from_numpy(lengths).to(self.device))[None]
-            last = (np.cumsum(lengths) - 1)[None]
-        else:
-            width = lengths.max()
-            tokens = np.zeros((len(group), width), dtype=np.int64)
-            for row, suffix in enumerate(suffixes):
-                tokens[row, : len(suffix)] = suffix
-            positions = offsets[:, None] + np.arange(width)[None]
-            token_slots, last = slots, lengths - 1
-        as_tensor = lambda array: torch.from_numpy(np.asarray(array, dtype=np.int64)).to(self.device)
-        return as_tensor(tokens), as_tensor(positions), token_slots, as_tensor(last)
 
     def _decode_step(self) -> None:
         """One token for every active slot, through the fixed-shape step over the length bucket of the longest row."""

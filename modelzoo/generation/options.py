@@ -8,7 +8,8 @@ a `RequestVariety`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+import math
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Sequence
 
 MAX_TOP_LOGPROBS = 20  # as the OpenAI API
@@ -16,37 +17,82 @@ MAX_SAMPLES = 128  # n: rows of one request
 
 
 @dataclass(frozen=True)
+class Bound:
+    """A numeric option's range: from `low` (excluded where `open_low`) to `high` (inf: none), of integers or
+    numbers. `holds` takes a value or a numpy array (elementwise)."""
+
+    integer: bool
+    low: float
+    high: float = math.inf
+    open_low: bool = False
+
+    def holds(self, value: Any) -> Any:
+        above = value > self.low if self.open_low else value >= self.low
+        return above & (value <= self.high)
+
+    def text(self) -> str:
+        """The range in words, as error messages give it."""
+        if self.integer:
+            return f"an integer from {self.low} to {self.high}" if self.high < math.inf else f"an integer >= {self.low}"
+        low = f"> {float(self.low)}" if self.open_low else f">= {float(self.low)}"
+        return f"a number {low}" + (f" and <= {float(self.high)}" if self.high < math.inf else "")
+
+
+@dataclass(frozen=True)
+class RowDataset:
+    """How the .h5 holds a row's own value of an option (modelzoo/job/rows.py): the dataset's dtype ("str": UTF-8)
+    and the value of a row that brings none (the job's then)."""
+
+    dtype: str
+    missing: Any
+
+
+def option(default: Any, bound: Bound | None = None, *, per_row: bool = False, row_dataset: RowDataset | None = None,
+           openai: str | None = None, manifest_when_set: bool = False) -> Any:
+    """A GenerationOptions field, declared once: its default and range (`bound`); `per_row`: a request may set it
+    (the engine honours it row by row; the others are the job's for every row); `row_dataset`: the data holds a
+    row's own value; `openai`: the OpenAI batch request key honoured row by row; `manifest_when_set`: an option
+    added after runs already on disk, in the resume manifest only when it differs from its default (so they still
+    resume)."""
+    return field(default=default, metadata={"bound": bound, "per_row": per_row, "row_dataset": row_dataset,
+                                            "openai": openai, "manifest_when_set": manifest_when_set})
+
+
+@dataclass(frozen=True)
 class GenerationOptions:
     """Every option of a request's generation. temperature 0 is greedy (argmax of the penalised scores); top_k 0,
     top_p 1, min_p 0 and the penalties at their neutral values are off."""
 
-    max_tokens: int | None = None  # most tokens generated (None: until the row is full)
-    stop_sequences: tuple[tuple[int, ...], ...] = ()  # token-id sequences that end the row (kept in it)
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int = 0
-    repetition_penalty: float = 1.0
-    no_repeat_ngram_size: int = 0
-    presence_penalty: float = 0.0  # the OpenAI API's, over generated tokens
-    frequency_penalty: float = 0.0
-    n: int = 1  # samples of the request: n rows of the data, each drawn from its own stream
-    logprobs: bool = False  # each generated token's log-probability
-    top_logprobs: int = 0  # with logprobs: the K likeliest tokens at each position, and theirs
-    response_format: str | None = None  # canonical JSON grammar text (structured.py); None: free text
+    # most tokens generated (None: until the row is full)
+    max_tokens: int | None = option(None, Bound(True, 1), per_row=True, row_dataset=RowDataset("int32", 0),
+                                    openai="max_tokens")
+    # token-id sequences that end the row (kept in it); a row's own: JSON token-id lists, added to the job's
+    stop_sequences: tuple[tuple[int, ...], ...] = option((), per_row=True, row_dataset=RowDataset("str", ""))
+    temperature: float = option(0.0, Bound(False, 0), per_row=True, row_dataset=RowDataset("float32", math.nan),
+                                openai="temperature")
+    top_k: int = option(0, Bound(True, 0))
+    top_p: float = option(1.0, Bound(False, 0, 1, open_low=True), per_row=True,
+                          row_dataset=RowDataset("float32", math.nan), openai="top_p")
+    min_p: float = option(0.0, Bound(False, 0, 1), manifest_when_set=True)
+    seed: int = option(0, Bound(True, 0), per_row=True, row_dataset=RowDataset("int64", -1), openai="seed")
+    repetition_penalty: float = option(1.0, Bound(False, 0, open_low=True))
+    no_repeat_ngram_size: int = option(0, Bound(True, 0))
+    # the OpenAI API's penalties, over generated tokens
+    presence_penalty: float = option(0.0, Bound(False, -2, 2), manifest_when_set=True)
+    frequency_penalty: float = option(0.0, Bound(False, -2, 2), manifest_when_set=True)
+    # samples of the request: n rows of the data, each drawn from its own stream
+    n: int = option(1, Bound(True, 1, MAX_SAMPLES), per_row=True, openai="n")
+    logprobs: bool = option(False, per_row=True, manifest_when_set=True)  # each generated token's log-probability
+    # with logprobs: the K likeliest tokens at each position, and theirs
+    top_logprobs: int = option(0, Bound(True, 0, MAX_TOP_LOGPROBS), per_row=True, manifest_when_set=True)
+    # canonical JSON grammar text (structured.py); None: free text; a row's own: "" for none
+    response_format: str | None = option(None, per_row=True, row_dataset=RowDataset("str", ""))
 
     def __post_init__(self) -> None:
-        checks = {"max_tokens": self.max_tokens is None or self.max_tokens >= 1,
-                  "temperature": self.temperature >= 0, "top_k": self.top_k >= 0, "top_p": 0 < self.top_p <= 1,
-                  "min_p": 0 <= self.min_p <= 1, "seed": self.seed >= 0, "repetition_penalty": self.repetition_penalty > 0,
-                  "no_repeat_ngram_size": self.no_repeat_ngram_size >= 0,
-                  "presence_penalty": -2 <= self.presence_penalty <= 2,
-                  "frequency_penalty": -2 <= self.frequency_penalty <= 2, "n": 1 <= self.n <= MAX_SAMPLES,
-                  "top_logprobs": 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS}
-        for name, ok in checks.items():
-            if not ok:
-                raise ValueError(f"{type(self).__name__}.{name} out of range: {getattr(self, name)!r}")
+        for name, bound in BOUNDS.items():
+            value = getattr(self, name)
+            if value is not None and not bound.holds(value):
+                raise ValueError(f"{type(self).__name__}.{name} out of range: {value!r}")
 
     @property
     def greedy(self) -> bool:
@@ -62,10 +108,17 @@ class GenerationOptions:
         return replace(self.options(), **changes)
 
 
-# Options the engine honours row by row; the others are the job's for every row (a request asking another value is
-# refused: RequestVariety.check).
-PER_ROW_OPTIONS = ("max_tokens", "stop_sequences", "temperature", "top_p", "seed", "n", "response_format",
-                   "logprobs", "top_logprobs")
+# Derived from the declarations: each option's range; the options the engine honours row by row (the others are the
+# job's for every row: a request asking another value is refused, RequestVariety.check); those a row of the data may
+# set, with their .h5 dataset; those an OpenAI batch request sets row by row; those in the resume manifest only when
+# set.
+_FIELDS = fields(GenerationOptions)
+BOUNDS: dict[str, Bound] = {f.name: f.metadata["bound"] for f in _FIELDS if f.metadata["bound"]}
+PER_ROW_OPTIONS = tuple(f.name for f in _FIELDS if f.metadata["per_row"])
+ROW_OPTION_DATASETS: dict[str, RowDataset] = {f.name: f.metadata["row_dataset"] for f in _FIELDS
+                                              if f.metadata["row_dataset"]}
+OPENAI_KEYS: dict[str, str] = {f.metadata["openai"]: f.name for f in _FIELDS if f.metadata["openai"]}
+MANIFEST_WHEN_SET = tuple(f.name for f in _FIELDS if f.metadata["manifest_when_set"])
 
 
 @dataclass(frozen=True)
@@ -84,6 +137,13 @@ class RequestVariety:
         return cls(tuple(dict.fromkeys(s for o in options for s in o.stop_sequences)),
                    samples=any(not o.greedy for o in options), top_p=any(o.top_p < 1.0 for o in options))
 
+    @classmethod
+    def of_rows(cls, given: dict[str, Any]) -> RequestVariety:
+        """The variety of rows that set these values of their own (option name -> an array of the values given)."""
+        temperature, top_p = given.get("temperature"), given.get("top_p")
+        return cls(samples=temperature is not None and bool((temperature > 0).any()),
+                   top_p=top_p is not None and bool((top_p < 1).any()))
+
     def union(self, other: RequestVariety) -> RequestVariety:
         """What either variety may bring."""
         return RequestVariety(tuple(dict.fromkeys(self.stop_sequences + other.stop_sequences)),
@@ -91,8 +151,8 @@ class RequestVariety:
 
     def check(self, defaults: GenerationOptions, options: GenerationOptions) -> None:
         """Raises ValueError where a request's options ask what the engine cannot give it next to the defaults."""
-        for field in fields(GenerationOptions):
-            name = field.name
+        for item in _FIELDS:
+            name = item.name
             if name not in PER_ROW_OPTIONS and getattr(options, name) != getattr(defaults, name):
                 raise ValueError(f"{name} {getattr(options, name)!r} differs from the job's {getattr(defaults, name)!r}: "
                                  "it is not an option of one request")

@@ -221,6 +221,17 @@ class RowSampling:
         """A row's top_p as `top_p_cut` holds it."""
         return 1 - top_p if top_p < 1.0 else -1.0
 
+    def put(self, slots: Tensor, options: list[GenerationOptions]) -> None:
+        """Rows `slots` take their requests' temperature, top-p cut and seed key."""
+        device = self.temperature.device
+        self.temperature[slots] = torch.tensor([o.temperature for o in options], dtype=torch.float32, device=device)
+        self.top_p_cut[slots] = torch.tensor([self.cut(o.top_p) for o in options], dtype=torch.float32, device=device)
+        self.seed_key[slots] = torch.tensor([seed_key(o.seed) for o in options], dtype=torch.long, device=device)
+
+    def rows(self, rows: Tensor | slice) -> RowSampling:
+        """The options of rows `rows` only."""
+        return RowSampling(self.temperature[rows], self.top_p_cut[rows], self.seed_key[rows])
+
 
 @dataclass(frozen=True)
 class TokenChoice(GenerationOptions):

@@ -139,8 +139,7 @@ def choose_tokens(logits: torch.Tensor, state: SlotState, slots: torch.Tensor | 
     if choice is None:
         tokens, scores = logits.argmax(-1), logits
     else:
-        sampling = state.sampling
-        own = RowSampling(sampling.temperature[rows], sampling.top_p_cut[rows], sampling.seed_key[rows])
+        own = state.sampling.rows(rows)
         tokens, scores = choice.choose_rows(logits, state.sequences[rows], state.seq_len[rows],
                                             state.sample_index[rows], own, state.prompt_len[rows])  # (R,), (R, V)
     if state.logprobs is None:

@@ -1,7 +1,7 @@
 """Structured output: rows decoded under a JSON grammar, with xgrammar (the grammar engine of vLLM, SGLang and
 TensorRT-LLM).
 
-A row's response format is canonical JSON text (`canonical_format`): `{"type": "json_object"}` (any JSON object)
+A row's response format is canonical JSON text (`formats.canonical_format`): `{"type": "json_object"}` (any JSON object)
 or `{"type": "json_schema", "schema": {...}}`. Each distinct format is compiled once per job. A constrained row
 owns a grammar matcher; before each token the matchers of the step's constrained rows fill their rows of one
 token bitmask together (xgrammar's batch matcher, on its threads), the bitmask is copied to the device once, and
@@ -21,41 +21,11 @@ from typing import Any
 import torch
 
 from modelzoo.errors import UserError
+from modelzoo.generation.formats import JSON_OBJECT, FormatError
 
 log = logging.getLogger("zoo-infer")
 
-JSON_OBJECT, JSON_SCHEMA = "json_object", "json_schema"
 _LOG_PREFIX = re.compile(r"^\[[^\]]*\] \S+:\d+: ")  # xgrammar's "[time] file.cc:line: " before its message
-
-
-class FormatError(ValueError):
-    """A response format that is malformed or that the grammar library cannot compile."""
-
-
-def canonical_format(response_format: Any) -> str | None:
-    """The OpenAI API's `response_format` (a mapping) as the canonical text rows store, or None for plain text.
-
-    Accepts {"type": "text"}, {"type": "json_object"} and {"type": "json_schema", "json_schema": {"schema": {...},
-    "name": ..., "strict": ...}}; raises FormatError for anything else."""
-    if not isinstance(response_format, dict) or not isinstance(response_format.get("type"), str):
-        raise FormatError(f"response_format must be an object with a type, got {response_format!r}")
-    kind = response_format["type"]
-    if kind == "text":
-        return None
-    if kind == JSON_OBJECT:
-        return json.dumps({"type": JSON_OBJECT})
-    if kind != JSON_SCHEMA:
-        raise FormatError(f"response_format type {kind!r} is not supported (text, json_object or json_schema)")
-    spec = response_format.get(JSON_SCHEMA)
-    schema = spec.get("schema") if isinstance(spec, dict) else None
-    if not isinstance(schema, dict):
-        raise FormatError("response_format json_schema needs json_schema.schema, a JSON schema object")
-    return schema_format(schema)
-
-
-def schema_format(schema: dict[str, Any]) -> str:
-    """The canonical response format of a JSON schema (model.json_schema)."""
-    return json.dumps({"type": JSON_SCHEMA, "schema": schema})  # keys keep their order: a schema's properties come in it
 
 
 def xgrammar_module() -> Any:

@@ -1,21 +1,12 @@
 """GptHDF5MapDataProcessor: the `.h5` files of `data_dir` -> fixed-size batches of rows, streamed.
 
-Files are read in sorted name order and concatenated. Each holds an integer dataset `data` of shape
-(num_samples, max_seq_len), or (max_seq_len, num_samples) when loop_dim is 0, and may hold per-row
-datasets (data_tools/create_inference_h5.py writes them): `sample_id` (the user's ids, strings),
-`max_tokens` (each row's own limit, 0 = none), `stop_sequences` (each row's own, JSON token-id lists),
-each row's own sampling options `temperature`, `top_p` (floats, NaN = the params') and `seed`
-(integers, -1 = the params'), `sample` (the row's number among the consecutive rows of one prompt's
-samples, from 0), `response_format` (the JSON grammar the row's output follows, modelzoo/generation/
-structured.py's canonical text; "" = free text), `continuation_length` (scoring data: the row's last that
-many prompt tokens are a continuation to score after the rest, its context; 0 = a row to generate from) and
-`adapter` (the name of the LoRA adapter the row runs with, of the params' model.adapters; "" = the default).
-Batches are read slice by slice, never the whole file, so memory stays flat in the number of samples.
+Files are read in sorted name order and concatenated; their format (`data`, the per-row datasets, what a row that
+brings nothing holds) is modelzoo/job/rows.py's. Batches are read slice by slice, never the whole file, so memory
+stays flat in the number of samples.
 """
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -23,49 +14,39 @@ import h5py
 import numpy as np
 
 from modelzoo.errors import UserError
-from modelzoo.generation.options import GenerationOptions, RequestVariety
-
-
-PER_ROW_DATASETS = ("sample_id", "max_tokens", "stop_sequences", "temperature", "top_p", "seed", "sample",
-                    "response_format", "continuation_length", "adapter")
-SAMPLING_DATASETS = ("temperature", "top_p", "seed")  # NaN (seed: -1) where the row takes the params' value
+from modelzoo.generation.options import BOUNDS, ROW_OPTION_DATASETS, GenerationOptions, RequestVariety
+from modelzoo.job.rows import ROW_DATASETS, check_values, is_missing, padded, stop_sequences_of
 
 
 @dataclass
 class Batch:
-    """One global step: rows (batch_size, max_seq_len) int32 and sample_index (batch_size,), -1 = dummy;
-    where the data has them, each row's sample_id ("" for dummies), max_tokens (0: none) and stop_sequences."""
+    """One global step: rows (batch_size, max_seq_len) int32 and sample_index (batch_size,), -1 = dummy; `columns`:
+    each per-row dataset the data has (modelzoo/job/rows.py), dummy rows holding its missing value, stop sequences
+    as tuples."""
 
     step: int
     rows: np.ndarray
     sample_index: np.ndarray
-    sample_id: np.ndarray | None = None
-    max_tokens: np.ndarray | None = None
-    stop_sequences: list[tuple[tuple[int, ...], ...]] | None = None
-    sampling: dict[str, np.ndarray] | None = None  # SAMPLING_DATASETS the data has: NaN / -1 = the params'
-    sample: np.ndarray | None = None  # (batch_size,) int32: each row's number among its prompt's samples, -1 dummies
-    response_format: list[str] | None = None  # each row's response format, "" for free text and dummies
-    continuation_length: np.ndarray | None = None  # (batch_size,) int: scoring rows' continuation tokens, 0 elsewhere
-    adapter: list[str] | None = None  # each row's adapter field, "" for none and dummies
-
+    columns: dict[str, Any] = field(default_factory=dict)
 
     def options(self, row: int, defaults: GenerationOptions) -> GenerationOptions:
-        """Row `row`'s GenerationOptions: `defaults` with what the data gives the row (its max_tokens, the smaller
-        of its own and the defaults' holding; its stop sequences besides the defaults'; its temperature, top_p,
-        seed and response format). The defaults themselves where the row brings nothing."""
+        """Row `row`'s GenerationOptions: `defaults` with the values the row brings of its own (its max_tokens, the
+        smaller of its own and the defaults' holding; its stop sequences besides the defaults'). The defaults
+        themselves where the row brings nothing."""
         own: dict[str, Any] = {}
-        if self.max_tokens is not None and self.max_tokens[row] > 0:
-            own["max_tokens"] = min(int(self.max_tokens[row]), defaults.max_tokens or int(self.max_tokens[row]))
-        if self.stop_sequences is not None and self.stop_sequences[row]:
-            own["stop_sequences"] = defaults.stop_sequences + tuple(self.stop_sequences[row])
-        for name, values in (self.sampling or {}).items():
+        for name in ROW_OPTION_DATASETS:
+            values = self.columns.get(name)
+            if values is None:
+                continue
             value = values[row]
-            if name == "seed" and value >= 0:
-                own["seed"] = int(value)
-            elif name != "seed" and not np.isnan(value):
-                own[name] = float(value)
-        if self.response_format is not None and self.response_format[row]:
-            own["response_format"] = self.response_format[row]
+            if name == "stop_sequences":
+                if value:
+                    own[name] = defaults.stop_sequences + value
+            elif not is_missing(name, value):
+                bound = BOUNDS.get(name)
+                own[name] = str(value) if bound is None else int(value) if bound.integer else float(value)
+        if "max_tokens" in own:
+            own["max_tokens"] = min(own["max_tokens"], defaults.max_tokens or own["max_tokens"])
         return defaults.overridden(**own) if own else defaults
 
 
@@ -134,7 +115,7 @@ class GptHDF5MapDataProcessor:
     def _check_per_row(self) -> tuple[str, ...]:
         """The per-row datasets every file has (one per sample); one some files lack is an error."""
         present = []
-        for name in PER_ROW_DATASETS:
+        for name in ROW_DATASETS:
             holders = [path for path, handle in zip(self.files, self._handles) if name in handle]
             if holders and len(holders) < len(self.files):
                 lacking = next(path for path in self.files if path not in holders)
@@ -191,9 +172,18 @@ class GptHDF5MapDataProcessor:
 
     def request_variety(self) -> RequestVariety:
         """What the rows bring besides the job's options: their stop sequences, and whether some row samples or
-        keeps a top-p set (every row's sampling options checked)."""
-        samples, top_p = self.row_sampling()
-        return RequestVariety(tuple(self.row_stop_sequences()), samples, top_p)
+        keeps a top-p set; every row's own option values checked against their declared ranges (read in slices)."""
+        variety = RequestVariety(tuple(self.row_stop_sequences()))
+        for name in ROW_OPTION_DATASETS:
+            if name not in self.per_row or name not in BOUNDS:
+                continue
+            for start in range(0, self.num_samples, 65536):
+                values = np.asarray(self.read_per_row(name, start, min(start + 65536, self.num_samples)))
+                why = check_values(name, values)
+                if why:
+                    raise UserError(f"the data in {self.data_dir}: a row's {name} must be {why}")
+                variety = variety.union(RequestVariety.of_rows({name: values[~is_missing(name, values)]}))
+        return variety
 
     def distinct_values(self, name: str) -> list[str] | None:
         """Every value of per-row string dataset `name` (read in slices), once each; None without the dataset."""
@@ -209,38 +199,13 @@ class GptHDF5MapDataProcessor:
         """Every response format some row asks for, once each."""
         return [value for value in self.distinct_values("response_format") or [] if value]
 
-    def row_sampling(self) -> tuple[bool, bool]:
-        """(some row samples: a temperature > 0, some row keeps a top-p set: a top_p < 1), after checking every
-        row's own sampling options (read in slices)."""
-        checks = {"temperature": (lambda v: np.isnan(v) | (v >= 0), "a number >= 0"),
-                  "top_p": (lambda v: np.isnan(v) | ((v > 0) & (v <= 1)), "a number in (0, 1]"),
-                  "seed": (lambda v: v >= -1, "an integer >= 0 (-1: the params' seed)")}
-        samples = top_p = False
-        for name in SAMPLING_DATASETS:
-            if name not in self.per_row:
-                continue
-            for start in range(0, self.num_samples, 65536):
-                values = np.asarray(self.read_per_row(name, start, min(start + 65536, self.num_samples)))
-                ok, wanted = checks[name]
-                kinds = "iu" if name == "seed" else "fiu"
-                if values.dtype.kind not in kinds or not ok(values).all():
-                    bad = values[0].item() if values.dtype.kind not in kinds else values[~ok(values)][0].item()
-                    raise UserError(f"the data in {self.data_dir}: a row's {name} must be {wanted}, got {bad!r}")
-                samples |= name == "temperature" and bool((values > 0).any())
-                top_p |= name == "top_p" and bool((values < 1).any())
-        return samples, top_p
-
     def _stops(self, text: str) -> tuple[tuple[int, ...], ...]:
-        """One `stop_sequences` entry: a JSON list of non-empty token-id lists."""
-        try:
-            sequences = json.loads(text)
-        except ValueError:
-            sequences = None
-        if not (isinstance(sequences, list) and all(isinstance(s, list) and s and all(
-                isinstance(t, int) and not isinstance(t, bool) for t in s) for s in sequences)):
+        """One `stop_sequences` entry (modelzoo/job/rows.py), or one error line."""
+        sequences = stop_sequences_of(text)
+        if sequences is None:
             raise UserError(f"the data in {self.data_dir}: a stop_sequences entry is not a JSON list of token-id "
                             f"lists: {text[:80]!r}")
-        return tuple(tuple(s) for s in sequences)
+        return sequences
 
     def batch(self, step: int) -> Batch:
         """The rows of global step `step` (1-based), dummy rows (all pad token) after the last sample."""
@@ -252,32 +217,12 @@ class GptHDF5MapDataProcessor:
         index = np.full(self.batch_size, -1, dtype=np.int64)
         index[:real] = np.arange(start, stop)
         batch = Batch(step=step, rows=rows, sample_index=index)
-        if "sample_id" in self.per_row:
-            ids = [str(v) for v in self.read_per_row("sample_id", start, stop)]
-            batch.sample_id = np.array(ids + [""] * (self.batch_size - real), dtype=str)
-        if "max_tokens" in self.per_row:
-            batch.max_tokens = np.zeros(self.batch_size, dtype=np.int64)
-            batch.max_tokens[:real] = self.read_per_row("max_tokens", start, stop)
-        if "stop_sequences" in self.per_row:
-            batch.stop_sequences = [self._stops(t) for t in self.read_per_row("stop_sequences", start, stop)]
-            batch.stop_sequences += [()] * (self.batch_size - real)
-        if "response_format" in self.per_row:
-            batch.response_format = [str(v) for v in self.read_per_row("response_format", start, stop)]
-            batch.response_format += [""] * (self.batch_size - real)
-        if "adapter" in self.per_row:
-            batch.adapter = [str(v) for v in self.read_per_row("adapter", start, stop)] + [""] * (self.batch_size - real)
-        if "continuation_length" in self.per_row:
-            batch.continuation_length = np.zeros(self.batch_size, dtype=np.int64)
-            batch.continuation_length[:real] = self.read_per_row("continuation_length", start, stop)
-        if "sample" in self.per_row:
-            batch.sample = np.full(self.batch_size, -1, dtype=np.int32)
-            batch.sample[:real] = self.read_per_row("sample", start, stop)
-        for name in SAMPLING_DATASETS:
-            if name in self.per_row:
-                batch.sampling = batch.sampling or {}
-                column = np.full(self.batch_size, -1 if name == "seed" else np.nan)
-                column[:real] = self.read_per_row(name, start, stop)
-                batch.sampling[name] = column
+        for name in self.per_row:
+            values = self.read_per_row(name, start, stop)
+            if name == "stop_sequences":
+                batch.columns[name] = [self._stops(text) for text in values] + [()] * (self.batch_size - real)
+            else:
+                batch.columns[name] = padded(name, values, self.batch_size)
         return batch
 
     def check_against_model(self, start_tokens: np.ndarray, vocab_size: int) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import modelzoo
 from modelzoo.errors import UserError
+from modelzoo.generation.options import MANIFEST_WHEN_SET
 from modelzoo.files import write_text_atomic
 from modelzoo.job.params import InferenceParams
 
@@ -53,11 +54,7 @@ def build_manifest(params: InferenceParams, data_files: list[Path]) -> dict[str,
     # Keys newer than some runs on disk, left out where they change nothing, so those runs still resume.
     if model["weight_dtype"] is None:
         model.pop("int8_group_size")  # shapes nothing without int8
-    if not model["logprobs"]:
-        model.pop("logprobs")
-    if not model["top_logprobs"]:
-        model.pop("top_logprobs")
-    for key in ("min_p", "presence_penalty", "frequency_penalty", "json_schema", "adapter"):
+    for key in MANIFEST_WHEN_SET + ("json_schema", "adapter"):
         if not model[key]:
             model.pop(key)
     # Each adapter's files stand for its folder: a moved adapter still resumes, a changed one does not.

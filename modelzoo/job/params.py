@@ -9,8 +9,8 @@ from typing import Any, Callable
 import yaml
 
 from modelzoo.errors import UserError
-from modelzoo.generation.options import MAX_TOP_LOGPROBS, GenerationOptions
-from modelzoo.generation.structured import schema_format
+from modelzoo.generation.options import BOUNDS, GenerationOptions
+from modelzoo.generation.formats import schema_format
 from modelzoo.runtime_spec import RuntimeSpec, SpeculativeParams
 
 DATA_PROCESSOR = "GptHDF5MapDataProcessor"
@@ -46,23 +46,17 @@ def _choice(options: tuple, kind: Callable[[Any], bool] = lambda v: True) -> Cal
     return check
 
 
-def _int_range(minimum: int, maximum: int) -> Callable[[str, Any], Any]:
-    def check(key: str, value: Any) -> int:
-        if not _is_int(value) or not minimum <= value <= maximum:
-            raise UserError(f"{key} must be an integer from {minimum} to {maximum}, got {value!r}")
-        return value
-    return check
+def _option(name: str) -> Callable[[str, Any], Any]:
+    """The check of GenerationOptions field `name`: its declared range (null where its default is None)."""
+    bound, nullable = BOUNDS[name], GenerationOptions.__dataclass_fields__[name].default is None
 
-
-def _float(minimum: float, maximum: float = float("inf"), above_minimum: bool = False) -> Callable[[str, Any], Any]:
-    def check(key: str, value: Any) -> float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        ok = ok and (value > minimum if above_minimum else value >= minimum) and value <= maximum
-        if not ok:
-            low = f"> {minimum}" if above_minimum else f">= {minimum}"
-            high = "" if maximum == float("inf") else f" and <= {maximum}"
-            raise UserError(f"{key} must be a number {low}{high}, got {value!r}")
-        return float(value)
+    def check(key: str, value: Any) -> Any:
+        if value is None and nullable:
+            return None
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not (_is_int(value) if bound.integer else number) or not bound.holds(value):
+            raise UserError(f"{key} must be {bound.text()}{' or null' if nullable else ''}, got {value!r}")
+        return value if bound.integer else float(value)
     return check
 
 
@@ -274,20 +268,20 @@ SCHEMA: dict[str, tuple[type, dict[str, Callable[[str, Any], Any]]]] = {
         "int8_group_size": _group_size,
         "start_token": _start_token,
         "stop_sequences": _stop_sequences,
-        "max_tokens": _int(1, nullable=True),
+        "max_tokens": _option("max_tokens"),
         "loop_dim": _choice((0, 1), _is_int),
         "logprobs": _bool,
-        "top_logprobs": _int_range(0, MAX_TOP_LOGPROBS),
+        "top_logprobs": _option("top_logprobs"),
         "json_schema": _json_schema,
-        "temperature": _float(0.0),
-        "top_k": _int(0),
-        "top_p": _float(0.0, 1.0, above_minimum=True),
-        "seed": _int(0),
-        "repetition_penalty": _float(0.0, above_minimum=True),
-        "no_repeat_ngram_size": _int(0),
-        "min_p": _float(0.0, 1.0),
-        "presence_penalty": _float(-2.0, 2.0),
-        "frequency_penalty": _float(-2.0, 2.0),
+        "temperature": _option("temperature"),
+        "top_k": _option("top_k"),
+        "top_p": _option("top_p"),
+        "seed": _option("seed"),
+        "repetition_penalty": _option("repetition_penalty"),
+        "no_repeat_ngram_size": _option("no_repeat_ngram_size"),
+        "min_p": _option("min_p"),
+        "presence_penalty": _option("presence_penalty"),
+        "frequency_penalty": _option("frequency_penalty"),
         "speculative": _speculative,
         "adapters": _adapters,
         "adapter": _adapter_name,

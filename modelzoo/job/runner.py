@@ -232,14 +232,15 @@ class InferenceJob:
         prompt_length[dummy] = 0
         predictions = rows.copy()
         requests, scored = [], []
-        continuation = batch.continuation_length if batch.continuation_length is not None else np.zeros(size, int)
+        continuation = batch.columns.get("continuation_length", np.zeros(size, int))
+        adapters = batch.columns.get("adapter", [""] * size)
         for row in np.flatnonzero(generate):
             prompt = rows[row, : starts[row]]  # its token ids were checked up front
             predictions[row, starts[row]:] = self.pad_token
             if continuation[row] >= starts[row]:
                 raise UserError(f"sample {int(batch.sample_index[row])}: its continuation_length {continuation[row]} "
                                 f"leaves no context token in its prompt of {starts[row]} tokens")
-            adapter = self.adapters.index(batch.adapter[row] if batch.adapter else "") if self.adapters else -1
+            adapter = self.adapters.index(adapters[row]) if self.adapters else -1
             if continuation[row]:  # scoring data: the prompt is a context, then the continuation to score
                 scored.append(ScoreRequest(int(row), prompt[: -continuation[row]], prompt[-continuation[row]:],
                                            adapter))
@@ -247,11 +248,12 @@ class InferenceJob:
                 requests.append(Request(int(batch.sample_index[row]), prompt, batch.options(row, self.defaults),
                                         adapter))
         assembly = StepAssembly(predictions, batch.sample_index, prompt_length, np.zeros(size, dtype=np.int32),
-                                reason, remaining=len(requests), sample_id=batch.sample_id, sample=batch.sample,
+                                reason, remaining=len(requests), sample_id=batch.columns.get("sample_id"),
+                                sample=batch.columns.get("sample"),
                                 logprobs=(np.zeros(rows.shape, np.float32)
                                           if self.params.model.logprobs or self.scorer is not None else None))
         if self.adapters is not None:  # the adapter each row ran with
-            assembly.adapter = np.array([self.adapters.resolved(batch.adapter[row] if batch.adapter else "")
+            assembly.adapter = np.array([self.adapters.resolved(adapters[row])
                                          if index >= 0 else "" for row, index in enumerate(batch.sample_index)],
                                         dtype=str)
         if self.params.model.top_logprobs:

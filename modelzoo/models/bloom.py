@@ -17,7 +17,8 @@ from modelzoo.errors import UserError
 from modelzoo.models.kv_cache import KVCache
 from modelzoo.models.base import CausalLM
 from modelzoo.models.config import DecoderConfig
-from modelzoo.models.layers import DenseMLP, ForwardContext, alibi_bias, alibi_slopes, cached_attention
+from modelzoo.models.layers import DenseMLP, ForwardContext, cached_attention
+from modelzoo.models.positions import alibi_bias, alibi_slopes
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,8 @@ from modelzoo.errors import UserError
 from modelzoo.models.kv_cache import KVCache
 from modelzoo.models.base import CausalLM
 from modelzoo.models.config import DecoderConfig, RopeConfig
-from modelzoo.models.layers import (DenseMLP, ForwardContext, RotaryEmbedding, alibi_slopes, apply_rotary,
-                                    cached_attention)
+from modelzoo.models.layers import DenseMLP, ForwardContext, cached_attention
+from modelzoo.models.positions import RotaryEmbedding, alibi_slopes, apply_rotary
 
 
 @dataclass(frozen=True)

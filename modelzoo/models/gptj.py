@@ -15,8 +15,8 @@ from torch import nn
 
 from modelzoo.models.base import CausalLM
 from modelzoo.models.config import DecoderConfig, RopeConfig
-from modelzoo.models.layers import (DenseMLP, ForwardContext, RotaryEmbedding, apply_rotary, cached_attention,
-                                    split_heads)
+from modelzoo.models.layers import DenseMLP, ForwardContext, cached_attention, split_heads
+from modelzoo.models.positions import RotaryEmbedding, apply_rotary
 
 
 @dataclass(frozen=True)

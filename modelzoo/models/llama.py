@@ -18,7 +18,8 @@ from torch import nn
 from modelzoo.models.kv_cache import KVCache
 from modelzoo.models.base import CausalLM
 from modelzoo.models.config import DecoderConfig, RopeConfig
-from modelzoo.models.layers import ForwardContext, GatedMLP, RMSNorm, RotaryEmbedding, cached_attention, split_heads
+from modelzoo.models.layers import ForwardContext, GatedMLP, RMSNorm, cached_attention, split_heads
+from modelzoo.models.positions import RotaryEmbedding
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,8 @@ from modelzoo.errors import UserError
 from modelzoo.models.kv_cache import KVCache
 from modelzoo.models.base import CausalLM
 from modelzoo.models.config import DecoderConfig
-from modelzoo.models.layers import DenseMLP, ForwardContext, alibi_bias, cached_attention, split_heads
+from modelzoo.models.layers import DenseMLP, ForwardContext, cached_attention, split_heads
+from modelzoo.models.positions import alibi_bias
 
 # attn_config options transformers' MPT ignores: any value but these would make it compute something
 # other than the checkpoint was trained for (it always uses ALiBi with alibi_bias_max 8, full multi-head
