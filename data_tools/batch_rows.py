@@ -14,7 +14,7 @@ from modelzoo.generation.options import MAX_TOP_LOGPROBS, OPENAI_KEYS, Generatio
 from modelzoo.generation.formats import FormatError
 from modelzoo.generation.structured import FormatCompiler
 from modelzoo.job.params import load_params
-from modelzoo.job.rows import ROW_DATASETS, column
+from modelzoo.job.rows import ROW_DATASETS, column, repeat_rows, repeated_for_samples
 from modelzoo.models.lora import base_names
 
 
@@ -80,8 +80,7 @@ def openai_rows(args: argparse.Namespace, tokenizer: Any) -> tuple[PromptFile, l
         if any(name in r.options for r in runnable):
             per_row[name] = column(name, [r.options.get(name, ROW_DATASETS[name].missing) for r in runnable])
     if (samples > 1).any():  # a request's n samples: n rows, numbered
-        per_row["sample"] = column("sample", np.concatenate([np.arange(n) for n in samples]))
-        per_row = {name: values if name == "sample" else repeat_rows(values, samples) for name, values in per_row.items()}
+        per_row = repeated_for_samples(per_row, samples)
         texts, token_lists = repeat_rows(texts, samples), repeat_rows(token_lists, samples)
         runnable = repeat_rows(runnable, samples)
     rejected = [request for request in requests if not request.runs]
@@ -131,11 +130,3 @@ def check_response_formats(tokenizer: Any, requests: list[BatchRequest]) -> None
     for request in requests:
         if request.option("response_format") in errors:
             request.error = errors[request.option("response_format")]
-
-
-def repeat_rows(values: np.ndarray | list, counts: np.ndarray | int) -> np.ndarray | list:
-    """Each value repeated counts[i] times (or `counts` times each), in order: an array or a list alike."""
-    counts = np.broadcast_to(counts, (len(values),))
-    if isinstance(values, np.ndarray):
-        return np.repeat(values, counts, axis=0)
-    return [value for value, count in zip(values, counts) for _ in range(int(count))]

@@ -38,14 +38,14 @@ from typing import Any, Iterable, Iterator, Sequence
 import numpy as np
 import yaml
 
-from data_tools.batch_rows import openai_rows, repeat_rows
+from data_tools.batch_rows import openai_rows
 from data_tools.h5_writer import RowsWriter
 from data_tools.openai_batch import BatchRequest
 from data_tools.prompts import PromptFile, iter_prompt_file, load_tokenizer, tokenize_pairs, tokenize_prompts
 from modelzoo import __version__
 from modelzoo.errors import UserError
 from modelzoo.generation.options import MAX_SAMPLES
-from modelzoo.job.rows import column
+from modelzoo.job.rows import column, repeat_rows, repeated_for_samples
 
 TOOL_NAME = "zoo-infer create_inference_h5"
 CHUNK_PROMPTS = 4096  # prompts tokenized and written at a time
@@ -346,8 +346,7 @@ def run(args: argparse.Namespace) -> str:
                 per_row = {**per_row, "sample_id": prompts.ids}
             if args.n > 1:  # every prompt n times, numbered
                 data, prompt_lengths = repeat_rows(data, args.n), repeat_rows(prompt_lengths, args.n)
-                per_row = {name: repeat_rows(values, args.n) for name, values in per_row.items()}
-                per_row["sample"] = column("sample", np.tile(np.arange(args.n), len(prompts.prompts)))
+                per_row = repeated_for_samples(per_row, np.full(len(prompts.prompts), args.n))
             writer.append(data, prompt_lengths, per_row)
             # "Empty" is judged on the text: with a chat template an empty prompt still has tokens.
             empty_rows += [row + i for i, prompt in enumerate(prompts.prompts) if not prompt.strip()]

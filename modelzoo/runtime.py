@@ -181,7 +181,7 @@ class Runtime:
     def engine_for(self, options: Sequence[GenerationOptions]) -> GenerationEngine:
         """The engine to run requests with these options: the current one where it takes them all (per-row options:
         modelzoo/generation/options.py), else a new one over the same model and cache size (the old one's memory
-        freed first) that takes them and whatever the old one took."""
+        freed first) that takes them, and the stop sequences and sampling the old one took."""
         if all(self.engine.accepts(o) for o in options):
             return self.engine
         first = options[0]

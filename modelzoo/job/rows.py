@@ -80,3 +80,19 @@ def stop_sequences_of(text: str) -> tuple[tuple[int, ...], ...] | None:
             isinstance(t, int) and not isinstance(t, bool) for t in s) for s in sequences)):
         return None
     return tuple(tuple(s) for s in sequences)
+
+
+def repeat_rows(values: np.ndarray | list, counts: np.ndarray | int) -> np.ndarray | list:
+    """Each value repeated counts[i] times (or `counts` times each), in order: an array or a list alike."""
+    counts = np.broadcast_to(counts, (len(values),))
+    if isinstance(values, np.ndarray):
+        return np.repeat(values, counts, axis=0)
+    return [value for value, count in zip(values, counts) for _ in range(int(count))]
+
+
+def repeated_for_samples(per_row: dict[str, Any], counts: np.ndarray) -> dict[str, Any]:
+    """The per-row datasets of some prompts with each prompt's row repeated for its samples (counts (prompts,)), and
+    the `sample` dataset numbering a prompt's rows 0..n-1."""
+    repeated = {name: repeat_rows(values, counts) for name, values in per_row.items()}
+    repeated["sample"] = column("sample", np.concatenate([np.arange(n) for n in counts]))
+    return repeated
