@@ -88,3 +88,23 @@ def test_cli_reports_one_line_and_exit_code_2(tmp_path, capsys):
     assert run_job(path, tmp_path / "run") == 2
     err = capsys.readouterr().err
     assert err == "error: unknown key inference_input.'batch_sise' in params; did you mean 'batch_size'?\n"
+
+
+def test_every_option_declared_as_a_params_key_is_one_checked_by_its_declared_range():
+    """Each GenerationOptions field with `param` is a model: key whose check is its declaration's: a value just
+    outside its range is refused with the range in words, its bounds themselves are taken."""
+    from modelzoo.generation.options import BOUNDS, PARAM_OPTIONS
+    from modelzoo.job.params import SCHEMA
+
+    assert set(PARAM_OPTIONS) <= set(SCHEMA["model"][1])
+    for name in PARAM_OPTIONS:
+        bound = BOUNDS.get(name)
+        if bound is None:
+            continue
+        below = bound.low if bound.open_low else bound.low - 1
+        with pytest.raises(UserError, match=f"model.{name} must be {bound.text()}"):
+            parse_params(changed("model", name, below))
+        inside = bound.low + 1 if bound.open_low else bound.low
+        inside = min(inside, bound.high)
+        assert getattr(parse_params(changed("model", name, inside if bound.integer else float(inside))).model,
+                       name) == inside

@@ -48,14 +48,14 @@ class RowDataset:
 
 
 def option(default: Any, bound: Bound | None = None, *, per_row: bool = False, row_dataset: RowDataset | None = None,
-           openai: str | None = None, manifest_when_set: bool = False) -> Any:
+           openai: str | None = None, manifest_when_set: bool = False, param: bool = True) -> Any:
     """A GenerationOptions field, declared once: its default and range (`bound`); `per_row`: a request may set it
     (the engine honours it row by row; the others are the job's for every row); `row_dataset`: the data holds a
     row's own value; `openai`: the OpenAI batch request key honoured row by row; `manifest_when_set`: an option
     added after runs already on disk, in the resume manifest only when it differs from its default (so they still
-    resume)."""
+    resume); `param`: a key of the params' model: section (checked by its bound, or true / false)."""
     return field(default=default, metadata={"bound": bound, "per_row": per_row, "row_dataset": row_dataset,
-                                            "openai": openai, "manifest_when_set": manifest_when_set})
+                                            "openai": openai, "manifest_when_set": manifest_when_set, "param": param})
 
 
 @dataclass(frozen=True)
@@ -81,12 +81,12 @@ class GenerationOptions:
     presence_penalty: float = option(0.0, Bound(False, -2, 2), manifest_when_set=True)
     frequency_penalty: float = option(0.0, Bound(False, -2, 2), manifest_when_set=True)
     # samples of the request: n rows of the data, each drawn from its own stream
-    n: int = option(1, Bound(True, 1, MAX_SAMPLES), per_row=True, openai="n")
+    n: int = option(1, Bound(True, 1, MAX_SAMPLES), per_row=True, openai="n", param=False)
     logprobs: bool = option(False, per_row=True, manifest_when_set=True)  # each generated token's log-probability
     # with logprobs: the K likeliest tokens at each position, and theirs
     top_logprobs: int = option(0, Bound(True, 0, MAX_TOP_LOGPROBS), per_row=True, manifest_when_set=True)
     # canonical JSON grammar text (structured.py); None: free text; a row's own: "" for none
-    response_format: str | None = option(None, per_row=True, row_dataset=RowDataset("str", ""))
+    response_format: str | None = option(None, per_row=True, row_dataset=RowDataset("str", ""), param=False)
 
     def __post_init__(self) -> None:
         for name, bound in BOUNDS.items():
@@ -111,7 +111,7 @@ class GenerationOptions:
 # Derived from the declarations: each option's range; the options the engine honours row by row (the others are the
 # job's for every row: a request asking another value is refused, RequestVariety.check); those a row of the data may
 # set, with their .h5 dataset; those an OpenAI batch request sets row by row; those in the resume manifest only when
-# set.
+# set; those that are keys of the params' model: section.
 _FIELDS = fields(GenerationOptions)
 BOUNDS: dict[str, Bound] = {f.name: f.metadata["bound"] for f in _FIELDS if f.metadata["bound"]}
 PER_ROW_OPTIONS = tuple(f.name for f in _FIELDS if f.metadata["per_row"])
@@ -119,6 +119,7 @@ ROW_OPTION_DATASETS: dict[str, RowDataset] = {f.name: f.metadata["row_dataset"] 
                                               if f.metadata["row_dataset"]}
 OPENAI_KEYS: dict[str, str] = {f.metadata["openai"]: f.name for f in _FIELDS if f.metadata["openai"]}
 MANIFEST_WHEN_SET = tuple(f.name for f in _FIELDS if f.metadata["manifest_when_set"])
+PARAM_OPTIONS = tuple(f.name for f in _FIELDS if f.metadata["param"])
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from typing import Any, Callable
 import yaml
 
 from modelzoo.errors import UserError
-from modelzoo.generation.options import BOUNDS, GenerationOptions
+from modelzoo.generation.options import BOUNDS, PARAM_OPTIONS, GenerationOptions
 from modelzoo.generation.formats import schema_format
 from modelzoo.runtime_spec import RuntimeSpec, SpeculativeParams
 
@@ -47,8 +47,12 @@ def _choice(options: tuple, kind: Callable[[Any], bool] = lambda v: True) -> Cal
 
 
 def _option(name: str) -> Callable[[str, Any], Any]:
-    """The check of GenerationOptions field `name`: its declared range (null where its default is None)."""
-    bound, nullable = BOUNDS[name], GenerationOptions.__dataclass_fields__[name].default is None
+    """The check of GenerationOptions field `name`: its declared range (null where its default is None), or true /
+    false for a flag."""
+    default = GenerationOptions.__dataclass_fields__[name].default
+    if isinstance(default, bool):
+        return _bool
+    bound, nullable = BOUNDS[name], default is None
 
     def check(key: str, value: Any) -> Any:
         if value is None and nullable:
@@ -305,6 +309,10 @@ SCHEMA: dict[str, tuple[type, dict[str, Callable[[str, Any], Any]]]] = {
     }),
 }
 
+# A GenerationOptions field declared as a params key that the reference above does not list is a model: key too,
+# after the others, checked by its declaration: a new option needs no line here.
+SCHEMA["model"][1].update({name: _option(name) for name in PARAM_OPTIONS if name not in SCHEMA["model"][1]})
+
 
 def _unknown_key(where: str, key: str, known: list[str]) -> UserError:
     close = difflib.get_close_matches(str(key), known, n=1)
@@ -323,9 +331,9 @@ def _section(name: str, raw: Any) -> Any:
         if key not in checks:
             raise _unknown_key(f"{name}.", key, list(checks))
         values[key] = checks[key](f"{name}.{key}", value)
-    for field in fields(cls):
-        if field.name not in values and field.default is MISSING and field.default_factory is MISSING:
-            raise UserError(f"params is missing required key {name}.{field.name}")
+    for item in fields(cls):
+        if item.name not in values and item.default is MISSING and item.default_factory is MISSING:
+            raise UserError(f"params is missing required key {name}.{item.name}")
     return cls(**values)
 
 

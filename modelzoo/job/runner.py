@@ -64,7 +64,7 @@ class InferenceJob:
         self.output = OutputFolder(self.model_dir, shard.index, shard.count, self.writes)
         self.artifacts, self.predictions_dir = self.output.artifacts, self.output.predictions_dir
         self.output_taken = False  # True once this run writes into the folder (lock held, steps planned)
-        self.tp = TensorParallelGroup(device=self.device)  # this rank's group, opened by run() under torchrun
+        self.tp = TensorParallelGroup(device=self.device)  # this rank's group: opened with the output folder (torchrun)
         self.runtime: Runtime | None = None  # opened by run() once the output folder is taken
         self.scorer: Scorer | None = None  # for scoring data: the continuations' log-probabilities
 
