@@ -14,6 +14,7 @@ import numpy as np
 
 from modelzoo.errors import UserError
 from modelzoo.files import describe
+from modelzoo.job.rows import DATA, PROMPT_LENGTHS
 
 OUTPUT_NAME = "data.h5"
 CHUNK_ROWS = 1024  # rows per HDF5 chunk of `data`: the runner reads a batch as a few chunks
@@ -46,8 +47,8 @@ class RowsWriter:
                 shape, most, chunks = (max_seq_len, 0), (max_seq_len, None), (max_seq_len, CHUNK_ROWS)
             else:
                 shape, most, chunks = (0, max_seq_len), (None, max_seq_len), (CHUNK_ROWS, max_seq_len)
-            self.h5.create_dataset("data", shape=shape, maxshape=most, dtype=np.int32, chunks=chunks)
-            self.h5.create_dataset("prompt_lengths", shape=(0,), maxshape=(None,), dtype=np.int32,
+            self.h5.create_dataset(DATA, shape=shape, maxshape=most, dtype=np.int32, chunks=chunks)
+            self.h5.create_dataset(PROMPT_LENGTHS, shape=(0,), maxshape=(None,), dtype=np.int32,
                                    chunks=(CHUNK_ROWS,))
         except OSError as error:
             self._discard()
@@ -79,12 +80,12 @@ class RowsWriter:
         count = len(prompt_lengths)
         begin, end = self.rows, self.rows + count
         try:
-            self._grow("data", end, axis=1 if self.loop_dim == 0 else 0)
+            self._grow(DATA, end, axis=1 if self.loop_dim == 0 else 0)
             if self.loop_dim == 0:
-                self.h5["data"][:, begin:end] = data.T
+                self.h5[DATA][:, begin:end] = data.T
             else:
-                self.h5["data"][begin:end] = data
-            self._grow("prompt_lengths", end)[begin:end] = prompt_lengths.astype(np.int32)
+                self.h5[DATA][begin:end] = data
+            self._grow(PROMPT_LENGTHS, end)[begin:end] = prompt_lengths.astype(np.int32)
             for name, values in per_row.items():
                 if name not in self.h5:
                     if begin:

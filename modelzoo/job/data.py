@@ -15,7 +15,7 @@ import numpy as np
 
 from modelzoo.errors import UserError
 from modelzoo.generation.options import BOUNDS, ROW_OPTION_DATASETS, GenerationOptions, RequestVariety
-from modelzoo.job.rows import ROW_DATASETS, check_values, is_missing, padded, stop_sequences_of
+from modelzoo.job.rows import DATA, ROW_DATASETS, check_values, is_missing, padded, stop_sequences_of
 
 
 @dataclass
@@ -102,9 +102,9 @@ class GptHDF5MapDataProcessor:
             raise UserError(f"cannot read {path} as HDF5 ({reason}): is it truncated or still being written?") from None
 
     def _check_dataset(self, path: Path, handle: h5py.File) -> h5py.Dataset:
-        if "data" not in handle:
+        if DATA not in handle:
             raise UserError(f"{path} has no dataset 'data' (found: {', '.join(handle.keys()) or 'nothing'})")
-        data = handle["data"]
+        data = handle[DATA]
         if not isinstance(data, h5py.Dataset) or data.dtype.kind not in "iu":
             raise UserError(f"{path}: dataset 'data' must hold integers, found dtype {getattr(data, 'dtype', '?')}")
         if data.ndim != 2:
