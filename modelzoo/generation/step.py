@@ -11,14 +11,15 @@ max_tokens, max_seq_len) are decided on the device. The step reads nothing back:
 So one function runs three ways (`DecodeStep.mode`): eager (the CPU's default: its C++ kernels and
 measured GEMMs), compiled by `torch.compile(fullgraph=True, dynamic=False)` (one graph per rows and
 length bucket, compiled before generation by `warm_up`), or, on CUDA, replayed as a CUDA graph captured
-once per bucket. A step over slots that are all idle changes nothing but the cache at position 0 of each
-slot (overwritten when the slot takes a prompt), which is what lets `warm_up` run it before any prompt.
+once per bucket (`modelzoo/cuda/graphs.py`). A step over slots that are all idle changes nothing but the cache
+at position 0 of each slot (overwritten when the slot takes a prompt), which is what lets `warm_up` run it before
+any prompt.
 
 On CUDA the step is compiled with the cache length symbolic (one graph for every bucket) and each bucket is
 captured the first time a step reaches it, so a job captures only the buckets its rows reach (a fraction of a
-second each once compiled). Capturing runs the step three times; while rows are in
-flight, the state the step writes and every slot's cache entry at position 0 (where a row that stops feeds the
-next run) are saved first and put back after, so the rows go on as if nothing had run.
+second each once compiled). While rows are in flight, the state the step writes and every slot's cache entry at
+position 0 (where a row that stops feeds the next run) are saved before a capture and put back after, so the rows
+go on as if nothing had run.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING, Callable, ContextManager
 import torch
 from torch import nn
 
+from modelzoo.cuda.graphs import StepGraphs
 from modelzoo.models.kv_cache import KVCache
 from modelzoo.generation.sampling import RowSampling
 from modelzoo.generation.stopping import CONTINUE, StopChecker
@@ -167,11 +169,7 @@ class DecodeStep:
         self.attention = attention
         self.mode = "eager"
         self._compiled: Callable[[torch.Tensor | None, int], None] | None = None
-        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (rows, length) -> captured step
-        self._graph_slots: dict[int, torch.Tensor] = {}  # rows -> the captured step's slot buffer
-        self._graph_pool = None  # one memory pool for every captured graph: they replay one after another
-        self.captures_in_flight = 0  # graphs captured while rows were in flight (their state saved and put back)
-        self.capture_seconds_in_flight = 0.0  # ... and the seconds they took (compilation included, if any)
+        self._graphs: StepGraphs | None = None  # the captured steps, once `capture` has run
 
     def run(self, slots: torch.Tensor | None, length: int) -> None:
         """tokens (R, 1) fed from each row's last token at its position; the chosen token appended in place.
@@ -187,8 +185,8 @@ class DecodeStep:
         state.append(token, active, self.stops, slots, logprob, top)
 
     def __call__(self, slots: torch.Tensor | None, length: int) -> None:
-        if self.mode == "cuda_graph":
-            self._replay(slots, length)
+        if self._graphs is not None:
+            self._graphs(slots, length)
             return
         with self.attention():
             if self.mode == "eager":
@@ -229,38 +227,27 @@ class DecodeStep:
 
     def capture(self, graphs: int) -> None:
         """From now on (CUDA only) the step replays a CUDA graph per (rows, length) bucket, up to `graphs` of them,
-        each captured from the compiled step the first time a step takes its shape."""
+        each captured from the compiled step the first time a step takes its shape (modelzoo/cuda/graphs.py)."""
         if self.state.sequences.device.type != "cuda":
             raise ValueError("CUDA graphs need the model on a CUDA device")
         self.compile(graphs, symbolic_length=True)
-        self._graph_pool = torch.cuda.graph_pool_handle()
+        self._graphs = StepGraphs(self._compiled, self._written, lambda: bool(self.state.active.any()), self.attention)
         self.mode = "cuda_graph"
 
     @property
     def captured_shapes(self) -> list[tuple[int, int]]:
         """(rows, length) of every captured graph, rows -1 for every slot."""
-        return sorted(self._graphs)
+        return self._graphs.shapes if self._graphs is not None else []
 
-    def _replay(self, slots: torch.Tensor | None, length: int) -> None:
-        """Replays the captured graph of this (rows, length), the slots copied in; captures it first if no step took
-        this shape yet."""
-        key = (-1 if slots is None else len(slots), length)
-        if key not in self._graphs:
-            start = time.perf_counter()
-            in_flight = bool(self.state.active.any())
-            saved = [t.clone() for t in self._written()] if in_flight else []
-            self._capture(slots, length, key)
-            for tensor, copy in zip(self._written(), saved):
-                tensor.copy_(copy)
-            torch.cuda.synchronize()
-            if in_flight:
-                self.captures_in_flight += 1
-                self.capture_seconds_in_flight += time.perf_counter() - start
-            log.info("decode step of %s rows over %d cache positions captured in %.1fs%s", "all" if key[0] < 0 else key[0],
-                     length, time.perf_counter() - start, " (rows in flight)" if in_flight else "")
-        if slots is not None:
-            self._graph_slots[len(slots)].copy_(slots)
-        self._graphs[key].replay()
+    @property
+    def captures_in_flight(self) -> int:
+        """Graphs captured while rows were in flight (their state saved and put back)."""
+        return self._graphs.captures_in_flight if self._graphs is not None else 0
+
+    @property
+    def capture_seconds_in_flight(self) -> float:
+        """The seconds those captures took (compilation included, if any)."""
+        return self._graphs.capture_seconds_in_flight if self._graphs is not None else 0.0
 
     def _written(self) -> list[torch.Tensor]:
         """What the runs of a capture write that a row in flight still needs: the slot state, the stop rules' history
@@ -268,22 +255,6 @@ class DecodeStep:
         The other cache entries they write lie past each row's position, rewritten before any step reads them."""
         first = [cache[:, :, 0] for cache in (*self.cache.keys, *self.cache.values)]  # views (S, kv_heads, hd)
         return [*self.state.written(), self.stops.history, *first]
-
-    def _capture(self, slots: torch.Tensor | None, length: int, key: tuple[int, int]) -> None:
-        """Warms the compiled step up on a side stream, then records it into a CUDA graph."""
-        if slots is not None:
-            slots = self._graph_slots.setdefault(len(slots), slots.clone())
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with self.attention():
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._compiled(slots, length)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._graph_pool):
-                self._compiled(slots, length)
-        self._graphs[key] = graph
 
     def warm_up(self, shapes: list[tuple[torch.Tensor | None, int]]) -> float:
         """Runs the step once per (slots, length) in `shapes` while every slot is idle: kernel builds, GEMM
