@@ -28,6 +28,7 @@ from modelzoo.errors import UserError
 from modelzoo.generation.engine import GenerationEngine
 from modelzoo.generation.options import GenerationOptions, RequestVariety
 from modelzoo.generation.scoring import Scorer
+from modelzoo.generation.step import smaller_steps
 from modelzoo.generation.speculative import DraftModelDrafter, Drafter, PromptLookupDrafter
 from modelzoo.generation.structured import StructuredRows, compile_formats
 from modelzoo.models.checkpoint import load_hf_config, load_model, resolve_dtype
@@ -38,19 +39,13 @@ from modelzoo.runtime_spec import RuntimeSpec
 
 log = logging.getLogger("zoo-infer")
 
-# runconfig.rows_in_flight auto: at most this many rows generated together, their KV cache in at most
-# this share of the memory left once the weights are loaded. Decode steps stream every weight once for
-# all their rows: on AMD EPYC Zen 4 (2 vCPU, float32 SmolLM2) 32 rows ran the decode GEMMs at 100-135
-# GFLOP/s (memory-bound), 164 rows at 185-200, and the 164-prompt workload 1.27x faster.
+# runconfig.rows_in_flight auto: at most this many rows generated together, their KV cache in at most this share
+# of the memory left once the weights are loaded (decode steps stream every weight once for all their rows).
 AUTO_ROWS_IN_FLIGHT = 256
 # On a GPU a decode step's cost hardly grows with its rows until the KV cache's reads dominate, so auto
 # takes as many rows as the memory holds, up to this many (thousands for a 1.1B model on 80 GB).
 AUTO_ROWS_IN_FLIGHT_CUDA = 4096
 KV_CACHE_SHARE = 0.5
-
-# Rows of a decode step once few are left active (CPU). Measured on SmolLM2-135M, 2 cores (Ice Lake):
-# a step of 8 rows takes 61-79 ms, one of 32 rows 108-138 ms.
-SMALL_STEP_ROWS = 8
 
 # Rows of the scorer's own cache beside an engine that generates at the same time: continuations scored together at
 # most.
@@ -169,7 +164,7 @@ class Runtime:
                      ", ".join(f"{a.name} ({len(a.updates)} projections)" for a in self.adapters.bank))
         self.gemm: GemmPlan | None = None
         cache = self.kv_cache_bytes(self.rows_in_flight)
-        self.small_step_rows = self._choose_gemm(spare_bytes=(free - cache) // 2)  # rows of the last decode steps
+        self.step_rows = self._choose_gemm(spare_bytes=(free - cache) // 2)  # row counts of smaller decode steps
         self.drafter = self._drafter()
         self.engine = self._build_engine(defaults, variety)
         self._scoring_cache: KVCache | None = None
@@ -180,14 +175,18 @@ class Runtime:
 
     def engine_for(self, options: Sequence[GenerationOptions]) -> GenerationEngine:
         """The engine to run requests with these options: the current one where it takes them all (per-row options:
-        modelzoo/generation/options.py), else a new one over the same model and cache size (the old one's memory
-        freed first) that takes them, and the stop sequences and sampling the old one took."""
+        modelzoo/generation/options.py), else the same one taking them (eager decode step: `GenerationEngine.adopt`)
+        or a new one over the same model and cache size (the old one's memory freed first), with the stop sequences
+        and sampling the old one took besides."""
         if all(self.engine.accepts(o) for o in options):
             return self.engine
         first = options[0]
         defaults = first.overridden(logprobs=any(o.logprobs for o in options),
                                     top_logprobs=max(o.top_logprobs for o in options))
         variety = self.engine.variety.union(RequestVariety.covering(options))
+        if self.engine.decode.mode == "eager":
+            self.engine.adopt(defaults, variety)
+            return self.engine
         self.engine = None
         self.engine = self._build_engine(defaults, variety)
         return self.engine
@@ -259,7 +258,7 @@ class Runtime:
         structured = (None if self.compiler is None else
                       StructuredRows(self.compiler, self.rows_in_flight, c.vocab_size, self.device))
         engine = GenerationEngine(self.model, self.rows_in_flight, self.max_seq_len, self.device, self.kv_dtype,
-                                  defaults, variety, drafter=self.drafter, small_step_rows=self.small_step_rows,
+                                  defaults, variety, drafter=self.drafter, step_rows=self.step_rows,
                                   structured=structured, prefill_token_budget=prefill_token_budget(c, self.dtype, self.device),
                                   attention=attention)
         self._prepare_decode_step(engine)
@@ -335,15 +334,15 @@ class Runtime:
             model = model.to(self.dtype)
         return model
 
-    def _choose_gemm(self, spare_bytes: int) -> int | None:
+    def _choose_gemm(self, spare_bytes: int) -> tuple[int, ...]:
         """Puts every float linear layer in the layout of the GEMM backend chosen for it (runconfig.gemm_backend;
         MKL's second copy of the weights only within `spare_bytes`), and every int8 one in its backend's
-        (int8_backend); returns the row count of a job's last
-        decode steps, or None to keep every step full.
+        (int8_backend); returns the row counts of smaller decode steps (`smaller_steps`), or () to keep every
+        step full.
 
-        Every decode forward has one row per row in flight (times K + 1 when verifying K drafted tokens);
-        once at most SMALL_STEP_ROWS rows are left, steps run only those, which keeps each row's bits only
-        where every chosen backend is batch-invariant.
+        Every decode forward has one row per row in flight (times K + 1 when verifying K drafted tokens); with
+        fewer rows in flight, steps run fewer rows, which keeps each row's bits only where every chosen backend is
+        batch-invariant.
         """
         model, weight_dtype, spec = self.model, self.spec.weight_dtype, self.spec.speculative
         rows = self.rows_in_flight
@@ -358,7 +357,7 @@ class Runtime:
                      "%s, the faster here as timed) for %s", cpu_kernels().bf16_gemm_broadcast(),
                      ", ".join(key if kernel == "bf16_linear" else f"{key} (SiLU gate fused: {kernel})"
                                for key, kernel in self.gemm.layers.items()))
-            return SMALL_STEP_ROWS if rows > SMALL_STEP_ROWS and not spec else None
+            return () if spec else smaller_steps(rows)
         if self.policy.half_gemm:
             if backend != "auto":
                 log.warning("runconfig.gemm_backend %s ignored: %s weights multiply with half_linear here (widened to "
@@ -367,15 +366,15 @@ class Runtime:
             log.info("GEMMs: half_linear (%s weights widened to float32 as read, float32 inputs, sums and outputs; "
                      "%s code path, the faster here as timed) for %s", str(self.policy.weights)[6:],
                      cpu_kernels().half_gemm_path(), ", ".join(self.gemm.layers))
-            return SMALL_STEP_ROWS if rows > SMALL_STEP_ROWS and not spec else None
+            return () if spec else smaller_steps(rows)
         self.gemm = apply_gemm_backend(model, self.dtype, self.device, backend,
                                        decode_rows=rows * (1 + (spec.num_tokens if spec else 0)),
                                        spare_bytes=spare_bytes)
         if weight_dtype == "int8":
             self.gemm.add(apply_int8_backend(model, self.dtype, self.device, self.spec.int8_backend))
-        if spec or rows <= SMALL_STEP_ROWS or self.device.type != "cpu" or self.plan.decode_step_mode == "compiled":
-            return None  # compiled: another shape is another graph, whose fusions may round a row otherwise
-        return SMALL_STEP_ROWS if self.gemm.batch_invariant else None
+        if spec or self.device.type != "cpu" or self.plan.decode_step_mode == "compiled":
+            return ()  # compiled: another shape is another graph, whose fusions may round a row otherwise
+        return smaller_steps(rows) if self.gemm.batch_invariant else ()
 
     def _drafter(self) -> Drafter | None:
         """The speculative-decoding drafter of `model.speculative`, if any (loads the draft model)."""

@@ -203,3 +203,23 @@ def test_generate_until_runs_every_generation_kwargs_group_on_one_engine(evaluat
     assert model.generate_until(requests[::-1]) == alone[::-1]
     assert builds == []
     assert alone[1] != alone[0] and len(model.tok_encode(alone[1])) <= 5  # the second kwargs' own limit held
+
+
+def test_a_call_with_stop_strings_never_seen_keeps_the_engine(evaluated, monkeypatch):
+    """A generate_until call whose `until` strings no earlier call used (a new task) runs on the same engine, its KV
+    cache and warm-up kept (GenerationEngine.adopt), and cuts each text where plain greedy text reaches them."""
+    from types import SimpleNamespace
+
+    from modelzoo.runtime import Runtime
+
+    model = evaluated["model"]
+    engine, builds = model.zoo.runtime.engine, []
+    build = Runtime._build_engine
+    monkeypatch.setattr(Runtime, "_build_engine", lambda self, *args: builds.append(args) or build(self, *args))
+    kwargs = {"until": [" the", "?"], "max_gen_toks": 10, "do_sample": False}
+    texts = model.generate_until([SimpleNamespace(args=(question, kwargs)) for question, _ in GEN])
+    assert builds == [] and model.zoo.runtime.engine is engine
+    plain = model.zoo.generate([model.tok_encode(q) for q, _ in GEN], model.zoo.default_options(max_tokens=10))
+    for text, whole in zip(texts, plain):
+        cut = min((whole.text.find(s) for s in kwargs["until"] if s in whole.text), default=len(whole.text))
+        assert text == whole.text[:cut]

@@ -222,8 +222,8 @@ def test_engine_prefill_groups_do_not_change_tokens(tiny_llama, prompts):
 
 
 def test_engine_last_steps_run_only_the_rows_left(tiny_llama, prompts):
-    """With small_step_rows, steps with few active slots run that many rows (active ones first, then
-    idle ones as throwaway rows) and give the same tokens as full steps."""
+    """With step_rows, steps with fewer active slots run the smallest of those row counts that holds them (active
+    ones first, then idle ones as throwaway rows) and give the same tokens as full steps."""
     model, _ = load_model(tiny_llama, torch.float32, torch.device("cpu"))
     widths = []
     forward = model.forward
@@ -235,16 +235,19 @@ def test_engine_last_steps_run_only_the_rows_left(tiny_llama, prompts):
 
     model.forward = recorded
 
-    def tokens(small_step_rows: int | None) -> dict[int, list[int]]:
+    def tokens(step_rows: tuple[int, ...]) -> dict[int, list[int]]:
         engine = GenerationEngine(model, 4, MAX_SEQ_LEN, torch.device("cpu"), torch.float32, GenerationOptions(max_tokens=8),
-                                  small_step_rows=small_step_rows)
+                                  step_rows=step_rows)
         requests = [Request(i, np.array(p)) for i, p in enumerate(prompts)]
         return {c.index: c.tokens.tolist() for c in engine.generate(requests)}
 
-    full = tokens(None)
+    full = tokens(())
     assert set(widths) == {4}
     widths.clear()
-    assert tokens(3) == full and len(full) == len(prompts)  # 7 prompts in 4 slots: the last 3 together
+    assert tokens((3,)) == full and len(full) == len(prompts)  # 7 prompts in 4 slots: the last 3 together
+    assert set(widths) == {3, 4} and widths[-1] == 3
+    widths.clear()
+    assert tokens((2, 3, 8)) == full  # 2 rows hold too few of the last 3, 8 is not below the 4 slots
     assert set(widths) == {3, 4} and widths[-1] == 3
 
 

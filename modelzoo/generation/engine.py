@@ -1,22 +1,19 @@
 """Generation over a fixed set of cache slots, with in-flight refill.
 
-`batch_size` slots decode together, one forward per step for all of them. When a sequence stops,
-its slot takes the next pending request at once (continuous batching), instead of idling until
-every row of its batch is done. The decode step itself is `DecodeStep` (step.py): fixed shapes,
-state in place, stops decided on the device; this module is the host side around it (admission,
-prefill, release), which reads which rows finished once per step (every few on a GPU). Newly
-admitted prompts are prefilled together, grouped by length so that padding stays small; a prefix they all share (a chat template) is prefilled only once
-(`SharedPrefix`). The decode step runs every slot (idle ones on a throwaway row at position 0): a
-fixed batch shape costs about the same as a smaller one at these sizes, and it is what lets the CPU
-decode GEMMs use weights prepacked for that shape. Once at most `small_step_rows` slots are still
-active (a job's last steps, when nothing is left to admit), steps run exactly that many rows, a
-second shape the caller can prepack for.
+`num_slots` rows decode together, one forward per step. When a row stops, its slot takes the next pending request
+at once (continuous batching). The decode step itself is `DecodeStep` (step.py): fixed shapes, state in place, stops
+decided on the device; this module is the host side around it (admission, prefill, release), which reads which rows
+finished once per step (every few on a GPU). Admitted prompts are prefilled together, grouped by length; a prefix
+the first ones share (a chat template) is prefilled once (`SharedPrefix`). A step runs every slot (idle ones on a
+throwaway row at position 0), a fixed shape whose weights the CPU GEMMs prepack; where the caller allows smaller
+steps (`step_rows`, row counts below the slots), a step with fewer rows in flight (a job's last steps, a call with
+fewer requests than slots) runs the smallest that holds them, its own fixed shape, warmed up like the full one.
 
-Tokens are the argmax of the logits unless a `TokenChoice` (sampling, repetition control) is
-given; rows with a response format (`StructuredRows`) choose among the tokens their grammar allows, the
-host feeding each one's new token to its grammar after every step. With a drafter (speculative decoding, greedy only) each step feeds every slot's last token
-and K drafted tokens at once, and keeps the drafts up to the first one the model disagrees with,
-plus the model's own next token: the same tokens plain greedy decoding would produce.
+Tokens are the argmax of the logits unless a `TokenChoice` (sampling, repetition control) is given; rows with a
+response format (`StructuredRows`) choose among the tokens their grammar allows, fed each new token after every
+step. With a drafter (speculative decoding, greedy only) each step feeds every slot's last token and K drafted
+tokens at once and keeps the drafts up to the first one the model disagrees with, plus the model's own next token:
+the same tokens plain greedy decoding would produce.
 """
 from __future__ import annotations
 
@@ -75,7 +72,7 @@ class GenerationEngine:
 
     def __init__(self, model: nn.Module, num_slots: int, max_seq_len: int, device: torch.device, dtype: torch.dtype,
                  defaults: GenerationOptions = GenerationOptions(), variety: RequestVariety = RequestVariety(), *,
-                 prefill_token_budget: int = 1024, drafter: Drafter | None = None, small_step_rows: int | None = None,
+                 prefill_token_budget: int = 1024, drafter: Drafter | None = None, step_rows: tuple[int, ...] = (),
                  structured: StructuredRows | None = None, attention: AttentionBackends = AttentionBackends()) -> None:
         """`defaults`: the options of a request without its own; `variety`: what requests may bring besides them;
         `structured`: the grammars of the response formats requests may follow; `attention`: the SDPA backends pinned
@@ -85,45 +82,33 @@ class GenerationEngine:
         self.num_slots = num_slots
         self.max_seq_len = max_seq_len
         self.device = device
-        self.defaults, self.variety = defaults, variety
         self.prefill_token_budget = prefill_token_budget
-        self.small_step_rows = small_step_rows
-        choice = TokenChoice.from_options(defaults, variety)
-        self.choice = None if choice.is_plain_greedy else choice
-        if drafter is not None and (self.choice is not None or defaults.logprobs):
-            raise ValueError("speculative decoding needs plain greedy decoding, without logprobs")
+        self.step_rows = tuple(rows for rows in sorted(step_rows) if rows < num_slots)  # smaller steps' row counts
         if drafter is not None and structured is not None:
             raise ValueError("speculative decoding does not take response formats")
         self.drafter = drafter
         self.structured = structured
-        # Prompts prefilled side by side in one row, without padding, where the model takes that (a drafter's
-        # own model would need the same inputs), on the CPU: its attention kernel takes the packed row in one call.
-        # On a GPU, right-padded rows attend causally over their own keys in one fused kernel a layer, where packed
-        # prompts would attend one at a time.
+        # Prompts packed side by side in one row on the CPU (its attention kernel takes the row in one call; a drafter's
+        # model would need the same inputs); on a GPU, right-padded rows attend in one fused kernel a layer.
         self.packs_prompts = (bool(getattr(model, "packs_prompts", False)) and drafter is None
                               and device.type == "cpu")
         self.attention = attention
         self.cache = KVCache(config.num_layers, num_slots, config.num_kv_heads, max_seq_len, config.head_dim,
                              dtype, device)
-        self.stops = StopChecker(defaults.stop_sequences + variety.stop_sequences, max_seq_len, num_slots, device)
-        self.state = SlotState.allocate(num_slots, max_seq_len, device, defaults.logprobs, defaults.top_logprobs)
-        self.decode = DecodeStep(model, self.cache, self.state, self.stops, self.choice,
-                                 None if structured is None else structured.mask, attention.decode_context)
         self.owner: list[int | None] = [None] * num_slots  # request index held by each slot
-        # An upper bound of each slot's length, known on the host without reading the device: it sizes the
-        # cache length bucket of each step.
+        self.adopt(defaults, variety)  # the token choice, stop rules, slot state and decode step
+        # An upper bound of each slot's length, known on the host: it sizes the cache length bucket of each step.
         self.length_bound = np.zeros(num_slots, dtype=np.int64)
-        # Decode steps between two reads of which rows finished: on a GPU a read waits for the queued steps
-        # to finish, so it is read every few steps (a finished row idles until then); on the CPU every step.
-        # With response formats every step: each grammar needs its row's new token before the next step.
+        # Decode steps between two reads of which rows finished: every few on a GPU (a read waits for the queued
+        # steps); every step on the CPU, and with response formats (each grammar needs its row's new token).
         self.steps_per_read = (STEPS_PER_READ_CUDA if device.type == "cuda" and drafter is None and structured is None
                                else 1)
         # Lengths a row may reach: max_seq_len, or less where the model's learned position table ends.
         self.position_limit = min(max_seq_len, getattr(model, "position_limit", None) or max_seq_len)
         # The cache length a step reads at most: the positions rows may reach, aligned as the cache stores them.
         self.read_limit = aligned(self.position_limit)
-        # The prompt prefix shared by the first admitted requests, once known, by LoRA adapter (a prefix's keys and
-        # values differ with it; -1: none); not with a drafter: a draft model would need the prefix's keys too.
+        # The prompt prefix shared by the first admitted requests of a `generate` call, once known, by LoRA adapter (a
+        # prefix's keys and values differ with it; -1: none); not with a drafter (its model would need them too).
         self.shared_prefixes: dict[int, SharedPrefix] = {}
         self.shared_prefix_decided = drafter is not None
         self.adapters = getattr(model, "adapter_bank", None)  # LoRA adapters per row (modelzoo/models/lora.py)
@@ -150,6 +135,7 @@ class GenerationEngine:
         pending = iter(requests)
         free = deque(range(self.num_slots))
         self.owner = [None] * self.num_slots
+        self.shared_prefixes, self.shared_prefix_decided = {}, self.drafter is not None  # this call's own
         self.state.active.zero_()
         self.state.reason.zero_()
         exhausted = False
@@ -190,10 +176,8 @@ class GenerationEngine:
 
     def step_shapes(self) -> list[tuple[torch.Tensor | None, int]]:
         """Every (slots, length) a decode step of this engine can take: each length bucket, with every slot
-        and, where the last steps run fewer rows, with that many."""
-        rows = [None]
-        if self.small_step_rows is not None and self.small_step_rows < self.num_slots:
-            rows.append(torch.arange(self.small_step_rows, device=self.device))
+        and with each of `step_rows` slots."""
+        rows = [None, *(torch.arange(count, device=self.device) for count in self.step_rows)]
         return [(slots, length) for slots in rows for length in length_buckets(self.read_limit)]
 
     def warm_up(self) -> float:
@@ -206,6 +190,23 @@ class GenerationEngine:
             shapes = list({None if slots is None else len(slots): (slots, length) for slots, length in shapes}.values())
         with torch.inference_mode():
             return self.decode.warm_up(shapes)
+
+    def adopt(self, defaults: GenerationOptions, variety: RequestVariety) -> None:
+        """Takes requests of these defaults and variety from now on, while no row is in flight: the token choice, stop
+        rules, slot state and decode step (eager: an eager step needs no warm-up) made anew over the same cache."""
+        if any(owner is not None for owner in self.owner):
+            raise RuntimeError("an engine adopts new options only while no row is in flight")
+        choice = TokenChoice.from_options(defaults, variety)
+        self.choice = None if choice.is_plain_greedy else choice
+        if self.drafter is not None and (self.choice is not None or defaults.logprobs):
+            raise ValueError("speculative decoding needs plain greedy decoding, without logprobs")
+        self.defaults, self.variety = defaults, variety
+        self.stops = StopChecker(defaults.stop_sequences + variety.stop_sequences, self.max_seq_len, self.num_slots,
+                                 self.device)
+        self.state = SlotState.allocate(self.num_slots, self.max_seq_len, self.device, defaults.logprobs,
+                                        defaults.top_logprobs)
+        self.decode = DecodeStep(self.model, self.cache, self.state, self.stops, self.choice,
+                                 None if self.structured is None else self.structured.mask, self.attention.decode_context)
 
     def accepts(self, options: GenerationOptions) -> bool:
         """Whether a request with these options can run on this engine (RequestVariety.check)."""
@@ -320,7 +321,7 @@ class GenerationEngine:
     def _decode_step(self) -> None:
         """One token for every active slot, through the fixed-shape step over the length bucket of the longest row."""
         owned = [slot for slot, owner in enumerate(self.owner) if owner is not None]
-        slots = self._small_step_slots(owned)
+        slots = self._step_slots(owned)
         longest, limit = int(self.length_bound[owned].max()), self.position_limit
         if longest > limit:  # the bound may count steps of rows already stopped: read the true lengths once
             lengths = torch.where(self.state.active, self.state.seq_len, 0).cpu().numpy()
@@ -333,13 +334,14 @@ class GenerationEngine:
             self.structured.advance(self.state.last_token)
         self.length_bound[owned] = np.minimum(self.length_bound[owned] + 1, self.max_seq_len)
 
-    def _small_step_slots(self, owned: list[int]) -> torch.Tensor | None:
-        """None: the step runs every slot. Once at most `small_step_rows` slots hold a row (`owned`; a job's
-        last steps), exactly that many: those slots, then idle ones (throwaway rows, as in a full step)."""
-        if self.small_step_rows is None or self.small_step_rows >= self.num_slots or len(owned) > self.small_step_rows:
+    def _step_slots(self, owned: list[int]) -> torch.Tensor | None:
+        """The slots a step runs: None for every slot, or the smallest of `step_rows` that holds the `owned` ones:
+        those slots, then idle ones (throwaway rows, as in a full step)."""
+        rows = next((count for count in self.step_rows if count >= len(owned)), None)
+        if rows is None:
             return None
         idle = [slot for slot, owner in enumerate(self.owner) if owner is None]
-        return torch.tensor((owned + idle)[: self.small_step_rows], device=self.device)
+        return torch.tensor((owned + idle)[:rows], device=self.device)
 
     def _speculative_step(self) -> None:
         """Verifies K drafted tokens per slot in one forward; appends the agreed ones plus the model's next.

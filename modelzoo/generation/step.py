@@ -47,6 +47,9 @@ log = logging.getLogger("zoo-infer")
 # Granularity of the cache length a decode step attends over: one compiled graph per bucket, and at most
 # LENGTH_BUCKET - 1 masked keys read beyond the longest row.
 LENGTH_BUCKET = 128
+# The smallest decode step where steps may run fewer rows than slots: the smallest of 8, 16, 32, ... rows that
+# holds the rows in flight (`smaller_steps`), so a step's cost follows the rows left, not the slots.
+SMALLEST_STEP_ROWS = 8
 
 
 def length_bucket(longest: int, max_len: int) -> int:
@@ -58,6 +61,14 @@ def length_bucket(longest: int, max_len: int) -> int:
 def length_buckets(max_len: int) -> list[int]:
     """Every length `length_bucket` can return for a cache of `max_len` positions."""
     return sorted({length_bucket(n, max_len) for n in range(1, max_len + 1, LENGTH_BUCKET)} | {max_len})
+
+
+def smaller_steps(rows: int) -> tuple[int, ...]:
+    """The row counts of decode steps smaller than `rows`: SMALLEST_STEP_ROWS, twice that, ... below `rows`."""
+    counts = []
+    while (SMALLEST_STEP_ROWS << len(counts)) < rows:
+        counts.append(SMALLEST_STEP_ROWS << len(counts))
+    return tuple(counts)
 
 
 @dataclass
