@@ -136,7 +136,9 @@ class ZooModel:
         """`score` of token-id pairs. Pairs sharing a context are run next to each other, so it is prefilled once."""
         requests = [ScoreRequest(i, np.asarray(c, dtype=np.int64), np.asarray(x, dtype=np.int64))
                     for i, (c, x) in enumerate(pairs)]
-        order = sorted(requests, key=lambda r: (r.context.tobytes(), r.index))  # the choices of a question together
+        # The choices of a question together, contexts beginning alike next to each other, the longest continuations
+        # of a context first (rounds of rows alike in width).
+        order = sorted(requests, key=lambda r: (r.context.tobytes(), -len(r.continuation), r.index))
         scorer = self.runtime.scorer()
         out: dict[int, Score] = {}
         with _progress(len(requests), progress, "scoring") as bar:

@@ -5,7 +5,9 @@ keeps the log-probability of the token that is there (float32 log-softmax of the
 decoding takes its argmax of) and whether it is that argmax. Requests that share a context (the choices of one
 multiple-choice question) prefill it once: its keys and values are copied into one cache slot per
 continuation, then every continuation of the round runs in one padded forward, all its positions' logits
-kept. A round takes as many continuations as there are cache slots and as many tokens as the budget allows.
+kept. Distinct contexts of a round that begin alike (the same few-shot examples before each question) prefill
+that shared beginning once too, copied into each context's slot before the rest of each is prefilled after
+it. A round takes as many continuations as there are cache slots and as many tokens as the budget allows.
 """
 from __future__ import annotations
 
@@ -17,6 +19,10 @@ import torch
 from torch import nn
 
 from modelzoo.models.kv_cache import KVCache
+
+# Prefill tokens that prefilling the distinct contexts' shared beginning once must save (it costs a forward of
+# its own and a copy per context).
+MIN_SHARED_SAVING = 32
 
 
 @dataclass
@@ -88,6 +94,50 @@ def _context_key(request: ScoreRequest) -> bytes:
     return np.append(request.context.astype(np.int64), request.adapter).tobytes()
 
 
+def _shared_length(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading tokens `a` and `b` share."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
+
+
+class _Round:
+    """The requests of one round as they are gathered, with what sizes it: its distinct contexts, the tokens
+    they all begin with (never a whole context: each keeps a token whose logits score its first continuation
+    token) and its longest context and continuation."""
+
+    def __init__(self) -> None:
+        self.requests: list[ScoreRequest] = []
+        self.contexts: dict[bytes, ScoreRequest] = {}  # each distinct context's first request
+        self.shared = 0
+        self.longest = self.width = 0
+
+    def sizes_with(self, request: ScoreRequest) -> tuple[int, int, int, int, int]:
+        """(requests, distinct contexts, shared tokens, longest context, widest continuation) with `request` in."""
+        key, first = _context_key(request), next(iter(self.contexts.values()), None)
+        distinct, shared = len(self.contexts), self.shared
+        if key not in self.contexts:
+            distinct += 1
+            if first is None:
+                shared = len(request.context) - 1
+            elif first.adapter != request.adapter:
+                shared = 0
+            else:
+                shared = min(shared, _shared_length(first.context, request.context), len(request.context) - 1)
+        return (len(self.requests) + 1, distinct, shared, max(self.longest, len(request.context)),
+                max(self.width, len(request.continuation)))
+
+    def add(self, request: ScoreRequest) -> None:
+        _, _, self.shared, self.longest, self.width = self.sizes_with(request)
+        self.contexts.setdefault(_context_key(request), request)
+        self.requests.append(request)
+
+    def shared_prefix(self) -> int:
+        """The tokens prefilled once for every distinct context: the shared ones, where sharing saves at least
+        MIN_SHARED_SAVING prefill tokens (it costs a forward of its own), else 0."""
+        return self.shared if (len(self.contexts) - 1) * self.shared >= MIN_SHARED_SAVING else 0
+
+
 class Scorer:
     """Scores requests with `model` in the slots of `cache` (its rows are overwritten), `token_budget` tokens of
     logits and prefill per forward at most; top_k > 0 also keeps each position's top_k likeliest tokens."""
@@ -101,15 +151,16 @@ class Scorer:
     @torch.inference_mode()
     def score(self, requests: Iterable[ScoreRequest]) -> Iterator[Score]:
         """Yields a Score for every request, a round of them at a time (requests sharing a context next to each
-        other share its prefill; the caller may sort them so)."""
-        round_: list[ScoreRequest] = []
+        other share its prefill, and contexts beginning alike next to each other their beginning's; the caller may
+        sort them so)."""
+        round_ = _Round()
         for request in requests:
             self._check(request)
-            if round_ and not self._fits(round_ + [request]):
+            if round_.requests and not self._fits(*round_.sizes_with(request)):
                 yield from self._run(round_)
-                round_ = []
-            round_.append(request)
-        if round_:
+                round_ = _Round()
+            round_.add(request)
+        if round_.requests:
             yield from self._run(round_)
 
     def _check(self, request: ScoreRequest) -> None:
@@ -122,30 +173,36 @@ class Scorer:
                              f"{len(request.continuation)} tokens do not fit the window of {self.cache.max_len} "
                              f"(+ 1: the last token is only scored)")
 
-    def _fits(self, requests: list[ScoreRequest]) -> bool:
-        """Whether one round holds `requests`: a slot each; within the budget both the contexts' prefill (padded
-        rows) and the continuations' logits (the widest row's length, every row); and every row's padding inside
-        the window (a padded position past it would overwrite a real one)."""
-        contexts = {_context_key(request): len(request.context) for request in requests}
-        width = max(len(request.continuation) for request in requests)
-        return (len(requests) <= self.cache.num_slots and len(contexts) * max(contexts.values()) <= self.token_budget
-                and len(requests) * width <= self.token_budget
-                and max(contexts.values()) + width - 1 <= self.cache.max_len)
+    def _fits(self, requests: int, contexts: int, shared: int, longest: int, width: int) -> bool:
+        """Whether one round of these sizes (`_Round.sizes_with`) fits: a slot per request; within the budget both
+        the contexts' prefill (padded rows after their shared beginning) and the continuations' logits (the widest
+        row's length, every row); and every row's padding inside the window (a padded position past it would
+        overwrite a real one)."""
+        return (requests <= self.cache.num_slots and shared + contexts * (longest - shared) <= self.token_budget
+                and requests * width <= self.token_budget and longest + width - 1 <= self.cache.max_len)
 
-    def _run(self, requests: list[ScoreRequest]) -> list[Score]:
-        """One round: the distinct contexts prefilled (each in its first request's slot, then copied to the others'
-        slots), then every continuation but its last token in one forward over the cached contexts."""
+    def _run(self, round_: _Round) -> list[Score]:
+        """One round: the distinct contexts prefilled (each in its first request's slot, after their shared
+        beginning, prefilled once and copied; then copied to the other requests' slots), then every continuation
+        but its last token in one forward over the cached contexts."""
+        requests = round_.requests
         keys = [_context_key(request) for request in requests]
-        distinct = list(dict.fromkeys(keys))
+        distinct = list(round_.contexts)
         self.cache.slot_adapter[: len(requests)] = torch.tensor([r.adapter for r in requests], device=self.device)
         first_slot = {key: keys.index(key) for key in distinct}
         group = torch.tensor([distinct.index(key) for key in keys], device=self.device)  # (R,) each row's context
-        contexts = [requests[first_slot[key]].context for key in distinct]
-        first_logits = self._prefill(contexts, [first_slot[key] for key in distinct])  # (G, V)
+        contexts = [round_.contexts[key].context for key in distinct]
+        slots = [first_slot[key] for key in distinct]
+        shared = round_.shared_prefix()
+        if shared:
+            self._prefill([contexts[0][:shared]], slots[:1])
+            self.cache.copy_slots(torch.tensor(slots[:1] * (len(slots) - 1), device=self.device),
+                                  torch.tensor(slots[1:], device=self.device), shared)
+        first_logits = self._prefill([context[shared:] for context in contexts], slots, start=shared)  # (G, V)
         copies = [(first_slot[key], row) for row, key in enumerate(keys) if first_slot[key] != row]
         if copies:
             sources, targets = (torch.tensor(side, device=self.device) for side in zip(*copies))
-            self.cache.copy_slots(sources, targets, max(len(r.context) for r in requests))
+            self.cache.copy_slots(sources, targets, round_.longest)
         tokens = [torch.as_tensor(r.continuation.astype(np.int64), device=self.device) for r in requests]
         first = _Picked.of(first_logits[group], torch.stack([t[0] for t in tokens]), self.top_k)  # (R,) each
         rest = self._continuations(requests, tokens)  # (R, K - 1) each, or None
@@ -157,13 +214,14 @@ class Scorer:
                                 None if top_ids is None else top_ids.astype(np.int32), pick("top_values")))
         return scores
 
-    def _prefill(self, contexts: list[np.ndarray], slots: list[int]) -> torch.Tensor:
-        """Runs each context (padded rows) into its slot; the logits after each one's last token (G, V)."""
+    def _prefill(self, contexts: list[np.ndarray], slots: list[int], start: int = 0) -> torch.Tensor:
+        """Runs each context (padded rows) into its slot from position `start` on (the positions before it already
+        cached there); the logits after each one's last token (G, V)."""
         width = max(len(c) for c in contexts)
         tokens = np.zeros((len(contexts), width), dtype=np.int64)
         for row, context in enumerate(contexts):
             tokens[row, : len(context)] = context
-        positions = np.tile(np.arange(width), (len(contexts), 1))
+        positions = np.tile(np.arange(start, start + width), (len(contexts), 1))
         last = np.array([len(c) - 1 for c in contexts])
         self.prefilled_tokens += sum(len(c) for c in contexts)
         as_tensor = lambda array: torch.from_numpy(array.astype(np.int64)).to(self.device)  # noqa: E731

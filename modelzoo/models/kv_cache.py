@@ -97,6 +97,14 @@ class KVCache:
         return k.index_select(0, slots), v.index_select(0, slots)
 
     def copy_slots(self, sources: torch.Tensor, targets: torch.Tensor, length: int) -> None:
-        """Copies the first `length` positions of slots `sources` (B,) into slots `targets` (B,), every layer."""
+        """Copies the first `length` positions of slots `sources` (B,) into slots `targets` (B,), every layer. On the
+        CPU slot by slot (each a few contiguous blocks, where indexing gathers a temporary copy first); on a GPU in
+        one indexed copy a layer."""
+        if sources.device.type != "cpu":
+            for cache in (*self.keys, *self.values):
+                cache[targets, :, :length] = cache[sources, :, :length]
+            return
+        pairs = list(zip(sources.tolist(), targets.tolist()))
         for cache in (*self.keys, *self.values):
-            cache[targets, :, :length] = cache[sources, :, :length]
+            for source, target in pairs:
+                cache[target, :, :length].copy_(cache[source, :, :length])
