@@ -13,7 +13,8 @@ small tasks, each a new call into the backend, so fixed costs per call count):
 - rolling: --rolling_texts (12) HumanEval prompts (40-450 tokens) as perplexity documents,
   `loglikelihood_rolling`;
 - generate: --generations (24) GSM8K-shaped word problems (two worked shots, then a new question) answered
-  greedily up to GSM8K's stop strings or --gen_tokens (64) tokens, `generate_until`.
+  greedily up to GSM8K's stop strings or --gen_tokens (64) tokens, `generate_until`, the number after "The answer
+  is" matched against the right one.
 
 Each backend runs in a process of its own, one after another: the model is loaded first (not timed), then each
 task's requests; the time is spent inside the backend's request methods only (task building and metrics
@@ -84,15 +85,18 @@ def questions(count: int, seed: int = 0) -> list[tuple[str, list[str]]]:
     return out
 
 
-def word_problems(count: int, seed: int = 0) -> list[str]:
-    """GSM8K-shaped prompts: two worked shots, then a new one-step word problem, its answer to be generated."""
+def word_problems(count: int, seed: int = 0) -> list[dict]:
+    """GSM8K-shaped documents: two worked shots, then a new one-step word problem (`prompt`), and its `answer`."""
     import random
 
     rng = random.Random(seed)
     names, items = ("Anna", "Ben", "Carla", "Dev", "Emma", "Farid"), ("marble", "book", "coin", "shell", "card")
-    return [f"{WORD_SHOTS}Question: " + rng.choice(WORD_PROBLEMS).format(
-        name=rng.choice(names), item=rng.choice(items), a=rng.randint(2, 60), b=rng.randint(2, 30)) + "\nAnswer:"
-        for _ in range(count)]
+    docs = []
+    for _ in range(count):
+        kind, a, b = rng.randrange(len(WORD_PROBLEMS)), rng.randint(2, 60), rng.randint(2, 30)
+        question = WORD_PROBLEMS[kind].format(name=rng.choice(names), item=rng.choice(items), a=a, b=b)
+        docs.append({"prompt": f"{WORD_SHOTS}Question: {question}\nAnswer:", "answer": str((a + b, a - b, a * b)[kind])})
+    return docs
 
 
 def multiple_choice_docs(asked: list[tuple[str, list[str]]]) -> list[dict]:
@@ -117,16 +121,18 @@ def write_tasks(folder: Path, args: argparse.Namespace) -> Path:
         "mc_small": multiple_choice_docs(questions(args.small_questions, args.seed)),
         "mc_large": multiple_choice_docs(questions(args.questions, args.seed + 1)),
         "rolling": [{"text": text} for text in texts],
-        "generate": [{"prompt": prompt} for prompt in word_problems(args.generations, args.seed)],
+        "generate": word_problems(args.generations, args.seed),
     }
     kinds = {
         "mc_small": "output_type: multiple_choice\ndoc_to_text: \"{{context}}\"\ndoc_to_choice: \"{{choices}}\"\n"
                     "doc_to_target: answer\nmetric_list:\n  - metric: acc\n",
         "rolling": "output_type: loglikelihood_rolling\ndoc_to_text: \"\"\ndoc_to_target: \"{{text}}\"\n"
                    "metric_list:\n  - metric: word_perplexity\n  - metric: bits_per_byte\n",
-        "generate": "output_type: generate_until\ndoc_to_text: \"{{prompt}}\"\ndoc_to_target: \"\"\n"
+        "generate": "output_type: generate_until\ndoc_to_text: \"{{prompt}}\"\ndoc_to_target: \"{{answer}}\"\n"
                     f"generation_kwargs:\n  until: {json.dumps(GENERATION_STOPS)}\n  max_gen_toks: {args.gen_tokens}\n"
-                    "  do_sample: false\nmetric_list:\n  - metric: exact_match\n",
+                    "  do_sample: false\nmetric_list:\n  - metric: exact_match\n"
+                    "filter_list:\n  - name: answer\n    filter:\n      - function: regex\n"
+                    "        regex_pattern: \"The answer is (\\\\-?[0-9]+)\"\n      - function: take_first\n",
     }
     kinds["mc_large"] = kinds["mc_small"]
     for task, docs in rows.items():

@@ -1,6 +1,7 @@
 """The scorer's rounds on tiny random models: contexts that begin alike (few-shot examples before each question)
 prefill that beginning once, and every score equals the same request scored alone and transformers' log-softmax,
-on the C++ attention kernel (LLaMA) and PyTorch's (BLOOM's ALiBi)."""
+on the C++ attention kernel with continuations packed in one row (LLaMA) and PyTorch's over padded rows (BLOOM's
+ALiBi)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,7 +21,8 @@ SLOTS, WINDOW, SHOTS = 16, 96, 40
 
 
 def few_shot_requests(vocab: int) -> list[ScoreRequest]:
-    """4 questions after the same 40 tokens, 3 choices each (1 to 4 tokens), then a context sharing nothing."""
+    """4 questions after the same 40 tokens, 3 choices each (1 to 3 tokens), then a context sharing nothing with a
+    continuation of 20 tokens (a rolling window's shape)."""
     rng = np.random.default_rng(0)
     shots = rng.integers(3, vocab, SHOTS)
     requests = []
@@ -28,7 +30,7 @@ def few_shot_requests(vocab: int) -> list[ScoreRequest]:
         context = np.concatenate([shots, rng.integers(3, vocab, 5 + 3 * question)])
         requests += [ScoreRequest(len(requests) + choice, context, rng.integers(3, vocab, 1 + choice))
                      for choice in range(3)]
-    return requests + [ScoreRequest(len(requests), rng.integers(3, vocab, 9), rng.integers(3, vocab, 2))]
+    return requests + [ScoreRequest(len(requests), rng.integers(3, vocab, 9), rng.integers(3, vocab, 20))]
 
 
 @pytest.fixture(scope="module", params=["llama", "bloom"])
@@ -48,6 +50,7 @@ def test_a_shared_beginning_is_prefilled_once_and_scores_are_unchanged(checkpoin
     vocab = AutoModelForCausalLM.from_pretrained(checkpoint).config.vocab_size
     requests = few_shot_requests(vocab)
     together = scorer(checkpoint)
+    assert together.packs == ("llama" in checkpoint.name)  # LLaMA packs continuations; BLOOM's ALiBi does not
     scores = {score.index: score for score in together.score(requests)}
     contexts = {r.context.tobytes(): len(r.context) for r in requests}
     continuations = sum(len(r.continuation) - 1 for r in requests)

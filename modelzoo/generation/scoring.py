@@ -111,9 +111,11 @@ class _Round:
         self.contexts: dict[bytes, ScoreRequest] = {}  # each distinct context's first request
         self.shared = 0
         self.longest = self.width = 0
+        self.fed = 0  # continuation tokens fed (each one's last is only scored)
 
-    def sizes_with(self, request: ScoreRequest) -> tuple[int, int, int, int, int]:
-        """(requests, distinct contexts, shared tokens, longest context, widest continuation) with `request` in."""
+    def sizes_with(self, request: ScoreRequest) -> tuple[int, int, int, int, int, int]:
+        """(requests, distinct contexts, shared tokens, longest context, widest continuation, continuation tokens
+        fed) with `request` in."""
         key, first = _context_key(request), next(iter(self.contexts.values()), None)
         distinct, shared = len(self.contexts), self.shared
         if key not in self.contexts:
@@ -125,10 +127,10 @@ class _Round:
             else:
                 shared = min(shared, _shared_length(first.context, request.context), len(request.context) - 1)
         return (len(self.requests) + 1, distinct, shared, max(self.longest, len(request.context)),
-                max(self.width, len(request.continuation)))
+                max(self.width, len(request.continuation)), self.fed + len(request.continuation) - 1)
 
     def add(self, request: ScoreRequest) -> None:
-        _, _, self.shared, self.longest, self.width = self.sizes_with(request)
+        _, _, self.shared, self.longest, self.width, self.fed = self.sizes_with(request)
         self.contexts.setdefault(_context_key(request), request)
         self.requests.append(request)
 
@@ -146,6 +148,9 @@ class Scorer:
                  top_k: int = 0) -> None:
         self.model, self.cache, self.device, self.token_budget = model, cache, device, token_budget
         self.top_k = top_k
+        # Continuations packed side by side in one row, without padding, where the model takes that (on the CPU, as
+        # the engine packs prompts).
+        self.packs = bool(getattr(model, "packs_prompts", False)) and device.type == "cpu"
         self.prefilled_tokens = 0  # context and continuation tokens run through the model
 
     @torch.inference_mode()
@@ -173,13 +178,14 @@ class Scorer:
                              f"{len(request.continuation)} tokens do not fit the window of {self.cache.max_len} "
                              f"(+ 1: the last token is only scored)")
 
-    def _fits(self, requests: int, contexts: int, shared: int, longest: int, width: int) -> bool:
+    def _fits(self, requests: int, contexts: int, shared: int, longest: int, width: int, fed: int) -> bool:
         """Whether one round of these sizes (`_Round.sizes_with`) fits: a slot per request; within the budget both
-        the contexts' prefill (padded rows after their shared beginning) and the continuations' logits (the widest
-        row's length, every row); and every row's padding inside the window (a padded position past it would
-        overwrite a real one)."""
+        the contexts' prefill (padded rows after their shared beginning) and the continuations' logits (packed: the
+        tokens fed; else the widest row's length, every row); and every row's padding inside the window (a padded
+        position past it would overwrite a real one)."""
+        logits = fed if self.packs else requests * width
         return (requests <= self.cache.num_slots and shared + contexts * (longest - shared) <= self.token_budget
-                and requests * width <= self.token_budget and longest + width - 1 <= self.cache.max_len)
+                and logits <= self.token_budget and longest + width - 1 <= self.cache.max_len)
 
     def _run(self, round_: _Round) -> list[Score]:
         """One round: the distinct contexts prefilled (each in its first request's slot, after their shared
@@ -235,6 +241,9 @@ class Scorer:
         width = max(len(r.continuation) for r in requests) - 1
         if width == 0:
             return None
+        self.prefilled_tokens += sum(len(r.continuation) - 1 for r in requests)
+        if self.packs:
+            return self._packed_continuations(requests, tokens, width)
         fed = torch.zeros((len(requests), width), dtype=torch.long, device=self.device)
         target = torch.zeros_like(fed)
         for row, (request, ids) in enumerate(zip(requests, tokens)):
@@ -243,7 +252,27 @@ class Scorer:
         offsets = torch.arange(width, device=self.device)
         context_len = torch.tensor([len(r.context) for r in requests], device=self.device)
         positions = context_len[:, None] + offsets  # (R, K - 1), inside the window (`_fits`)
-        self.prefilled_tokens += sum(len(r.continuation) - 1 for r in requests)
         logits = self.model(fed, positions, self.cache, torch.arange(len(requests), device=self.device),
                             offsets.expand(len(requests), width))  # (R, K - 1, V)
         return _Picked.of(logits, target, self.top_k)
+
+    def _packed_continuations(self, requests: list[ScoreRequest], tokens: list[torch.Tensor], width: int) -> _Picked:
+        """`_continuations` with every row's fed tokens side by side in one row (N tokens in all, no padding), its
+        results laid out as (R, K - 1) again."""
+        lengths = torch.tensor([len(ids) - 1 for ids in tokens], device=self.device)  # (R,)
+        rows = torch.repeat_interleave(torch.arange(len(requests), device=self.device), lengths)  # (N,)
+        columns = torch.cat([torch.arange(n, device=self.device) for n in lengths.tolist()])  # (N,)
+        context_len = torch.tensor([len(r.context) for r in requests], device=self.device)
+        fed = torch.cat([ids[:-1] for ids in tokens])  # (N,)
+        logits = self.model(fed[None], (context_len[rows] + columns)[None], self.cache, rows[None],
+                            torch.arange(len(fed), device=self.device)[None])[0]  # (N, V)
+        picked = _Picked.of(logits, torch.cat([ids[1:] for ids in tokens]), self.top_k)  # (N,) or (N, T) each
+
+        def laid_out(values: torch.Tensor | None) -> torch.Tensor | None:
+            if values is None:
+                return None
+            out = values.new_zeros((len(requests), width, *values.shape[1:]))  # (R, K - 1, ...)
+            out[rows, columns] = values
+            return out
+
+        return _Picked(*(laid_out(getattr(picked, name)) for name in ("logprobs", "greedy", "top_values", "top_ids")))
