@@ -135,9 +135,14 @@ class _Round:
         self.requests.append(request)
 
     def shared_prefix(self) -> int:
-        """The tokens prefilled once for every distinct context: the shared ones, where sharing saves at least
-        MIN_SHARED_SAVING prefill tokens (it costs a forward of its own), else 0."""
-        return self.shared if (len(self.contexts) - 1) * self.shared >= MIN_SHARED_SAVING else 0
+        """The tokens prefilled once for every distinct context (`prefilled_once`)."""
+        return prefilled_once(len(self.contexts), self.shared)
+
+
+def prefilled_once(contexts: int, shared: int) -> int:
+    """Of `shared` tokens that `contexts` distinct contexts begin with, those prefilled once for all: every one where
+    that saves at least MIN_SHARED_SAVING prefill tokens (it costs a forward of its own), else none."""
+    return shared if (contexts - 1) * shared >= MIN_SHARED_SAVING else 0
 
 
 class Scorer:
@@ -183,7 +188,7 @@ class Scorer:
         the contexts' prefill (padded rows after their shared beginning) and the continuations' logits (packed: the
         tokens fed; else the widest row's length, every row); and every row's padding inside the window (a padded
         position past it would overwrite a real one)."""
-        logits = fed if self.packs else requests * width
+        logits, shared = fed if self.packs else requests * width, prefilled_once(contexts, shared)
         return (requests <= self.cache.num_slots and shared + contexts * (longest - shared) <= self.token_budget
                 and logits <= self.token_budget and longest + width - 1 <= self.cache.max_len)
 
