@@ -104,6 +104,35 @@ def test_prefill_and_verification_rows_match_float64_softmax(window):
 
 
 @needs_kernels
+@pytest.mark.parametrize("group, head_dim, cache_dtype", [(3, 64, torch.float32), (1, 128, torch.float32),
+                                                         (4, 32, torch.float16), (8, 16, torch.bfloat16)])
+def test_a_query_gets_the_same_bits_in_any_block(group, head_dim, cache_dtype):
+    """Prompts packed in one row (blocks of up to 16 queries, cut where a prompt ends), each prompt as a row of its
+    own, and every query alone as a decode step: the same output and cache, bit for bit."""
+    generator = torch.Generator().manual_seed(group * 1000 + head_dim)
+    lengths, kv_heads = [23, 1, 40, 16, 17], 2
+    total = sum(lengths)
+    q = torch.randn(1, total, kv_heads * group, head_dim, generator=generator)
+    new_keys = torch.randn(1, total, kv_heads, head_dim, generator=generator)
+    new_values = torch.randn(1, total, kv_heads, head_dim, generator=generator)
+    slots = torch.cat([torch.full((n,), slot) for slot, n in enumerate(lengths)])[None]  # (1, N)
+    ends = torch.cat([torch.arange(1, n + 1) for n in lengths])[None]
+    starts = torch.zeros_like(ends)
+
+    def run(pieces):  # [(first, last)] of the packed queries, one call each, in order, on one fresh cache
+        keys, values = (torch.zeros(len(lengths), kv_heads, 48, head_dim, dtype=cache_dtype) for _ in range(2))
+        outs = [kernels.cached_attention(q[:, a:b], new_keys[:, a:b], new_values[:, a:b], keys, values, slots[:, a:b],
+                                         starts[:, a:b], ends[:, a:b], 0.125) for a, b in pieces]
+        return torch.cat(outs, dim=1), keys, values
+
+    packed = run([(0, total)])
+    bounds = np.cumsum([0] + lengths)
+    for pieces in (list(zip(bounds[:-1], bounds[1:])), [(i, i + 1) for i in range(total)]):
+        out, keys, values = run(pieces)
+        assert torch.equal(out, packed[0]) and torch.equal(keys, packed[1]) and torch.equal(values, packed[2])
+
+
+@needs_kernels
 def test_kernel_ignores_positions_past_end_and_reads_a_strided_cache_view():
     q, new_keys, new_values, keys, values, slots, start, end = random_call(2, 32, torch.tensor([[4], [39], [11]]))
     expected = kernels.cached_attention(q, new_keys, new_values, keys, values, slots, start, end, 0.3)

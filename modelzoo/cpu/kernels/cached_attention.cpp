@@ -5,15 +5,21 @@
 //
 // Each query attends over its own row's cached keys [start, end) (end = its position + 1, start > 0
 // under a sliding window): only the filled part of each row is read, however long the longest row
-// of the batch is, and causal prefill skips the hidden keys instead of masking them. Grouped-query
-// attention reads each key and value once for all the query heads that share it. The forward's new
+// of the batch is, and causal prefill skips the hidden keys instead of masking them. The forward's new
 // keys and values are written into the cache first, by the same call, rotated first where the
 // caller passes the rotary tables (so are the queries): q, k and v may be strided views of one
-// fused projection. Work is split over (row, kv head, query) triples on PyTorch's own OpenMP
-// threads, handed out in runs of consecutive ones, about 16 runs per thread since rows differ in length.
+// fused projection.
+//
+// Consecutive queries of one sequence (a prompt's, or a speculative step's) form blocks of up to 16 that share their
+// keys: each block and kv head transposes its keys once and scores every query head sharing them in register tiles
+// (attention_tiles.h), so a prefill multiplies like a small GEMM while a decode step reads each key once for the
+// heads of its group. Every query's result is computed the same way in any block (attention_tiles.h). Work is split
+// over (block, kv head) pairs on PyTorch's own OpenMP threads, handed out in runs of consecutive ones, about 16 runs
+// per thread since blocks differ in length.
 //
 // The arithmetic is softmax(q . k * scale) @ v with the maximum subtracted before exp, as in
 // PyTorch's attention; the summation order and exp's last bits differ (rounding at the 1e-7 level).
+#include "attention_tiles.h"
 #include "kernels.h"
 #include "storage.h"
 
@@ -23,192 +29,19 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <type_traits>
 #include <vector>
 
 namespace zoo {
 namespace {
 
-typedef int32_t lanes16 __attribute__((vector_size(64)));
-constexpr float kInfinity = std::numeric_limits<float>::infinity();
+constexpr int64_t kBlockQueries = 16;  // most queries of a block
 
-// Sixteen vectors in, their sixteen horizontal sums out (lane i = sum of v[i]), by four halving
-// steps of shuffles instead of sixteen separate reductions.
-inline vec16 horizontal_sums(vec16* v) {
-  static const lanes16 low[4] = {
-      {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
-      {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},
-      {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29},
-      {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}};
-  static const lanes16 high[4] = {
-      {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31},
-      {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31},
-      {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31},
-      {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31}};
-  // Step t pairs vectors holding 2^t groups each (v0's, v1's...) into one holding 2^(t+1) halves.
-  for (int step = 0, count = W; step < 4; ++step, count /= 2) {
-    for (int i = 0; i < count / 2; ++i) {
-      v[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], low[step]) + __builtin_shuffle(v[2 * i], v[2 * i + 1], high[step]);
-    }
-  }
-  return v[0];
-}
-
-typedef int32_t ints16 __attribute__((vector_size(64)));
-
-// exp(x) for x <= 0 (a softmax's shifted scores), 16 at a time, within 2 ulp of expf, in plain vector
-// arithmetic (glibc's expf is a scalar call). Cephes' method: x = n ln2 + r, |r| <= ln2 / 2, exp(r)
-// by a degree-6 polynomial, 2^n written into the floats' exponent bits.
-inline vec16 exp_nonpositive(vec16 x) {
-  const vec16 lowest = vec16{} - 87.0f;  // below, expf is subnormal or 0; the weight is negligible either way
-  x = x < lowest ? lowest : x;
-  const vec16 shifter = vec16{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to the nearest integer
-  const vec16 n = (x * 1.44269504088896341f + shifter) - shifter;
-  const vec16 r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-  vec16 p = vec16{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const vec16 y = p * r * r + r + 1.0f;
-  const ints16 bits = (__builtin_convertvector(n, ints16) + 127) << 23;
-  vec16 power;
-  std::memcpy(&power, &bits, sizeof power);
-  return y * power;
-}
-
-// The G rows of scores (G, stride) <- their softmax, G rows at a time so that their reductions overlap. peaks: each
-// row's lane-wise maxima; lanes past its n keys hold -inf (weight 0).
-template <int G>
-inline void softmax_rows(float* scores, int64_t stride, const vec16* peaks) {
-  float peak[G];
-  for (int g = 0; g < G; ++g) {
-    peak[g] = peaks[g][0];
-    for (int64_t i = 1; i < W; ++i) peak[g] = std::max(peak[g], peaks[g][i]);
-  }
-  vec16 totals[G] = {};
-  for (int64_t j = 0; j < stride; j += W) {
-    for (int g = 0; g < G; ++g) {
-      float* row = scores + g * stride + j;
-      const vec16 e = exp_nonpositive(load16(row) - peak[g]);
-      const vec16 weights = load16(row) == -kInfinity ? vec16{} : e;
-      store16(row, weights);
-      totals[g] += weights;
-    }
-  }
-  float total[G] = {};
-  for (int64_t i = 0; i < W; ++i)
-    for (int g = 0; g < G; ++g) total[g] += totals[g][i];
-  for (int g = 0; g < G; ++g) {
-    const float inverse = 1.f / total[g];
-    for (int64_t j = 0; j < stride; j += W) store16(scores + g * stride + j, load16(scores + g * stride + j) * inverse);
-  }
-}
-
-// How far ahead of the key being scored attend_group asks for the next keys: about what one core has in flight
-// from memory in the time it takes (latency ~100 ns x ~40 GB/s).
-constexpr int64_t PREFETCH_BYTES = 4096;
-
-// Asks for the cache lines of `bytes` bytes from p into the CPU's caches (Locality 3: into L1).
-template <int Locality>
-inline void prefetch_bytes(const void* p, int64_t bytes) {
-  for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(static_cast<const char*>(p) + line, 0, Locality);
-}
-
-// Attention of G float32 query heads (G, C * 16) over n keys and values (n, C * 16) each of T; writes
-// out (G, C * 16) of O. G and C are compile-time, so the heads' dot products and sums stay in
-// registers. scores: room for G rows of n rounded up to 16 floats.
-template <typename T, typename O, int G, int C>
-void attend_group(const float* q, const T* k, const T* v, O* out, int64_t n, float scale, float* scores) {
-  constexpr int64_t D = C * W;
-  const int64_t stride = (n + W - 1) / W * W;  // one padded score row per head
-  vec16 qv[G][C];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) qv[g][c] = load16(q + g * D + c * W);
-  // The hardware's prefetchers follow each row's keys too late to hide memory's latency (a row's keys are short
-  // streams): while key j is scored, the key PREFETCH_BYTES further is fetched, and value j, which the weighted sum
-  // reads after the softmax.
-  constexpr int64_t row_bytes = D * sizeof(T), ahead = std::max<int64_t>(1, PREFETCH_BYTES / row_bytes);
-  prefetch_bytes<3>(k, std::min(n, ahead) * row_bytes);
-  // Scores, sixteen keys at a time: one dot-product vector per key and head, then reduced together; each head's
-  // lane-wise maxima kept for its softmax.
-  vec16 dots[G][W];
-  vec16 peaks[G];
-  for (int g = 0; g < G; ++g) peaks[g] = vec16{} - kInfinity;
-  const vec16 lane_index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  for (int64_t first = 0; first < n; first += W) {
-    const int64_t count = std::min<int64_t>(W, n - first);
-    for (int64_t i = 0; i < W; ++i) {
-      if (i >= count) {
-        for (int g = 0; g < G; ++g) dots[g][i] = vec16{};
-        continue;
-      }
-      const T* key = k + (first + i) * D;
-      prefetch_bytes<3>(key + ahead * D, row_bytes);  // past the end: a hint, never a fault
-      prefetch_bytes<3>(v + (first + i) * D, row_bytes);
-      vec16 part[C];
-      for (int c = 0; c < C; ++c) part[c] = load16(key + c * W);
-      for (int g = 0; g < G; ++g) {
-        vec16 dot = qv[g][0] * part[0];
-        for (int c = 1; c < C; ++c) dot += qv[g][c] * part[c];
-        dots[g][i] = dot;
-      }
-    }
-    for (int g = 0; g < G; ++g) {
-      vec16 sums = horizontal_sums(dots[g]) * scale;
-      if (count < W) sums = lane_index < static_cast<float>(count) ? sums : vec16{} - kInfinity;  // no key: weight 0
-      store16(scores + g * stride + first, sums);
-      peaks[g] = sums > peaks[g] ? sums : peaks[g];
-    }
-  }
-  softmax_rows<G>(scores, stride, peaks);
-  // Weighted values: every head's sums, all C chunks, in registers over one pass of the values.
-  vec16 acc[G][C] = {};
-  for (int64_t j = 0; j < n; ++j) {
-    vec16 value[C];
-    for (int c = 0; c < C; ++c) value[c] = load16(v + j * D + c * W);
-    for (int g = 0; g < G; ++g) {
-      const float weight = scores[g * stride + j];
-      for (int c = 0; c < C; ++c) acc[g][c] += weight * value[c];
-    }
-  }
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) store16(out + g * D + c * W, acc[g][c]);
-}
-
-template <typename T, typename O>
-using AttendGroup = void (*)(const float*, const T*, const T*, O*, int64_t, float, float*);
-
-template <typename T, typename O, int G>
-AttendGroup<T, O> attend_group_for_chunks(int64_t C) {
-  switch (C) {
-    case 1: return attend_group<T, O, G, 1>;
-    case 2: return attend_group<T, O, G, 2>;
-    case 4: return attend_group<T, O, G, 4>;
-    case 8: return attend_group<T, O, G, 8>;
-    default: return nullptr;
-  }
-}
-
-// The instance for G query heads per kv head (1 to 8) and head_dim D (16, 32, 64 or 128); nullptr
-// for other shapes.
-template <typename T, typename O>
-AttendGroup<T, O> attend_group_for(int64_t G, int64_t D) {
-  if (D % W) return nullptr;
-  switch (G) {
-    case 1: return attend_group_for_chunks<T, O, 1>(D / W);
-    case 2: return attend_group_for_chunks<T, O, 2>(D / W);
-    case 3: return attend_group_for_chunks<T, O, 3>(D / W);
-    case 4: return attend_group_for_chunks<T, O, 4>(D / W);
-    case 5: return attend_group_for_chunks<T, O, 5>(D / W);
-    case 6: return attend_group_for_chunks<T, O, 6>(D / W);
-    case 7: return attend_group_for_chunks<T, O, 7>(D / W);
-    case 8: return attend_group_for_chunks<T, O, 8>(D / W);
-    default: return nullptr;
-  }
-}
+// Queries first .. first + count - 1 (i = b * T + t) of one sequence: one row's cache slot and key start, each
+// query's keys ending one after the previous one's.
+struct QueryBlock {
+  int64_t first, count;
+};
 
 // n values of Q into T: a copy where they are one type, else widened and rounded. Into a float16 cache from a wider
 // type, values beyond float16's range saturate at its largest finite value (a key of inf would turn every score
@@ -235,7 +68,6 @@ void attend_all(const torch::Tensor& q, const torch::Tensor& new_keys, const tor
                 const c10::optional<torch::Tensor>& sin, torch::Tensor& out) {
   const int64_t B = q.size(0), T_ = q.size(1), H = q.size(2), D = q.size(3), Hkv = keys.size(1);
   const int64_t G = H / Hkv;
-  const AttendGroup<T, Q> attend = attend_group_for<T, Q>(G, D);
   const bool rotary = cos.has_value();
   const Q* qp = q.data_ptr<Q>();
   const Q* nkp = new_keys.data_ptr<Q>();
@@ -271,36 +103,57 @@ void attend_all(const torch::Tensor& q, const torch::Tensor& new_keys, const tor
       }
     }
   });
-  // Tasks (row, kv head, query), consecutive ones sharing a row's keys while they are in cache.
-  const int64_t tasks = B * Hkv * T_;
+  std::vector<QueryBlock> blocks;
+  for (int64_t i = 0; i < B * T_; ++i) {
+    if (!blocks.empty()) {
+      QueryBlock& last = blocks.back();
+      const int64_t previous = last.first + last.count - 1;
+      if (last.count < kBlockQueries && i / T_ == previous / T_ && slot_of(i) == slot_of(previous) &&
+          start[i] == start[previous] && end[i] == end[previous] + 1) {
+        ++last.count;
+        continue;
+      }
+    }
+    blocks.push_back({i, 1});
+  }
+  // Tasks (block, kv head).
+  const int64_t tasks = static_cast<int64_t>(blocks.size()) * Hkv;
   const int64_t chunk = std::max<int64_t>(1, tasks / (16 * threads));  // tasks per hand-out
-  // float32 queries are read in place when the G heads are one contiguous block; others are gathered.
-  const bool gather = !std::is_same_v<Q, float> || rotary || qs2 != D;
 #pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(threads, tasks)))
   {
-    std::vector<float> scores;
-    std::vector<float> queries(gather ? G * D : 0);
+    std::vector<float> packed, scores, queries, rows(W * D);
+    std::vector<int64_t> lengths;
+    std::vector<Q*> outs;
 #pragma omp for schedule(dynamic, chunk)
     for (int64_t task = 0; task < tasks; ++task) {
-      const int64_t b = task / (Hkv * T_), h = task / T_ % Hkv, t = task % T_;
-      const int64_t i = b * T_ + t, lo = start[i], n = end[i] - lo;
-      const T* k = kp + slot_of(i) * ks0 + h * ks1 + lo * D;
-      const T* v = vp + slot_of(i) * vs0 + h * vs1 + lo * D;
-      const Q* query = qp + b * qs0 + t * qs1 + h * G * qs2;  // the G heads of kv head h
-      const float* query_floats = reinterpret_cast<const float*>(query);  // used as is only when Q is float
-      if (gather) {
+      const QueryBlock& block = blocks[task / Hkv];
+      const int64_t h = task % Hkv, first = block.first, heads = block.count * G;
+      const int64_t lo = start[first], n = end[first + block.count - 1] - lo;
+      const int64_t stride = (n + W - 1) / W * W;
+      const T* k = kp + slot_of(first) * ks0 + h * ks1 + lo * D;
+      const T* v = vp + slot_of(first) * vs0 + h * vs1 + lo * D;
+      queries.resize(heads * D);
+      lengths.resize(heads);
+      outs.resize(heads);
+      for (int64_t j = 0; j < block.count; ++j) {
+        const int64_t i = first + j, b = i / T_, t = i % T_;
         for (int64_t g = 0; g < G; ++g) {
-          const Q* head = query + g * qs2;
+          const Q* head = qp + b * qs0 + t * qs1 + (h * G + g) * qs2;
+          float* row = queries.data() + (j * G + g) * D;
           if (rotary) {
-            rotate_half(head, cosp + i * D, sinp + i * D, queries.data() + g * D, D);
+            rotate_half(head, cosp + i * D, sinp + i * D, row, D);
           } else {
-            widen(head, queries.data() + g * D, D);
+            widen(head, row, D);
           }
+          lengths[j * G + g] = end[i] - lo;
+          outs[j * G + g] = op + (i * H + h * G + g) * D;
         }
-        query_floats = queries.data();
       }
-      scores.resize(G * ((n + W - 1) / W * W));
-      attend(query_floats, k, v, op + (i * H + h * G) * D, n, scale, scores.data());
+      packed.resize(stride * D);
+      scores.resize(std::min<int64_t>(heads, kTileRows) * stride);
+      pack_keys(k, v, n, D, packed.data(), rows.data());
+      attend_rows(queries.data(), heads, lengths.data(), packed.data(), v, D, scale, scores.data(), stride,
+                  outs.data());
     }
   }
 }
@@ -349,8 +202,8 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& new_
     }
   }
   const int64_t G = H / Hkv;
-  TORCH_CHECK((attend_group_for<float, float>(G, D) != nullptr), "1 to 8 query heads per kv head and head_dim 16, 32, 64 or 128, not ",
-              G, " and ", D);
+  TORCH_CHECK(1 <= G && G <= 8 && (D == 16 || D == 32 || D == 64 || D == 128),
+              "1 to 8 query heads per kv head and head_dim 16, 32, 64 or 128, not ", G, " and ", D);
   auto slots64 = slots.to(at::kLong).contiguous();
   auto starts64 = starts.to(at::kLong).contiguous();
   auto ends64 = ends.to(at::kLong).contiguous();
