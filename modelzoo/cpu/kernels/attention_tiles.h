@@ -82,45 +82,36 @@ inline void softmax_row(float* scores, int64_t n, float peak) {
   for (int64_t j = 0; j < n; j += N) storen(scores + j, loadn(scores + j) * inverse);
 }
 
-// Asks for the cache lines of `bytes` bytes from p into the CPU's caches (Locality 3: into L1, 2: into L2).
-template <int Locality>
-inline void prefetch_bytes(const void* p, int64_t bytes) {
-  for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(static_cast<const char*>(p) + line, 0, Locality);
-}
-
-// The 8 x 8 floats of r (row i = r[i]) transposed in place.
-inline void transpose8(__m256* r) {
-  __m256 t[8], s[8];
+// The 8 x 8 floats at in (row i at in + i * in_stride) transposed to out (row j at out + j * out_stride). Rows i
+// and i + 4 share a register from the start (one in each 128-bit half), so the transpose never crosses halves.
+__attribute__((always_inline)) inline void transpose8(const float* in, int64_t in_stride, float* out, int64_t out_stride) {
+  __m256 low[4], high[4], t[4];
   for (int i = 0; i < 4; ++i) {
-    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    const float* a = in + i * in_stride;
+    const float* b = in + (i + 4) * in_stride;
+    low[i] = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(a)), _mm_loadu_ps(b), 1);
+    high[i] = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(a + 4)), _mm_loadu_ps(b + 4), 1);
   }
-  for (int i = 0; i < 2; ++i) {
-    s[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
-    s[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
-    s[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
-    s[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[i] = _mm256_permute2f128_ps(s[i], s[i + 4], 0x20);
-    r[i + 4] = _mm256_permute2f128_ps(s[i], s[i + 4], 0x31);
+  for (int part = 0; part < 2; ++part) {  // columns 0-3 from the low halves of the rows, 4-7 from the high
+    const __m256* r = part == 0 ? low : high;
+    t[0] = _mm256_unpacklo_ps(r[0], r[1]);
+    t[1] = _mm256_unpackhi_ps(r[0], r[1]);
+    t[2] = _mm256_unpacklo_ps(r[2], r[3]);
+    t[3] = _mm256_unpackhi_ps(r[2], r[3]);
+    float* column = out + 4 * part * out_stride;
+    _mm256_storeu_ps(column, _mm256_shuffle_ps(t[0], t[2], _MM_SHUFFLE(1, 0, 1, 0)));
+    _mm256_storeu_ps(column + out_stride, _mm256_shuffle_ps(t[0], t[2], _MM_SHUFFLE(3, 2, 3, 2)));
+    _mm256_storeu_ps(column + 2 * out_stride, _mm256_shuffle_ps(t[1], t[3], _MM_SHUFFLE(1, 0, 1, 0)));
+    _mm256_storeu_ps(column + 3 * out_stride, _mm256_shuffle_ps(t[1], t[3], _MM_SHUFFLE(3, 2, 3, 2)));
   }
 }
-
-// How far ahead pack_keys asks for the keys it is about to read: about what one core has in flight from memory in
-// the time it takes (latency ~100 ns x ~40 GB/s).
-constexpr int64_t PREFETCH_BYTES = 4096;
 
 // n keys (n, D) of T -> packed (ceil(n / 16), D, 16) float32: 16 keys side by side for each feature, zeros past
-// the n-th key. rows: room for 16 x D floats. The values (n, D) of T are asked into the caches on the way, for
-// the weighted sums that read them next.
+// the n-th key. rows: room for 16 x D floats.
 template <typename T>
-void pack_keys(const T* keys, const T* values, int64_t n, int64_t D, float* packed, float* rows) {
-  const int64_t row_bytes = D * sizeof(T), ahead = std::max<int64_t>(W, PREFETCH_BYTES / row_bytes);
+void pack_keys(const T* keys, int64_t n, int64_t D, float* packed, float* rows) {
   for (int64_t first = 0; first < n; first += W) {
     const int64_t count = std::min<int64_t>(W, n - first);
-    prefetch_bytes<3>(keys + (first + ahead) * D, W * row_bytes);  // past the end: a hint, never a fault
-    prefetch_bytes<2>(values + first * D, count * row_bytes);
     const float* source = rows;
     if (std::is_same_v<T, float> && count == W) {
       source = reinterpret_cast<const float*>(keys + first * D);
@@ -130,14 +121,8 @@ void pack_keys(const T* keys, const T* values, int64_t n, int64_t D, float* pack
       std::fill(rows + count * D, rows + W * D, 0.f);
     }
     float* block = packed + first * D;  // (D, 16)
-    for (int64_t half = 0; half < 2; ++half) {
-      for (int64_t d = 0; d < D; d += 8) {
-        __m256 r[8];
-        for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(source + (half * 8 + i) * D + d);
-        transpose8(r);
-        for (int i = 0; i < 8; ++i) _mm256_storeu_ps(block + (d + i) * W + half * 8, r[i]);
-      }
-    }
+    for (int64_t half = 0; half < 2; ++half)
+      for (int64_t d = 0; d < D; d += 8) transpose8(source + half * 8 * D + d, D, block + d * W + half * 8, W);
   }
 }
 
@@ -216,18 +201,20 @@ void weigh(const float* weights, int64_t stride, const T* values, int64_t n, int
   }
 }
 
-// Scale, mask and peaks of `count` keys' raw scores tile (R, count) from key `first` on into rows of scores.
+// Scale, mask and peaks of `count` keys' raw scores tile (R, count) from key `first` on into rows of scores: the
+// scores past a row's keys -inf; peaks: each row's lane-wise maxima.
 template <int R>
 inline void keep_scores(const float* tile, int64_t count, int64_t first, const int64_t* lengths, float scale,
-                        float* scores, int64_t stride, float* peaks) {
+                        float* scores, int64_t stride, vecn* peaks) {
+  vecn lane;
+  for (int i = 0; i < N; ++i) lane[i] = static_cast<float>(i);
   for (int r = 0; r < R; ++r) {
-    const int64_t keys = std::clamp<int64_t>(lengths[r] - first, 0, count);
-    float* row = scores + r * stride + first;
-    for (int64_t l = 0; l < keys; ++l) {
-      row[l] = tile[r * count + l] * scale;
-      peaks[r] = std::max(peaks[r], row[l]);
+    for (int64_t v = 0; v < count; v += N) {
+      const vecn kept = lane < static_cast<float>(lengths[r] - first - v) ? loadn(tile + r * count + v) * scale
+                                                                          : vecn{} - kInfinity;
+      storen(scores + r * stride + first + v, kept);
+      peaks[r] = kept > peaks[r] ? kept : peaks[r];
     }
-    std::fill(row + keys, row + count, -kInfinity);
   }
 }
 
@@ -239,8 +226,9 @@ void attend_tile(const float* q, const int64_t* lengths, const float* packed, co
                  float* scores, int64_t stride, O* const* outs) {
   constexpr int KB = kKeyBlocks<R>;
   const int64_t n = *std::max_element(lengths, lengths + R);
-  float peaks[R], tile[R * KB * W];
-  for (int r = 0; r < R; ++r) peaks[r] = -kInfinity;
+  vecn peaks[R];
+  float tile[R * KB * W];
+  for (int r = 0; r < R; ++r) peaks[r] = vecn{} - kInfinity;
   int64_t first = 0;
   for (; first + KB * W <= n; first += KB * W) {
     score_tile<R, KB>(q, packed + first * D, D, tile);
@@ -251,7 +239,11 @@ void attend_tile(const float* q, const int64_t* lengths, const float* packed, co
     keep_scores<R>(tile, W, first, lengths, scale, scores, stride, peaks);
   }
   const int64_t padded = (n + W - 1) / W * W;
-  for (int r = 0; r < R; ++r) softmax_row(scores + r * stride, padded, peaks[r]);
+  for (int r = 0; r < R; ++r) {
+    float peak = peaks[r][0];
+    for (int i = 1; i < N; ++i) peak = std::max(peak, peaks[r][i]);
+    softmax_row(scores + r * stride, padded, peak);
+  }
   weigh<T, O, R>(scores, stride, values, n, D, outs);
 }
 

@@ -151,7 +151,7 @@ void attend_all(const torch::Tensor& q, const torch::Tensor& new_keys, const tor
       }
       packed.resize(stride * D);
       scores.resize(std::min<int64_t>(heads, kTileRows) * stride);
-      pack_keys(k, v, n, D, packed.data(), rows.data());
+      pack_keys(k, n, D, packed.data(), rows.data());
       attend_rows(queries.data(), heads, lengths.data(), packed.data(), v, D, scale, scores.data(), stride,
                   outs.data());
     }
