@@ -113,7 +113,7 @@ void pack_keys(const T* keys, int64_t n, int64_t D, float* packed, float* rows) 
   for (int64_t first = 0; first < n; first += W) {
     const int64_t count = std::min<int64_t>(W, n - first);
     const float* source = rows;
-    if (std::is_same_v<T, float> && count == W) {
+    if (std::is_same_v<T, float> && count == W) {  // read in place
       source = reinterpret_cast<const float*>(keys + first * D);
     } else {
       for (int64_t i = 0; i < count; ++i)
@@ -252,11 +252,10 @@ template <typename T, typename O>
 void attend_rows(const float* q, int64_t rows, const int64_t* lengths, const float* packed, const T* values, int64_t D,
                  float scale, float* scores, int64_t stride, O* const* outs) {
   for (int64_t r = 0; r < rows; r += kTileRows) {
-    const int64_t at = r;
     switch (std::min<int64_t>(kTileRows, rows - r)) {
 #define ZOO_TILE(R)                                                                                                  \
   case R:                                                                                                            \
-    attend_tile<T, O, R>(q + at * D, lengths + at, packed, values, D, scale, scores, stride, outs + at);          \
+    attend_tile<T, O, R>(q + r * D, lengths + r, packed, values, D, scale, scores, stride, outs + r);              \
     break;
       ZOO_TILE(1) ZOO_TILE(2) ZOO_TILE(3) ZOO_TILE(4) ZOO_TILE(5) ZOO_TILE(6)
 #undef ZOO_TILE
