@@ -1,8 +1,8 @@
-// The arithmetic of cached_attention.cpp, on float32 tiles: a block of queries' scores against keys transposed 16 at
-// a time, their softmax, and the weighted sums of the values. Every score, weight and output is computed the same
-// way whatever the tile or block it falls in, so a query's result does not depend on the queries beside it:
-//   score(q, k) = (sum over d ascending of q[d] * k[d], one fused multiply-add each from zero for each 16 features,
-//                  the 16-feature sums added in order) * scale;
+// The arithmetic of cached_attention.cpp, on float32 tiles: a block of queries' scores against keys read in place,
+// their softmax, and the weighted sums of the values. Every score, weight and output is computed the same way
+// whatever the tile or block it falls in, so a query's result does not depend on the queries beside it:
+//   score(q, k) = (the sum of q[d] * k[d] in 8 lanes, d in lane d % 8 by one fused multiply-add chain from zero over
+//                  ascending d, then the lanes added ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))) * scale;
 //   weights     = exp(score - max) / their sum (summed in 16 lanes by key index, then the lanes in order);
 //   out[d]      = sum over keys j ascending of weight[j] * v[j][d], one fused multiply-add each from zero.
 // Scores past a query's own keys are -inf (weight 0), and a zero weight adds an exact zero to the sums.
@@ -22,8 +22,9 @@ namespace zoo {
 
 constexpr float kInfinity = std::numeric_limits<float>::infinity();
 
-// The CPU's own vector width (GCC's code for wider vector types than the CPU has is poor): 16 lanes of a packed key
-// block are P vectors of N lanes. Lanes never mix, so either width gives the same bits.
+// The CPU's own vector width (GCC's code for wider vector types than the CPU has is poor) for the softmax and the
+// values: 16 lanes of scores or features are P vectors of N lanes. Lanes never mix, so either width gives the same
+// bits. Scores are summed in 8 lanes on every CPU (score_keys).
 #if defined(__AVX512F__)
 constexpr int N = 16;
 #else
@@ -32,7 +33,7 @@ constexpr int N = 8;
 typedef float vecn __attribute__((vector_size(N * 4)));
 typedef int32_t intn __attribute__((vector_size(N * 4)));
 constexpr int P = W / N;
-constexpr int kTileRows = 6;  // query heads per register tile: 6 x 16 lanes of accumulators fit AVX2's 16 registers
+constexpr int kTileRows = 6;  // query heads per register tile
 
 inline vecn loadn(const float* p) {
   vecn v;
@@ -82,81 +83,54 @@ inline void softmax_row(float* scores, int64_t n, float peak) {
   for (int64_t j = 0; j < n; j += N) storen(scores + j, loadn(scores + j) * inverse);
 }
 
-// The 8 x 8 floats at in (row i at in + i * in_stride) transposed to out (row j at out + j * out_stride). Rows i
-// and i + 4 share a register from the start (one in each 128-bit half), so the transpose never crosses halves.
-__attribute__((always_inline)) inline void transpose8(const float* in, int64_t in_stride, float* out, int64_t out_stride) {
-  __m256 low[4], high[4], t[4];
-  for (int i = 0; i < 4; ++i) {
-    const float* a = in + i * in_stride;
-    const float* b = in + (i + 4) * in_stride;
-    low[i] = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(a)), _mm_loadu_ps(b), 1);
-    high[i] = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(a + 4)), _mm_loadu_ps(b + 4), 1);
-  }
-  for (int part = 0; part < 2; ++part) {  // columns 0-3 from the low halves of the rows, 4-7 from the high
-    const __m256* r = part == 0 ? low : high;
-    t[0] = _mm256_unpacklo_ps(r[0], r[1]);
-    t[1] = _mm256_unpackhi_ps(r[0], r[1]);
-    t[2] = _mm256_unpacklo_ps(r[2], r[3]);
-    t[3] = _mm256_unpackhi_ps(r[2], r[3]);
-    float* column = out + 4 * part * out_stride;
-    _mm256_storeu_ps(column, _mm256_shuffle_ps(t[0], t[2], _MM_SHUFFLE(1, 0, 1, 0)));
-    _mm256_storeu_ps(column + out_stride, _mm256_shuffle_ps(t[0], t[2], _MM_SHUFFLE(3, 2, 3, 2)));
-    _mm256_storeu_ps(column + 2 * out_stride, _mm256_shuffle_ps(t[1], t[3], _MM_SHUFFLE(1, 0, 1, 0)));
-    _mm256_storeu_ps(column + 3 * out_stride, _mm256_shuffle_ps(t[1], t[3], _MM_SHUFFLE(3, 2, 3, 2)));
-  }
+// 8 values of T at p, as float32.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {  // bfloat16 is the high half of a float32
+  const __m256i bits = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
 }
+inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
-// n keys (n, D) of T -> packed (ceil(n / 16), D, 16) float32: 16 keys side by side for each feature, zeros past
-// the n-th key. rows: room for 16 x D floats.
-template <typename T>
-void pack_keys(const T* keys, int64_t n, int64_t D, float* packed, float* rows) {
-  for (int64_t first = 0; first < n; first += W) {
-    const int64_t count = std::min<int64_t>(W, n - first);
-    const float* source = rows;
-    if (std::is_same_v<T, float> && count == W) {  // read in place
-      source = reinterpret_cast<const float*>(keys + first * D);
-    } else {
-      for (int64_t i = 0; i < count; ++i)
-        for (int64_t c = 0; c < D; c += W) store16(rows + i * D + c, load16(keys + (first + i) * D + c));
-      std::fill(rows + count * D, rows + W * D, 0.f);
-    }
-    float* block = packed + first * D;  // (D, 16)
-    for (int64_t half = 0; half < 2; ++half)
-      for (int64_t d = 0; d < D; d += 8) transpose8(source + half * 8 * D + d, D, block + d * W + half * 8, W);
-  }
+// The lane sums of a, b, c and d, each ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)).
+inline __m128 lane_sums(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 halves = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));  // a's l0-3 sum, b's, .. | l4-7
+  return _mm_add_ps(_mm256_castps256_ps128(halves), _mm256_extractf128_ps(halves, 1));
 }
 
 // Accumulator registers a tile keeps: a sum over keys or features is a chain of fused multiply-adds, one after the
 // other, so a tile needs about (FMA latency x FMA units) independent ones to keep the units busy.
 constexpr int kAccumulators = N == 8 ? 12 : 24;
-// Key blocks scored at once by a tile of R query heads, and 16-feature groups of the values summed at once.
+// Keys scored at once by a tile of R query heads over keys in place: R x K accumulators, K keys and a query in AVX2's
+// 16 registers.
 template <int R>
-constexpr int kKeyBlocks = std::clamp(kAccumulators / (R * P), 1, 4);
+constexpr int kKeysAtOnce = R >= 4 ? 2 : R == 3 ? 3 : 4;
+// 16-feature groups of the values summed at once by a tile of R query heads.
 template <int R>
 constexpr int kValueGroups = std::clamp(kAccumulators / (R * P), 1, 8);
 
-// The scores of R query heads q (R, D) against KB packed blocks of 16 keys (D, 16) each, lane l of block b = key
-// 16 b + l: a chain of fused multiply-adds from zero over each 16 features, the chains added in order (a 16-term
-// chain's rounding, not a D-term one's). out: (R, KB x 16).
-template <int R, int KB>
-inline void score_tile(const float* q, const float* blocks, int64_t D, float* out) {
-  constexpr int V = KB * P;  // vectors per query head
-  for (int64_t c = 0; c < D; c += W) {
-    vecn acc[R][V] = {};
-    for (int64_t d = c; d < c + W; ++d) {
-      vecn key[V];
-      for (int v = 0; v < V; ++v) key[v] = loadn(blocks + (v / P) * W * D + d * W + (v % P) * N);
-      for (int r = 0; r < R; ++r) {
-        const float x = q[r * D + d];
-        for (int v = 0; v < V; ++v) acc[r][v] += x * key[v];
-      }
+// The scores of R query heads q (R, D) against K consecutive keys (K <= 4; key k at keys + k * D), each one fused
+// multiply-add chain from zero per lane of 8 features (feature d in lane d % 8), the lanes then added by
+// lane_sums. tile: score (r, k) at tile[r * 16 + k]. The keys are read in place, in their own type.
+template <typename T, int R, int K>
+inline void score_keys(const float* q, const T* keys, int64_t D, float* tile) {
+  __m256 acc[R * K];  // (r, k) at r * K + k
+  for (int i = 0; i < R * K; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < D; c += 8) {
+    __m256 key[K];
+    for (int k = 0; k < K; ++k) key[k] = load8(keys + k * D + c);
+    for (int r = 0; r < R; ++r) {
+      const __m256 x = _mm256_loadu_ps(q + r * D + c);
+      for (int k = 0; k < K; ++k) acc[r * K + k] = _mm256_fmadd_ps(x, key[k], acc[r * K + k]);
     }
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < V; ++v) {
-        float* at = out + (r * V + v) * N;
-        storen(at, c == 0 ? acc[r][v] : loadn(at) + acc[r][v]);
-      }
   }
+  float sums[(R * K + 3) / 4 * 4];
+  for (int i = 0; i < R * K; i += 4) {
+    const int last = R * K - 1;
+    _mm_storeu_ps(sums + i, lane_sums(acc[i], acc[std::min(i + 1, last)], acc[std::min(i + 2, last)],
+                                      acc[std::min(i + 3, last)]));
+  }
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < K; ++k) tile[r * W + k] = sums[r * K + k];
 }
 
 // outs[r][c, c + 16 G) (values of O) = the sum over keys j < n of weights[r * stride + j] * values[j][c, c + 16 G),
@@ -218,24 +192,23 @@ inline void keep_scores(const float* tile, int64_t count, int64_t first, const i
   }
 }
 
-// One tile of R query heads (rows of q, R <= kTileRows) over the packed keys: scores -> softmax -> the weighted
-// values into outs. lengths[r]: row r's keys (its first lengths[r] of the block's); scores: room for R rows of
-// stride floats, stride >= the longest length rounded up to 16.
+// One tile of R query heads (rows of q, R <= kTileRows) over the keys (key j at keys + j * D, read in place): scores
+// -> softmax -> the weighted values into outs. lengths[r]: row r's keys (its first lengths[r] of the block's); scores: room for R rows of stride floats, stride >=
+// the longest length rounded up to 16.
 template <typename T, typename O, int R>
-void attend_tile(const float* q, const int64_t* lengths, const float* packed, const T* values, int64_t D, float scale,
-                 float* scores, int64_t stride, O* const* outs) {
-  constexpr int KB = kKeyBlocks<R>;
+void attend_tile(const float* q, const int64_t* lengths, const T* keys, const T* values, int64_t D,
+                 float scale, float* scores, int64_t stride, O* const* outs) {
+  constexpr int K = kKeysAtOnce<R>;
   const int64_t n = *std::max_element(lengths, lengths + R);
   vecn peaks[R];
-  float tile[R * KB * W];
+  float tile[R * W] = {};
   for (int r = 0; r < R; ++r) peaks[r] = vecn{} - kInfinity;
-  int64_t first = 0;
-  for (; first + KB * W <= n; first += KB * W) {
-    score_tile<R, KB>(q, packed + first * D, D, tile);
-    keep_scores<R>(tile, KB * W, first, lengths, scale, scores, stride, peaks);
-  }
-  for (; first < n; first += W) {
-    score_tile<R, 1>(q, packed + first * D, D, tile);
+  for (int64_t first = 0; first < n; first += W) {
+    const int64_t count = std::min<int64_t>(W, n - first);
+    const T* block = keys + first * D;
+    int64_t k = 0;
+    for (; k + K <= count; k += K) score_keys<T, R, K>(q, block + k * D, D, tile + k);
+    for (; k < count; ++k) score_keys<T, R, 1>(q, block + k * D, D, tile + k);
     keep_scores<R>(tile, W, first, lengths, scale, scores, stride, peaks);
   }
   const int64_t padded = (n + W - 1) / W * W;
@@ -249,13 +222,13 @@ void attend_tile(const float* q, const int64_t* lengths, const float* packed, co
 
 // attend_tile over `rows` query heads, kTileRows at a time; scores: room for kTileRows rows of stride floats.
 template <typename T, typename O>
-void attend_rows(const float* q, int64_t rows, const int64_t* lengths, const float* packed, const T* values, int64_t D,
+void attend_rows(const float* q, int64_t rows, const int64_t* lengths, const T* keys, const T* values, int64_t D,
                  float scale, float* scores, int64_t stride, O* const* outs) {
   for (int64_t r = 0; r < rows; r += kTileRows) {
     switch (std::min<int64_t>(kTileRows, rows - r)) {
 #define ZOO_TILE(R)                                                                                                  \
   case R:                                                                                                            \
-    attend_tile<T, O, R>(q + r * D, lengths + r, packed, values, D, scale, scores, stride, outs + r);              \
+    attend_tile<T, O, R>(q + r * D, lengths + r, keys, values, D, scale, scores, stride, outs + r);                 \
     break;
       ZOO_TILE(1) ZOO_TILE(2) ZOO_TILE(3) ZOO_TILE(4) ZOO_TILE(5) ZOO_TILE(6)
 #undef ZOO_TILE

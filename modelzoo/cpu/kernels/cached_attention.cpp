@@ -11,9 +11,9 @@
 // fused projection.
 //
 // Consecutive queries of one sequence (a prompt's, or a speculative step's) form blocks of up to 16 that share their
-// keys: each block and kv head transposes its keys once and scores every query head sharing them in register tiles
-// (attention_tiles.h), so a prefill multiplies like a small GEMM while a decode step reads each key once for the
-// heads of its group. Every query's result is computed the same way in any block (attention_tiles.h). Work is split
+// keys: each block and kv head scores every query head sharing them in register tiles over the cached keys in place
+// (attention_tiles.h), so a prefill reads each key once for up to 6 query heads, a decode step once for the heads of
+// its group. Every query's result is computed the same way in any block (attention_tiles.h). Work is split
 // over (block, kv head) pairs on PyTorch's own OpenMP threads, handed out in runs of consecutive ones, about 16 runs
 // per thread since blocks differ in length.
 //
@@ -121,7 +121,7 @@ void attend_all(const torch::Tensor& q, const torch::Tensor& new_keys, const tor
   const int64_t chunk = std::max<int64_t>(1, tasks / (16 * threads));  // tasks per hand-out
 #pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(threads, tasks)))
   {
-    std::vector<float> packed, scores, queries, rows(W * D);
+    std::vector<float> scores, queries;
     std::vector<int64_t> lengths;
     std::vector<Q*> outs;
 #pragma omp for schedule(dynamic, chunk)
@@ -149,11 +149,8 @@ void attend_all(const torch::Tensor& q, const torch::Tensor& new_keys, const tor
           outs[j * G + g] = op + (i * H + h * G + g) * D;
         }
       }
-      packed.resize(stride * D);
       scores.resize(std::min<int64_t>(heads, kTileRows) * stride);
-      pack_keys(k, n, D, packed.data(), rows.data());
-      attend_rows(queries.data(), heads, lengths.data(), packed.data(), v, D, scale, scores.data(), stride,
-                  outs.data());
+      attend_rows(queries.data(), heads, lengths.data(), k, v, D, scale, scores.data(), stride, outs.data());
     }
   }
 }
