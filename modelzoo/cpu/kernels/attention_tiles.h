@@ -89,7 +89,9 @@ inline __m256 load8(const c10::BFloat16* p) {  // bfloat16 is the high half of a
   const __m256i bits = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
 }
-inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 
 // The lane sums of a, b, c and d, each ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)).
 inline __m128 lane_sums(__m256 a, __m256 b, __m256 c, __m256 d) {
@@ -193,11 +195,11 @@ inline void keep_scores(const float* tile, int64_t count, int64_t first, const i
 }
 
 // One tile of R query heads (rows of q, R <= kTileRows) over the keys (key j at keys + j * D, read in place): scores
-// -> softmax -> the weighted values into outs. lengths[r]: row r's keys (its first lengths[r] of the block's); scores: room for R rows of stride floats, stride >=
-// the longest length rounded up to 16.
+// -> softmax -> the weighted values into outs. lengths[r]: row r's keys (its first lengths[r] of the block's);
+// scores: room for R rows of stride floats, stride >= the longest length rounded up to 16.
 template <typename T, typename O, int R>
-void attend_tile(const float* q, const int64_t* lengths, const T* keys, const T* values, int64_t D,
-                 float scale, float* scores, int64_t stride, O* const* outs) {
+void attend_tile(const float* q, const int64_t* lengths, const T* keys, const T* values, int64_t D, float scale,
+                 float* scores, int64_t stride, O* const* outs) {
   constexpr int K = kKeysAtOnce<R>;
   const int64_t n = *std::max_element(lengths, lengths + R);
   vecn peaks[R];
