@@ -25,7 +25,7 @@ from modelzoo.cpu.quantization import int8_summary
 from modelzoo.cuda.attention_backends import choose_attention_backends
 from modelzoo.cuda.memory import available_memory, prefill_token_budget
 from modelzoo.errors import UserError
-from modelzoo.generation.engine import GenerationEngine
+from modelzoo.generation.engine import GenerationEngine, PromptSpan
 from modelzoo.generation.options import GenerationOptions, RequestVariety
 from modelzoo.generation.scoring import Scorer
 from modelzoo.generation.step import smaller_steps
@@ -132,12 +132,14 @@ class Runtime:
 
     defaults: the options of a request without its own; variety: what the requests may bring besides them;
     rows_to_do: the rows to generate (auto rows in flight take at most these); response_formats: every response
-    format some row follows, compiled before the model loads; tp: this rank's tensor-parallel group.
+    format some row follows, compiled before the model loads; tp: this rank's tensor-parallel group; prompts: the
+    rows' prompt lengths and most tokens, where known (a captured decode step then captures every length bucket the
+    rows reach before generating).
     """
 
     def __init__(self, plan: RuntimePlan, defaults: GenerationOptions = GenerationOptions(),
                  variety: RequestVariety = RequestVariety(), rows_to_do: int = 0, response_formats: Sequence[str] = (),
-                 tp: TensorParallelGroup | None = None) -> None:
+                 tp: TensorParallelGroup | None = None, prompts: PromptSpan | None = None) -> None:
         spec = self.spec = plan.spec
         self.plan, self.device, self.policy, self.adapters = plan, plan.device, plan.policy, plan.adapters
         self.dtype = self.policy.activations  # the arithmetic's dtype between the GEMMs
@@ -156,6 +158,7 @@ class Runtime:
         self.model = self._load_model(tp)
         free = available_memory(self.device)
         self.rows_in_flight = self._rows_in_flight(rows_to_do, free, tp)
+        self.rows_to_do, self.prompts = rows_to_do, prompts
         self._check_memory(free, tp)
         if self.adapters is not None and self.adapters.bank:
             attach_adapters(self.model, self.adapters.bank, self.adapters.projections, self.dtype, self.device,
@@ -274,7 +277,7 @@ class Runtime:
             engine.decode.compile(len(shapes))
         elif mode == "cuda_graph":
             engine.decode.capture(len(shapes))
-        seconds = engine.warm_up()
+        seconds = engine.warm_up(self.prompts, self.rows_to_do)
         lengths = sorted({length for _, length in shapes})
         rows = sorted({self.rows_in_flight if slots is None else len(slots) for slots, _ in shapes}, reverse=True)
         with torch.inference_mode():

@@ -11,9 +11,9 @@ from torch._dynamo.backends.common import aot_autograd
 
 from harness import save_tiny_model
 from modelzoo.models.checkpoint import load_model
-from modelzoo.generation.engine import GenerationEngine, Request
+from modelzoo.generation.engine import GenerationEngine, PromptSpan, Request
 from modelzoo.generation.options import GenerationOptions
-from modelzoo.generation.step import LENGTH_BUCKET, length_bucket, length_buckets
+from modelzoo.generation.step import LENGTH_BUCKET, length_bucket, length_buckets, reachable_buckets
 from tiny_configs import VOCAB, tiny_llama_config
 
 SLOTS, MAX_SEQ_LEN, MAX_TOKENS = 4, 96, 8
@@ -27,6 +27,12 @@ HOST_SYNC_OPS = ("aten._local_scalar_dense", "aten.item", "aten.nonzero", "aten.
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory) -> Path:
     return save_tiny_model(tiny_llama_config(), tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="module")
+def long_llama(tmp_path_factory) -> Path:
+    """A tiny Llama with positions for 512 tokens: rows that cross length buckets."""
+    return save_tiny_model(tiny_llama_config(max_position_embeddings=512), tmp_path_factory.mktemp("long_llama"))
 
 
 def requests(job: GenerationOptions = JOB) -> list[Request]:
@@ -158,6 +164,20 @@ def test_inductor_compiled_step_gives_the_eager_tokens(tiny_llama):
     assert outputs(engine) == eager
 
 
+def test_compiled_step_through_matmul_attention_gives_the_eager_tokens(tiny_llama):
+    """The step compiled by inductor with decode attention as batched matrix products (what a CUDA job pins where
+    that form is the faster) gives the eager step's tokens."""
+    from modelzoo.cuda.attention_backends import AttentionBackends
+
+    eager = outputs(engine_for(tiny_llama))
+    model, _ = load_model(tiny_llama, torch.float32, torch.device("cpu"))
+    engine = GenerationEngine(model, SLOTS, MAX_SEQ_LEN, torch.device("cpu"), torch.float32, JOB,
+                              attention=AttentionBackends(decode="matmul"))
+    engine.decode.compile(len(engine.step_shapes()))
+    engine.warm_up()
+    assert outputs(engine) == eager
+
+
 def test_idle_step_changes_only_position_zero_of_the_cache(tiny_llama):
     """A step while every slot is idle (what warm_up runs) leaves the slot and stop state as they were."""
     engine = engine_for(tiny_llama)
@@ -194,6 +214,54 @@ def test_length_buckets():
     assert length_buckets(512) == [128, 256, 384, 512]
     assert length_buckets(300) == [128, 256, 300]
     assert all(length_bucket(n, 300) in length_buckets(300) for n in range(1, 301))
+
+
+def test_reachable_buckets():
+    """A step of every slot reads the bucket of its longest row: from the longest prompt's (every row in flight from
+    the start) or the shortest's (rows refilled as others finish) up to the longest prompt plus what it generates,
+    capped at the cache's length."""
+    assert reachable_buckets(64, 319, 131, True, 448) == [384, 448]
+    assert reachable_buckets(64, 319, 131, False, 448) == [128, 256, 384, 448]
+    assert reachable_buckets(5, 9, 3, True, 448) == [128]
+    assert reachable_buckets(100, 2000, 10, True, 2048) == [2048]
+    assert reachable_buckets(300, 900, 2000, False, 2048) == list(range(384, 2049, LENGTH_BUCKET))
+    assert reachable_buckets(1, 1, 0, True, 96) == [96]
+
+
+class RecordedStep:
+    """A decode step that records the (rows, length) of every call (rows -1: every slot), then runs it."""
+
+    def __init__(self, step) -> None:
+        self.step, self.taken = step, set()
+
+    def __call__(self, slots: torch.Tensor | None, length: int) -> None:
+        self.taken.add((-1 if slots is None else len(slots), length))
+        self.step(slots, length)
+
+    def __getattr__(self, name: str):
+        return getattr(self.step, name)
+
+
+@pytest.mark.parametrize("rows, steps_per_read", [(3, 1), (3, 4), (40, 1), (40, 4)])
+def test_warm_up_captures_every_bucket_the_rows_reach(long_llama, rows, steps_per_read):
+    """Given the rows' prompt span and max_tokens, a captured step's warm-up takes every (rows, length) the job's
+    steps then take, rows all in flight at once (3 in 4 slots) or refilled (40), the host reading finished rows every
+    step (then exactly those) or every 4 (CUDA's): nothing is left to capture while rows are in flight."""
+    model, _ = load_model(long_llama, torch.float32, torch.device("cpu"))
+    engine = GenerationEngine(model, SLOTS, 300, torch.device("cpu"), torch.float32, GenerationOptions(max_tokens=40))
+    engine.steps_per_read = steps_per_read
+    rng = np.random.default_rng(rows)
+    lengths = [*rng.integers(60, 200, size=rows - 1), 217]  # the longest row's last reads cross 256 in 4-step reads
+    prompts = [rng.integers(3, VOCAB, size=int(n)) for n in rng.permutation(lengths)]
+    engine.decode = recorded = RecordedStep(engine.decode)
+    recorded.step.mode = "cuda_graph"  # what the warm-up would capture, asked of the CPU's eager step
+    span = PromptSpan(min(map(len, prompts)), max(map(len, prompts)), 40)
+    warmed = {(-1 if slots is None else len(slots), length) for slots, length in engine.warm_up_shapes(span, rows)}
+    recorded.step.mode = "eager"
+    assert len(list(engine.generate(Request(i, p) for i, p in enumerate(prompts)))) == rows
+    assert recorded.taken <= warmed, (recorded.taken, warmed)
+    if rows <= SLOTS and steps_per_read == 1:  # all at once, read every step: the bound is tight
+        assert recorded.taken == warmed
 
 
 def test_capture_needs_cuda(tiny_llama):
@@ -251,23 +319,43 @@ def test_cache_lengths_are_aligned_and_never_read_whole(tiny_llama):
     assert [length for _, length in engine.step_shapes()] == [104]
 
 
+@pytest.mark.parametrize("form", ["sdpa", "matmul"])
+@pytest.mark.parametrize("kv_heads", [2, 8], ids=["grouped", "a_kv_head_each"])
 @pytest.mark.parametrize("bias", [False, True], ids=["bool_mask", "additive_bias"])
-def test_grouped_query_attention_equals_expanded_heads(bias):
-    """Decode attention over grouped queries equals attention with K/V expanded to every query head."""
-    from modelzoo.models.layers import grouped_query_attention
+def test_grouped_query_attention_equals_expanded_heads(bias, kv_heads, form):
+    """Decode attention over grouped queries, through SDPA or as batched matrix products, equals attention with K/V
+    expanded to every query head; over a cache slice (strided keys, as a step reads them) and in bfloat16 too."""
+    from modelzoo.models.layers import decode_attention_form, grouped_query_attention
 
     torch.manual_seed(0)
-    batch, heads, kv_heads, length, head_dim = 5, 8, 2, 37, 16
+    batch, heads, length, head_dim = 5, 8, 37, 16
     q = torch.randn(batch, heads, 1, head_dim)
-    keys, values = torch.randn(2, batch, kv_heads, length, head_dim)
+    keys, values = torch.randn(2, batch, kv_heads, length + 11, head_dim)[:, :, :, :length]  # a cache's first L
     lengths = torch.tensor([1, 9, 37, 20, 3])
     mask = (torch.arange(length)[None, :] < lengths[:, None])[:, None, None, :]  # (B, 1, 1, L)
     if bias:
         mask = torch.randn(batch, heads, 1, length).masked_fill(~mask, float("-inf"))  # (B, heads, 1, L)
     expanded = [t.repeat_interleave(heads // kv_heads, dim=1) for t in (keys, values)]
     want = torch.nn.functional.scaled_dot_product_attention(q, *expanded, attn_mask=mask, scale=0.3)[:, :, 0]
-    got = grouped_query_attention(q, keys, values, mask, 0.3)
+    with decode_attention_form(form):
+        got = grouped_query_attention(q, keys, values, mask, 0.3)
+        half = grouped_query_attention(q.bfloat16(), keys.bfloat16(), values.bfloat16(),
+                                       mask if mask.dtype == torch.bool else mask.bfloat16(), 0.3)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half.float(), want, rtol=0, atol=3e-2)
+
+
+def test_decode_attention_form_is_scoped_and_checked():
+    from modelzoo.models import layers
+
+    with layers.decode_attention_form("matmul"):
+        assert layers._decode_form == "matmul"
+        with pytest.raises(ValueError, match="unknown decode attention form 'flash'"):
+            with layers.decode_attention_form("flash"):
+                pass
+        assert layers._decode_form == "matmul"
+    assert layers._decode_form == "sdpa"
 
 
 def test_compiled_code_is_cached_beside_the_kernels(tmp_path, tiny_llama):

@@ -147,6 +147,26 @@ def test_rows_without_start_token_or_prompt_are_left_as_they_are(tmp_path, tiny_
     assert summary["rows_without_start_token"] == 1 and summary["rows_with_empty_prompt"] == 1
 
 
+def test_token_check_returns_the_prompt_span(tmp_path, prompts):
+    """The job's token check reads each to-do row once and returns its shortest and longest prompt (rows without a
+    start token or with an empty prompt left out; (0, 0) where none has one): what a captured decode step sizes the
+    buckets it captures ahead by."""
+    from modelzoo.job.data import GptHDF5MapDataProcessor
+
+    no_start = np.arange(MAX_SEQ_LEN, dtype=np.int32) % 50 + 3
+    empty = np.full(MAX_SEQ_LEN, START, dtype=np.int32)
+    rows = np.concatenate([prompt_rows(prompts, MAX_SEQ_LEN, START), no_start[None], empty[None], no_start[None],
+                           empty[None], no_start[None]])  # 12 rows: 4 steps of 3
+    write_h5(tmp_path / "data", rows)
+    data = GptHDF5MapDataProcessor(tmp_path / "data", BATCH, 1, START)
+    starts = np.array([START])
+    assert data.check_prompt_tokens([1, 2, 3, 4], VOCAB, starts) == (min(PROMPT_LENGTHS), max(PROMPT_LENGTHS))
+    assert data.check_prompt_tokens([2], VOCAB, starts) == (5, 17)
+    assert data.check_prompt_tokens([3], VOCAB, starts) == (2, 2)
+    assert data.check_prompt_tokens([4], VOCAB, starts) == (0, 0)
+    data.close()
+
+
 def test_loop_dim_0_reads_and_writes_transposed(tmp_path, tiny_llama, prompts, reference):
     model_dir = run(tmp_path, tiny_llama, prompt_rows(prompts, MAX_SEQ_LEN, START), loop_dim=0, max_tokens=6)
     steps = load_predictions(model_dir)

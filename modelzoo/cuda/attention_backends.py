@@ -6,10 +6,12 @@ call to slower kernels. A job runs two forms of attention:
 - prefill: a group of right-padded prompts attending causally over their own keys, (B, heads, T, hd) queries
   against (B, kv_heads, T, hd) keys and values, no mask;
 - decode: one query per row over the cache's first L positions with an additive mask of each row's length, the
-  query heads of a kv head grouped as the rows of one query block (`grouped_query_attention`).
-Each form is timed under every backend that takes it, on the job's own head layout and dtype; the fastest is pinned
-(math stays enabled behind it, for a call it cannot take: an ALiBi bias, say), and remembered for the next job on
-the same GPU model and software. The CPU runs its own C++ attention kernel and pins nothing.
+  query heads of a kv head grouped as the rows of one query block (`grouped_query_attention`), each call as
+  a captured decode step runs it: replayed from a CUDA graph.
+Each form is timed under every backend that takes it, on the job's own head layout and dtype, decode also as two
+batched matrix products around a softmax (`matmul_attention`, "matmul"); the fastest is pinned (math stays enabled
+behind an SDPA backend, for a call it cannot take: an ALiBi bias, say), and remembered for the next job on the same
+GPU model and software. The CPU runs its own C++ attention kernel and pins nothing.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from modelzoo.cpu.kernels import read_machine_choices, write_machine_choices
+from modelzoo.models.layers import decode_attention_form, grouped_query_attention
 
 log = logging.getLogger("zoo-infer")
 
@@ -33,8 +36,9 @@ BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIE
 # The shapes timed: a prefill group of PREFILL_ROWS prompts of PREFILL_LENGTH tokens; decode over DECODE_LENGTH
 # cache positions for the job's rows in flight.
 PREFILL_ROWS, PREFILL_LENGTH, DECODE_LENGTH = 8, 512, 512
-TIMED_CALLS = 5
-SDPA_CHOICES, CACHE_VERSION = "sdpa_choices.json", 1  # beside the GEMM choices (modelzoo/cpu/kernels)
+TIMED_CALLS, TIMED_REPLAYS = 5, 20
+MATMUL = "matmul"  # decode only: `matmul_attention`, no SDPA backend
+SDPA_CHOICES, CACHE_VERSION = "sdpa_choices.json", 2  # beside the GEMM choices (modelzoo/cpu/kernels)
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,8 @@ class AttentionBackends:
 def _pinned(backend: str | None) -> ContextManager:
     if backend is None:
         return contextlib.nullcontext()
+    if backend == MATMUL:
+        return decode_attention_form(MATMUL)
     return sdpa_kernel([BACKENDS[backend], SDPBackend.MATH] if backend != "math" else [SDPBackend.MATH])
 
 
@@ -116,16 +122,16 @@ def time_attention_backends(num_heads: int, num_kv_heads: int, head_dim: int, dt
                                               enable_gqa=gqa)[:, :, :PREFILL_LENGTH]
 
     rows = decode_rows
-    dq = torch.randn(rows, num_kv_heads, group, head_dim, dtype=dtype, device=device)  # grouped queries
+    dq = torch.randn(rows, num_heads, 1, head_dim, dtype=dtype, device=device)
     dk, dv = (torch.randn(rows, num_kv_heads, DECODE_LENGTH, head_dim, dtype=dtype, device=device) for _ in range(2))
     lengths = torch.randint(1, DECODE_LENGTH + 1, (rows,), device=device)
     mask = torch.zeros(rows, 1, 1, DECODE_LENGTH, dtype=dtype, device=device).masked_fill(
         torch.arange(DECODE_LENGTH, device=device) >= lengths[:, None, None, None], float("-inf"))
 
     def decode(call: int) -> torch.Tensor:  # a fixed shape: a captured step's
-        return F.scaled_dot_product_attention(dq, dk, dv, attn_mask=mask)
+        return grouped_query_attention(dq, dk, dv, mask, None)
 
-    timings = {"prefill": _time_backends(prefill), "decode": _time_backends(decode)}
+    timings = {"prefill": _time_backends(prefill), "decode": _time_backends(decode, captured=True)}
     chosen = {form: min((t, name) for name, t in times.items() if t is not None)[1] if any(
         t is not None for t in times.values()) else None for form, times in timings.items()}
     choice = AttentionBackends(chosen["prefill"], chosen["decode"], timings)
@@ -135,22 +141,23 @@ def time_attention_backends(num_heads: int, num_kv_heads: int, head_dim: int, dt
     return choice
 
 
-def _time_backends(call: Callable[[int], torch.Tensor]) -> dict[str, float | None]:
-    """Microseconds per call of `call` under each backend alone (the mean of TIMED_CALLS calls, each given its index,
-    after one untimed), None where the backend does not take it or disagrees with the first that does."""
+def _time_backends(call: Callable[[int], torch.Tensor], captured: bool = False) -> dict[str, float | None]:
+    """Microseconds per call of `call` under each backend alone (with `captured`, and as "matmul", `matmul_attention`
+    too), None where the backend does not take it or disagrees with the first that does. Eager: the mean of
+    TIMED_CALLS calls, each given its index, after one untimed. `captured`: the mean of TIMED_REPLAYS replays of one
+    call captured in a CUDA graph (a decode step's cost: no host work per call)."""
     reference, reference_name = None, ""
     times: dict[str, float | None] = {}
-    for name, backend in BACKENDS.items():
+    contexts = {name: lambda backend=backend: sdpa_kernel([backend]) for name, backend in BACKENDS.items()}
+    if captured:
+        contexts[MATMUL] = lambda: decode_attention_form(MATMUL)
+    for name, context in contexts.items():
         try:
-            with sdpa_kernel([backend]), warnings.catch_warnings():
+            with context(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # PyTorch warns why a backend cannot take a call: its time says so
                 out = call(0)  # loads what the backend loads: not timed
                 torch.cuda.synchronize()
-                start = time.perf_counter()
-                for index in range(1, TIMED_CALLS + 1):
-                    call(index)
-                torch.cuda.synchronize()
-                seconds = (time.perf_counter() - start) / TIMED_CALLS
+                seconds = _replayed_seconds(call) if captured else _called_seconds(call)
         except RuntimeError:  # "No available kernel": this backend does not take this form
             times[name] = None
             continue
@@ -162,3 +169,32 @@ def _time_backends(call: Callable[[int], torch.Tensor]) -> dict[str, float | Non
             continue
         times[name] = seconds * 1e6
     return times
+
+
+def _called_seconds(call: Callable[[int], torch.Tensor]) -> float:
+    """Seconds per call of `call`, called TIMED_CALLS times, each given its index."""
+    start = time.perf_counter()
+    for index in range(1, TIMED_CALLS + 1):
+        call(index)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / TIMED_CALLS
+
+
+def _replayed_seconds(call: Callable[[int], torch.Tensor]) -> float:
+    """Seconds per replay of one call of `call` captured in a CUDA graph (warmed up on a side stream first, as the
+    decode step's graphs are)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call(0)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call(0)
+    graph.replay()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(TIMED_REPLAYS):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / TIMED_REPLAYS

@@ -34,7 +34,8 @@ from modelzoo.generation.options import GenerationOptions, RequestVariety
 from modelzoo.generation.prefill import prefill_groups, prefill_inputs
 from modelzoo.generation.sampling import TokenChoice
 from modelzoo.generation.shared_prefix import SharedPrefix
-from modelzoo.generation.step import DecodeStep, SlotState, choose_tokens, length_bucket, length_buckets
+from modelzoo.generation.step import (DecodeStep, SlotState, choose_tokens, length_bucket, length_buckets,
+                                      reachable_buckets)
 from modelzoo.generation.stopping import REASON_NAMES, StopChecker
 from modelzoo.generation.structured import StructuredRows, apply_token_bitmask
 
@@ -44,6 +45,16 @@ if TYPE_CHECKING:
 log = logging.getLogger("zoo-infer")
 
 STEPS_PER_READ_CUDA = 4
+@dataclass(frozen=True)
+class PromptSpan:
+    """What a job knows of its prompts before generating: the shortest and longest, and the most tokens a row may
+    generate (None: up to max_seq_len)."""
+
+    shortest: int
+    longest: int
+    most_tokens: int | None
+
+
 @dataclass
 class Request:
     """One prompt to complete. `index` is the caller's key (the sample index); prompt: (p,), p >= 1; options: the
@@ -180,16 +191,32 @@ class GenerationEngine:
         rows = [None, *(torch.arange(count, device=self.device) for count in self.step_rows)]
         return [(slots, length) for slots in rows for length in length_buckets(self.read_limit)]
 
-    def warm_up(self) -> float:
+    def warm_up(self, prompts: PromptSpan | None = None, rows: int = 0) -> float:
         """Runs the decode step before any prompt (see `DecodeStep.warm_up`): compiled, once per shape it can take;
         eager (whose cost does not depend on the length bucket) and captured (one graph compiled for every length, each
         bucket captured when a step first reaches it), once per row count, over the longest bucket (where rows that
-        run to max_seq_len end). Returns seconds."""
-        shapes = self.step_shapes()
-        if self.decode.mode in ("eager", "cuda_graph"):
-            shapes = list({None if slots is None else len(slots): (slots, length) for slots, length in shapes}.values())
+        run to max_seq_len end). Captured, for `rows` rows of these `prompts`: every bucket a step of every slot can
+        reach (none captured while rows are in flight then), and each smaller step over the longest of them.
+        Returns seconds."""
+        shapes = self.warm_up_shapes(prompts, rows)
         with torch.inference_mode():
             return self.decode.warm_up(shapes)
+
+    def warm_up_shapes(self, prompts: PromptSpan | None, rows: int) -> list[tuple[torch.Tensor | None, int]]:
+        """The (slots, length) `warm_up` runs (see there)."""
+        shapes = self.step_shapes()
+        if self.decode.mode == "compiled":
+            return shapes
+        shapes = list({None if slots is None else len(slots): (slots, length) for slots, length in shapes}.values())
+        if self.decode.mode != "cuda_graph" or prompts is None:
+            return shapes
+        # A row's last step reads max_tokens - 1 positions past its prompt; steps_per_read - 1 more may run before the
+        # host sees it stopped.
+        generated = (prompts.most_tokens or self.max_seq_len) + self.steps_per_read - 2
+        reached = reachable_buckets(prompts.shortest, prompts.longest, generated, rows <= self.num_slots,
+                                    self.read_limit)
+        smaller = [(slots, reached[-1]) for slots, _ in shapes if slots is not None]
+        return [(None, length) for length in reached] + smaller
 
     def adopt(self, defaults: GenerationOptions, variety: RequestVariety) -> None:
         """Takes requests of these defaults and variety from now on, while no row is in flight: the token choice, stop

@@ -63,6 +63,16 @@ def length_buckets(max_len: int) -> list[int]:
     return sorted({length_bucket(n, max_len) for n in range(1, max_len + 1, LENGTH_BUCKET)} | {max_len})
 
 
+def reachable_buckets(shortest: int, longest: int, generated: int, all_at_once: bool, max_len: int) -> list[int]:
+    """The length buckets a job's steps of every slot can read: its prompts of `shortest` to `longest` tokens each
+    grow by at most `generated` positions (max_tokens, plus the steps run before the host sees a row stop); with
+    `all_at_once` (every row in flight from the start) the first step already reads the longest prompt's bucket, else
+    a step may hold only short rows."""
+    low = min((longest if all_at_once else shortest) + 1, max_len)
+    high = min(longest + generated, max_len)
+    return sorted({length_bucket(n, max_len) for n in (*range(low, high + 1, LENGTH_BUCKET), low, high)})
+
+
 def smaller_steps(rows: int) -> tuple[int, ...]:
     """The row counts of decode steps smaller than `rows`: SMALLEST_STEP_ROWS, twice that, ... below `rows`."""
     counts = []

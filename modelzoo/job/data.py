@@ -235,9 +235,11 @@ class GptHDF5MapDataProcessor:
             raise UserError(f"the data in {self.data_dir} was tokenized with a vocabulary of {int(attrs['vocab_size'])} "
                             f"tokens ({attrs.get('tokenizer', '?')}) but the model has {vocab_size}")
 
-    def check_prompt_tokens(self, steps: list[int], vocab_size: int, start_tokens: np.ndarray) -> None:
+    def check_prompt_tokens(self, steps: list[int], vocab_size: int, start_tokens: np.ndarray) -> tuple[int, int]:
         """Reads the samples of `steps` once, in large slices, and raises on the first prompt token
-        outside 0..vocab_size-1 (what follows a row's first start token is never read as a prompt)."""
+        outside 0..vocab_size-1 (what follows a row's first start token is never read as a prompt). Returns the
+        shortest and longest prompt read (0, 0 where no row has one)."""
+        shortest, longest = None, 0
         for start, stop in self._sample_ranges(steps):
             rows = self.read(start, stop)  # (n, max_seq_len)
             starts, has_start = start_positions(rows, start_tokens)
@@ -248,6 +250,11 @@ class GptHDF5MapDataProcessor:
                 row, column = np.argwhere(bad)[0]
                 raise UserError(f"sample {start + row}: token id {rows[row, column]} in its prompt is outside the "
                                 f"model's vocabulary (0..{vocab_size - 1})")
+            lengths = prompt_end[prompt_end > 0]
+            if lengths.size:
+                shortest = min(int(lengths.min()), shortest or int(lengths.min()))
+                longest = max(int(lengths.max()), longest)
+        return shortest or 0, longest
 
     def _sample_ranges(self, steps: list[int]) -> Iterator[tuple[int, int]]:
         """[start, stop) sample ranges covering `steps`: runs of consecutive steps, cut to about 8 MiB

@@ -22,7 +22,7 @@ import yaml
 
 from modelzoo.errors import UserError
 from modelzoo.files import WriteError
-from modelzoo.generation.engine import GenerationEngine, Request
+from modelzoo.generation.engine import GenerationEngine, PromptSpan, Request
 from modelzoo.generation.scoring import Scorer, ScoreRequest
 from modelzoo.generation.stopping import DUMMY, EMPTY_PROMPT, NO_START_TOKEN, SCORED
 from modelzoo.job.data import Batch, GptHDF5MapDataProcessor, start_positions
@@ -64,6 +64,7 @@ class InferenceJob:
         self.output = OutputFolder(self.model_dir, shard.index, shard.count, self.writes)
         self.artifacts, self.predictions_dir = self.output.artifacts, self.output.predictions_dir
         self.output_taken = False  # True once this run writes into the folder (lock held, steps planned)
+        self.prompts: PromptSpan | None = None  # the to-do rows' prompt lengths, once read (`_take_output`)
         self.tp = TensorParallelGroup(device=self.device)  # this rank's group: opened with the output folder (torchrun)
         self.runtime: Runtime | None = None  # opened by run() once the output folder is taken
         self.scorer: Scorer | None = None  # for scoring data: the continuations' log-probabilities
@@ -110,7 +111,7 @@ class InferenceJob:
                     with self._out_of_memory_named("setting up"):
                         self.runtime = Runtime(self.plan, self.defaults, self.data.request_variety(),
                                                sum(self._real_samples(step) for step in todo), self._response_formats(),
-                                               self.tp)
+                                               self.tp, self.prompts)
                     if "continuation_length" in self.data.per_row:
                         self.scorer = self.runtime.scorer(beside_generation=True)
                     self.stats.setup_seconds = time.perf_counter() - setup_start
@@ -171,7 +172,9 @@ class InferenceJob:
                      len(self.steps_of_shard))
         if self.writes and self.output.unwritable:
             raise self.output.unwritable
-        self.data.check_prompt_tokens(self.todo, self.vocab_size, self.start_tokens)
+        shortest, longest = self.data.check_prompt_tokens(self.todo, self.vocab_size, self.start_tokens)
+        most_tokens = None if "max_tokens" in self.data.per_row else self.defaults.max_tokens
+        self.prompts = PromptSpan(shortest, longest, most_tokens) if longest else None
         self.output_taken = True
         if self.writes:
             self.output.prepare(self.todo, params_yaml)
