@@ -158,7 +158,9 @@ def _time_backends(call: Callable[[int], torch.Tensor], captured: bool = False) 
                 out = call(0)  # loads what the backend loads: not timed
                 torch.cuda.synchronize()
                 seconds = _replayed_seconds(call) if captured else _called_seconds(call)
-        except RuntimeError:  # "No available kernel": this backend does not take this form
+        except RuntimeError as error:  # "No available kernel": this backend does not take this form
+            if "No available kernel" not in str(error):
+                log.warning("attention %s could not be timed (%s): not used", name, str(error).splitlines()[0])
             times[name] = None
             continue
         if reference is None:
