@@ -83,16 +83,6 @@ inline void softmax_row(float* scores, int64_t n, float peak) {
   for (int64_t j = 0; j < n; j += N) storen(scores + j, loadn(scores + j) * inverse);
 }
 
-// 8 values of T at p, as float32.
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {  // bfloat16 is the high half of a float32
-  const __m256i bits = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
-}
-inline __m256 load8(const c10::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
 // The lane sums of a, b, c and d, each ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)).
 inline __m128 lane_sums(__m256 a, __m256 b, __m256 c, __m256 d) {
   const __m256 halves = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));  // a's l0-3 sum, b's, .. | l4-7

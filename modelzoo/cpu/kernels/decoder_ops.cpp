@@ -35,12 +35,6 @@ namespace {
 typedef float vec8 __attribute__((vector_size(32)));
 constexpr int64_t L = 8;  // lanes of ATen's reduction and activation kernels on this build
 
-inline vec8 load8(const float* p) {
-  vec8 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
 inline void store8(float* p, vec8 v) { std::memcpy(p, &v, sizeof v); }
 
 // Sum of x[i]^2 over n floats, in the order of ATen's vectorized inner sum: the n / 8 vectors are read

@@ -16,6 +16,7 @@
 // where the build has AVX-512, tiles of 6 rows x 64 outputs. The faster on this CPU is timed once per process
 // (`half_gemm_path`); tests set each.
 #include "kernels.h"
+#include "storage.h"
 #include "timed_choice.h"
 
 #include <ATen/Parallel.h>
@@ -53,12 +54,10 @@ inline void with_count(int64_t n, F&& f) {
   }
 }
 
-// 8 packed 16-bit weights -> 8 float32 (AVX2). bfloat16: the high half of a float32; float16: F16C.
+// 8 packed 16-bit weights -> 8 float32 (AVX2), bfloat16 or float16 bits (storage.h's load8).
 template <bool Bf16>
 inline __m256 widen8(const uint16_t* p) {
-  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  if constexpr (Bf16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
-  return _mm256_cvtph_ps(bits);
+  return load8(reinterpret_cast<const std::conditional_t<Bf16, c10::BFloat16, c10::Half>*>(p));
 }
 
 // AVX2 tile: Rows rows x one block of 16 outputs (two 8-wide halves), inputs [0, kc) of x (the first row; rows k

@@ -64,6 +64,16 @@ inline vec16 load16(const c10::Half* p) {
 #endif
 }
 
+// 8 values at p as float32 in one AVX2 register: bfloat16 is the high half of a float32, float16 through F16C.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m256i bits = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
+}
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
 inline void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof v); }
 
 // Round to nearest even on the 16 bits dropped; NaN stays a (quiet) NaN.
