@@ -109,7 +109,6 @@ def remember_choice(key: str, choice: AttentionBackends) -> None:
 def time_attention_backends(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                             device: torch.device, decode_rows: int) -> AttentionBackends:
     """Times each form under each backend on the CUDA `device` and keeps the fastest; logged."""
-    group = num_heads // num_kv_heads
     longest = PREFILL_LENGTH + 8 * TIMED_CALLS
     q = torch.randn(PREFILL_ROWS, longest, num_heads, head_dim, dtype=dtype, device=device).transpose(1, 2)
     k, v = (torch.randn(PREFILL_ROWS, longest, num_kv_heads, head_dim, dtype=dtype, device=device).transpose(1, 2)

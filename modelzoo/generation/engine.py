@@ -45,6 +45,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("zoo-infer")
 
 STEPS_PER_READ_CUDA = 4
+
+
 @dataclass(frozen=True)
 class PromptSpan:
     """What a job knows of its prompts before generating: the shortest and longest, and the most tokens a row may

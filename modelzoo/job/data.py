@@ -252,8 +252,8 @@ class GptHDF5MapDataProcessor:
                                 f"model's vocabulary (0..{vocab_size - 1})")
             lengths = prompt_end[prompt_end > 0]
             if lengths.size:
-                shortest = min(int(lengths.min()), shortest or int(lengths.min()))
-                longest = max(int(lengths.max()), longest)
+                shortest = int(lengths.min()) if shortest is None else min(shortest, int(lengths.min()))
+                longest = max(longest, int(lengths.max()))
         return shortest or 0, longest
 
     def _sample_ranges(self, steps: list[int]) -> Iterator[tuple[int, int]]:
