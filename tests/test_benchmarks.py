@@ -161,6 +161,24 @@ def test_gpu_throughput_runs_its_comparison_on_the_cpu(tmp_path: Path, capsys: p
     assert rows[1]["vs_default_generate"] == 1.0 and rows[0]["setup_seconds"] > 0
 
 
+def test_gpu_profile_runs_on_the_cpu(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """benchmarks/gpu_profile.py with --device cpu on a tiny Llama: prefill alone, then prefill and 2 decode steps,
+    each timed (the engine's own prefill and step counts) and profiled."""
+    from tiny_configs import tiny_llama_config
+
+    checkpoint = save_tiny_model(tiny_llama_config(), tmp_path / "checkpoint")
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # ZooModel loads the checkpoint's tokenizer
+        (checkpoint / name).write_bytes((SMOLLM2_DIR / name).read_bytes())
+    script = load_script("benchmarks/gpu_profile.py")
+    code = script.main(["--model", str(checkpoint), "--rows", "3", "--prompt_lengths", "4,20", "--decode_steps", "2",
+                        "--dtype", "float32", "--device", "cpu"])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "3 prompts" in printed and printed.count("== profiled") == 2
+    assert printed.count(", 0 decode steps") == 2 and printed.count(", 2 decode steps") == 3, printed
+    assert "Self CPU time total" in printed
+
+
 def test_structured_output_benchmark(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """benchmarks/structured_output.py on 8 real prompts: five runs, their table, the two ratios; the rows made as
     long as under the schema generate exactly as many tokens, and n = 4 prefills fewer prompt tokens than the same
