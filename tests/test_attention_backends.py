@@ -72,13 +72,3 @@ def test_the_pinned_backend_keeps_math_behind_it():
         assert out.shape == q.shape
     assert torch.backends.cuda.mem_efficient_sdp_enabled()  # restored
 
-
-def test_matmul_decode_switches_the_form_and_pins_no_backend():
-    """Decode pinned to "matmul" runs one-query attention as batched matrix products (`matmul_attention`), every SDPA
-    backend left as it was; afterwards SDPA again."""
-    from modelzoo.models import layers
-
-    with ab.AttentionBackends(decode="matmul").decode_context():
-        assert layers._decode_form == "matmul"
-        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
-    assert layers._decode_form == "sdpa"

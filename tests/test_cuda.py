@@ -1,8 +1,7 @@
 """The job on a CUDA GPU: every family token-exact in float32 through the captured decode step; in bfloat16 the
 captured step's files equal to the eager step's, with the rows' agreement with transformers' bfloat16 `generate()`
 recorded; the captured step equal to the eager one with rows leaving and joining across three cache length buckets,
-one captured while rows are in flight; decode attention as batched products, captured and eager; the set-up timing
-of the attention forms; and each option on CUDA.
+one captured while rows are in flight; the set-up timing of the attention backends; and each option on CUDA.
 Skipped where no CUDA device is present (CI); run on a GPU machine with `pytest tests/test_cuda.py`
 (`--junitxml=FILE` keeps the bfloat16 agreement figures as test properties)."""
 from __future__ import annotations
@@ -112,46 +111,15 @@ def test_captured_step_equals_eager_across_buckets(tmp_path, dtype):
     assert engine.decode.captures_in_flight == 2
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_matmul_decode_attention_on_cuda(tmp_path, dtype):
-    """Decode attention as two batched products around a float32 softmax (what the set-up timing pins where it is
-    the faster form): the captured step writes the eager step's tokens across three length buckets, and in float32
-    the tokens of the step attending through SDPA."""
-    from modelzoo.cuda.attention_backends import AttentionBackends
-    from modelzoo.models.checkpoint import load_model
-    from modelzoo.generation.engine import GenerationEngine, Request
-    from modelzoo.generation.options import GenerationOptions
-
-    checkpoint = save_tiny_model(tiny_llama_config(max_position_embeddings=512), tmp_path / "checkpoint")
-    device = torch.device("cuda")
-    prompts = family_prompts(VOCAB, lengths=(120, 3, 250, 130, 60, 240, 7))
-
-    def generate(mode: str, decode: str) -> dict[int, list[int]]:
-        model, _ = load_model(checkpoint, dtype, device)
-        engine = GenerationEngine(model, 2, 300, device, dtype, GenerationOptions(max_tokens=40),
-                                  attention=AttentionBackends(decode=decode))
-        if mode == "cuda_graph":
-            engine.decode.capture(len(engine.step_shapes()))
-        engine.warm_up()
-        return {c.index: c.tokens.tolist() for c in engine.generate(Request(i, np.array(p))
-                                                                   for i, p in enumerate(prompts))}
-
-    captured = generate("cuda_graph", "matmul")
-    assert len(captured) == len(prompts) and all(len(tokens) == 40 for tokens in captured.values())
-    assert captured == generate("eager", "matmul")
-    if dtype == torch.float32:
-        assert captured == generate("eager", "efficient")
-
-
-def test_attention_forms_timed_on_cuda():
-    """The set-up timing on the GPU: prefill under the SDPA backends, decode under them and as matmul, each replayed
-    from a CUDA graph; the forms chosen are among those timed."""
+def test_attention_backends_timed_on_cuda():
+    """The set-up timing on the GPU: prefill under each SDPA backend called, decode under each replayed from a CUDA
+    graph; the backends chosen are the fastest of those timed."""
     from modelzoo.cuda.attention_backends import time_attention_backends
 
     choice = time_attention_backends(8, 2, 64, torch.bfloat16, torch.device("cuda"), 16)
     decode = {name: t for name, t in choice.timings["decode"].items() if t is not None}
     prefill = {name: t for name, t in choice.timings["prefill"].items() if t is not None}
-    assert "matmul" in decode and "matmul" not in choice.timings["prefill"]
+    assert decode and prefill and "flash" not in decode  # flash takes no mask
     assert choice.decode == min(decode, key=decode.get) and choice.prefill == min(prefill, key=prefill.get)
 
 

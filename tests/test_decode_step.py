@@ -164,20 +164,6 @@ def test_inductor_compiled_step_gives_the_eager_tokens(tiny_llama):
     assert outputs(engine) == eager
 
 
-def test_compiled_step_through_matmul_attention_gives_the_eager_tokens(tiny_llama):
-    """The step compiled by inductor with decode attention as batched matrix products (what a CUDA job pins where
-    that form is the faster) gives the eager step's tokens."""
-    from modelzoo.cuda.attention_backends import AttentionBackends
-
-    eager = outputs(engine_for(tiny_llama))
-    model, _ = load_model(tiny_llama, torch.float32, torch.device("cpu"))
-    engine = GenerationEngine(model, SLOTS, MAX_SEQ_LEN, torch.device("cpu"), torch.float32, JOB,
-                              attention=AttentionBackends(decode="matmul"))
-    engine.decode.compile(len(engine.step_shapes()))
-    engine.warm_up()
-    assert outputs(engine) == eager
-
-
 def test_idle_step_changes_only_position_zero_of_the_cache(tiny_llama):
     """A step while every slot is idle (what warm_up runs) leaves the slot and stop state as they were."""
     engine = engine_for(tiny_llama)
@@ -319,13 +305,12 @@ def test_cache_lengths_are_aligned_and_never_read_whole(tiny_llama):
     assert [length for _, length in engine.step_shapes()] == [104]
 
 
-@pytest.mark.parametrize("form", ["sdpa", "matmul"])
 @pytest.mark.parametrize("kv_heads", [2, 8], ids=["grouped", "a_kv_head_each"])
 @pytest.mark.parametrize("bias", [False, True], ids=["bool_mask", "additive_bias"])
-def test_grouped_query_attention_equals_expanded_heads(bias, kv_heads, form):
-    """Decode attention over grouped queries, through SDPA or as batched matrix products, equals attention with K/V
-    expanded to every query head; over a cache slice (strided keys, as a step reads them) and in bfloat16 too."""
-    from modelzoo.models.layers import decode_attention_form, grouped_query_attention
+def test_grouped_query_attention_equals_expanded_heads(bias, kv_heads):
+    """Decode attention over grouped queries equals attention with K/V expanded to every query head; over a cache
+    slice (strided keys, as a step reads them) and in bfloat16 too."""
+    from modelzoo.models.layers import grouped_query_attention
 
     torch.manual_seed(0)
     batch, heads, length, head_dim = 5, 8, 37, 16
@@ -337,25 +322,12 @@ def test_grouped_query_attention_equals_expanded_heads(bias, kv_heads, form):
         mask = torch.randn(batch, heads, 1, length).masked_fill(~mask, float("-inf"))  # (B, heads, 1, L)
     expanded = [t.repeat_interleave(heads // kv_heads, dim=1) for t in (keys, values)]
     want = torch.nn.functional.scaled_dot_product_attention(q, *expanded, attn_mask=mask, scale=0.3)[:, :, 0]
-    with decode_attention_form(form):
-        got = grouped_query_attention(q, keys, values, mask, 0.3)
-        half = grouped_query_attention(q.bfloat16(), keys.bfloat16(), values.bfloat16(),
-                                       mask if mask.dtype == torch.bool else mask.bfloat16(), 0.3)
+    got = grouped_query_attention(q, keys, values, mask, 0.3)
+    half = grouped_query_attention(q.bfloat16(), keys.bfloat16(), values.bfloat16(),
+                                   mask if mask.dtype == torch.bool else mask.bfloat16(), 0.3)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     assert half.dtype == torch.bfloat16
     torch.testing.assert_close(half.float(), want, rtol=0, atol=3e-2)
-
-
-def test_decode_attention_form_is_scoped_and_checked():
-    from modelzoo.models import layers
-
-    with layers.decode_attention_form("matmul"):
-        assert layers._decode_form == "matmul"
-        with pytest.raises(ValueError, match="unknown decode attention form 'flash'"):
-            with layers.decode_attention_form("flash"):
-                pass
-        assert layers._decode_form == "matmul"
-    assert layers._decode_form == "sdpa"
 
 
 def test_compiled_code_is_cached_beside_the_kernels(tmp_path, tiny_llama):

@@ -8,10 +8,9 @@ call to slower kernels. A job runs two forms of attention:
 - decode: one query per row over the cache's first L positions with an additive mask of each row's length, the
   query heads of a kv head grouped as the rows of one query block (`grouped_query_attention`), each call as
   a captured decode step runs it: replayed from a CUDA graph.
-Each form is timed under every backend that takes it, on the job's own head layout and dtype, decode also as two
-batched matrix products around a softmax (`matmul_attention`, "matmul"); the fastest is pinned (math stays enabled
-behind an SDPA backend, for a call it cannot take: an ALiBi bias, say), and remembered for the next job on the same
-GPU model and software. The CPU runs its own C++ attention kernel and pins nothing.
+Each form is timed under every backend that takes it, on the job's own head layout and dtype; the fastest is pinned
+(math stays enabled behind it, for a call it cannot take: an ALiBi bias, say), and remembered for the next job on
+the same GPU model and software. The CPU runs its own C++ attention kernel and pins nothing.
 """
 from __future__ import annotations
 
@@ -27,7 +26,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from modelzoo.cpu.kernels import read_machine_choices, write_machine_choices
-from modelzoo.models.layers import decode_attention_form, grouped_query_attention
+from modelzoo.cuda.graphs import captured
+from modelzoo.models.layers import grouped_query_attention
 
 log = logging.getLogger("zoo-infer")
 
@@ -37,7 +37,6 @@ BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIE
 # cache positions for the job's rows in flight.
 PREFILL_ROWS, PREFILL_LENGTH, DECODE_LENGTH = 8, 512, 512
 TIMED_CALLS, TIMED_REPLAYS = 5, 20
-MATMUL = "matmul"  # decode only: `matmul_attention`, no SDPA backend
 SDPA_CHOICES, CACHE_VERSION = "sdpa_choices.json", 2  # beside the GEMM choices (modelzoo/cpu/kernels)
 
 
@@ -63,8 +62,6 @@ class AttentionBackends:
 def _pinned(backend: str | None) -> ContextManager:
     if backend is None:
         return contextlib.nullcontext()
-    if backend == MATMUL:
-        return decode_attention_form(MATMUL)
     return sdpa_kernel([BACKENDS[backend], SDPBackend.MATH] if backend != "math" else [SDPBackend.MATH])
 
 
@@ -141,18 +138,15 @@ def time_attention_backends(num_heads: int, num_kv_heads: int, head_dim: int, dt
 
 
 def _time_backends(call: Callable[[int], torch.Tensor], captured: bool = False) -> dict[str, float | None]:
-    """Microseconds per call of `call` under each backend alone (with `captured`, and as "matmul", `matmul_attention`
-    too), None where the backend does not take it or disagrees with the first that does. Eager: the mean of
-    TIMED_CALLS calls, each given its index, after one untimed. `captured`: the mean of TIMED_REPLAYS replays of one
-    call captured in a CUDA graph (a decode step's cost: no host work per call)."""
+    """Microseconds per call of `call` under each backend alone, None where the backend does not take it or disagrees
+    with the first that does. Eager: the mean of TIMED_CALLS calls, each given its index, after one untimed.
+    `captured`: the mean of TIMED_REPLAYS replays of one call captured in a CUDA graph (a decode step's cost: no host
+    work per call)."""
     reference, reference_name = None, ""
     times: dict[str, float | None] = {}
-    contexts = {name: lambda backend=backend: sdpa_kernel([backend]) for name, backend in BACKENDS.items()}
-    if captured:
-        contexts[MATMUL] = lambda: decode_attention_form(MATMUL)
-    for name, context in contexts.items():
+    for name, backend in BACKENDS.items():
         try:
-            with context(), warnings.catch_warnings():
+            with sdpa_kernel([backend]), warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # PyTorch warns why a backend cannot take a call: its time says so
                 out = call(0)  # loads what the backend loads: not timed
                 torch.cuda.synchronize()
@@ -182,16 +176,8 @@ def _called_seconds(call: Callable[[int], torch.Tensor]) -> float:
 
 
 def _replayed_seconds(call: Callable[[int], torch.Tensor]) -> float:
-    """Seconds per replay of one call of `call` captured in a CUDA graph (warmed up on a side stream first, as the
-    decode step's graphs are)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call(0)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call(0)
+    """Seconds per replay of one call of `call` captured in a CUDA graph, as the decode step's graphs are."""
+    graph = captured(lambda: call(0), warm_runs=1)
     graph.replay()
     torch.cuda.synchronize()
     start = time.perf_counter()

@@ -21,6 +21,21 @@ log = logging.getLogger("zoo-infer")
 StepFunction = Callable[[torch.Tensor | None, int], None]  # (slots (R,) or None for every slot, cache length)
 
 
+def captured(run: Callable[[], object], warm_runs: int, pool: tuple[int, int] | None = None) -> torch.cuda.CUDAGraph:
+    """`run` recorded into a CUDA graph (in `pool`, if given), after `warm_runs` runs on a side stream (allocations
+    and lazy initialisation happen there, not in the graph)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warm_runs):
+            run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        run()
+    return graph
+
+
 class StepGraphs:
     """Captures and replays `step` as CUDA graphs keyed by (rows, length), rows -1 for every slot."""
 
@@ -70,14 +85,5 @@ class StepGraphs:
         """Warms the step up on a side stream, then records it into a CUDA graph."""
         if slots is not None:
             slots = self._slots.setdefault(len(slots), slots.clone())
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
         with self.attention():
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self.step(slots, length)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                self.step(slots, length)
-        self._graphs[key] = graph
+            self._graphs[key] = captured(lambda: self.step(slots, length), warm_runs=2, pool=self._pool)

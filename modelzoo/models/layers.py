@@ -5,11 +5,10 @@ float32 upcasts) so that greedy decoding matches the Hugging Face reference toke
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -225,25 +224,6 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: i
     return out.transpose(1, 2).reshape(batch, seq, heads * head_dim)
 
 
-# How one-query (decode) attention runs: "sdpa", PyTorch's scaled_dot_product_attention under whatever backend is
-# pinned, or "matmul", `matmul_attention`. A CUDA job times both and runs its decode steps under the faster
-# (modelzoo/cuda/attention_backends.py); a compiled step reads it when traced.
-_decode_form = "sdpa"
-
-
-@contextlib.contextmanager
-def decode_attention_form(form: str) -> Iterator[None]:
-    """Runs one-query attention `form`'s way ("sdpa" or "matmul") inside the block."""
-    global _decode_form
-    if form not in ("sdpa", "matmul"):
-        raise ValueError(f"unknown decode attention form {form!r}")
-    previous, _decode_form = _decode_form, form
-    try:
-        yield
-    finally:
-        _decode_form = previous
-
-
 def grouped_query_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                             scale: float | None) -> torch.Tensor:
     """One query per row over the cache, with each kv head's query heads as the rows of one query block (one row
@@ -256,33 +236,8 @@ def grouped_query_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.T
     grouped = q.reshape(batch, kv_heads, heads // kv_heads, head_dim)  # head h = kv * group + g
     if mask.shape[1] != 1:  # a bias per query head: (B, heads, 1, L) -> (B, kv_heads, group, L)
         mask = mask.reshape(batch, kv_heads, heads // kv_heads, mask.shape[-1])
-    if _decode_form == "matmul":
-        out = matmul_attention(grouped, keys, values, mask, scale)
-    else:
-        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)  # (B, kv, group, hd)
+    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)  # (B, kv, group, hd)
     return out.reshape(batch, heads, head_dim)
-
-
-def matmul_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                     scale: float | None) -> torch.Tensor:
-    """Attention as two batched matrix products around a softmax, each (row, kv head) one small product that reads
-    its keys and values once: q (B, kv_heads, G, hd) against keys, values (B, kv_heads, L, hd); mask broadcastable
-    to (B, kv_heads, G, L), bool (True: visible) or additive. Scores and softmax in float32 (on CUDA the product of
-    16-bit inputs is written in float32, never rounded to 16 bits first); the weights in the values' dtype for the
-    second product, as flash kernels take them. Returns (B, kv_heads, G, hd)."""
-    batch, kv_heads, group, head_dim = q.shape
-    length = keys.shape[2]
-    queries = q.reshape(batch * kv_heads, group, head_dim)
-    keys_t = keys.reshape(batch * kv_heads, length, head_dim).transpose(1, 2)  # (B * kv, hd, L)
-    if q.is_cuda and q.dtype != torch.float32:
-        scores = torch.bmm(queries, keys_t, out_dtype=torch.float32)  # (B * kv, G, L)
-    else:
-        scores = torch.bmm(queries.float(), keys_t.float())
-    scores = scores.view(batch, kv_heads, group, length) * (head_dim ** -0.5 if scale is None else scale)
-    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
-    weights = torch.softmax(scores, dim=-1).to(values.dtype).view(batch * kv_heads, group, length)
-    out = torch.bmm(weights, values.reshape(batch * kv_heads, length, head_dim))  # (B * kv, G, hd)
-    return out.view(batch, kv_heads, group, head_dim)
 
 
 def gelu_new(x: torch.Tensor) -> torch.Tensor:
