@@ -268,9 +268,9 @@ class Runtime:
         return engine
 
     def _prepare_decode_step(self, engine: GenerationEngine) -> None:
-        """Compiles or captures the decode step as runconfig.decode_step says, and runs it once per shape it can
-        take, all before the generation clock starts (kernel builds and GEMM primitives included); logged and kept
-        for summary.json."""
+        """Compiles or captures the decode step as runconfig.decode_step says, and warms it up (`engine.warm_up`: the
+        shapes it can take, kernel builds, GEMM primitives, compilation and capture), all before the generation clock
+        starts; logged and kept for summary.json."""
         mode = self.plan.decode_step_mode
         shapes = engine.step_shapes()
         if mode == "compiled":
@@ -284,8 +284,9 @@ class Runtime:
             attention = engine.model.decode_attention(engine.cache, compiled=mode != "eager")
         captured = ("; captured so far: " + ", ".join(str(length) for _, length in engine.decode.captured_shapes)
                     + " (the other buckets when a step first reaches them)") if mode == "cuda_graph" else ""
-        log.info("decode step: %s, attention %s, rows %s, cache length buckets %s; warmed up in %.1fs%s", mode,
-                 attention, "/".join(map(str, rows)), lengths, seconds, captured)
+        warmed = f"warmed up in {seconds:.1f}s" if engine.warm_up_shapes(self.prompts, self.rows_to_do) else "no warm-up"
+        log.info("decode step: %s, attention %s, rows %s, cache length buckets %s; %s%s", mode, attention,
+                 "/".join(map(str, rows)), lengths, warmed, captured)
         self.decode_step = {"mode": mode, "attention": attention, "rows": rows, "length_buckets": lengths,
                             "warm_up_seconds": round(seconds, 3),
                             "sdpa_backends": {"prefill": engine.attention.prefill, "decode": engine.attention.decode}}

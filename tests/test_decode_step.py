@@ -176,11 +176,25 @@ def test_idle_step_changes_only_position_zero_of_the_cache(tiny_llama):
                                   engine.stops.history)]
     for layer in range(len(engine.cache.keys)):
         engine.cache.keys[layer].fill_(1.5)
-    engine.warm_up()
+    engine.decode.warm_up(engine.step_shapes())
     after = (state.sequences, state.seq_len, state.last_token, state.reason, state.active, engine.stops.history)
     assert all(torch.equal(a, b) for a, b in zip(before, after))
     keys = engine.cache.keys[0]
     assert torch.all(keys[:, :, 1:] == 1.5) and not torch.all(keys[:, :, 0] == 1.5)
+
+
+def test_eager_cpu_step_is_not_warmed_up_but_a_compiled_one_is(tiny_llama):
+    """An eager step on the CPU has nothing to warm (a GEMM shape's first call costs about a millisecond more): no
+    step runs before generation, and none of the cache is written; a compiled step warms every shape it can take."""
+    engine = engine_for(tiny_llama)
+    for layer in range(len(engine.cache.keys)):
+        engine.cache.keys[layer].fill_(1.5)
+    assert engine.warm_up_shapes(None, 0) == []
+    engine.warm_up()
+    assert all(torch.all(keys == 1.5) for keys in engine.cache.keys)
+    compiled = engine_for(tiny_llama)
+    compiled.decode.compile(len(compiled.step_shapes()), backend=GraphRecorder().backend)
+    assert compiled.warm_up_shapes(None, 0) == compiled.step_shapes()
 
 
 def test_warm_up_refuses_active_slots(tiny_llama):

@@ -7,7 +7,7 @@ finished once per step (every few on a GPU). Admitted prompts are prefilled toge
 the first ones share (a chat template) is prefilled once (`SharedPrefix`). A step runs every slot (idle ones on a
 throwaway row at position 0), a fixed shape whose weights the CPU GEMMs prepack; where the caller allows smaller
 steps (`step_rows`, row counts below the slots), a step with fewer rows in flight (a job's last steps, a call with
-fewer requests than slots) runs the smallest that holds them, its own fixed shape, warmed up like the full one.
+fewer requests than slots) runs the smallest that holds them, its own fixed shape, warmed up as the full one is.
 
 Tokens are the argmax of the logits unless a `TokenChoice` (sampling, repetition control) is given; rows with a
 response format (`StructuredRows`) choose among the tokens their grammar allows, fed each new token after every
@@ -195,11 +195,13 @@ class GenerationEngine:
 
     def warm_up(self, prompts: PromptSpan | None = None, rows: int = 0) -> float:
         """Runs the decode step before any prompt (see `DecodeStep.warm_up`): compiled, once per shape it can take;
-        eager (whose cost does not depend on the length bucket) and captured (one graph compiled for every length, each
-        bucket captured when a step first reaches it), once per row count, over the longest bucket (where rows that
-        run to max_seq_len end). Captured, for `rows` rows of these `prompts`: every bucket a step of every slot can
-        reach (none captured while rows are in flight then), and each smaller step over the longest of them.
-        Returns seconds."""
+        eager on a GPU (whose cost does not depend on the length bucket) and captured (one graph compiled for every
+        length, each bucket captured when a step first reaches it), once per row count, over the longest bucket (where
+        rows that run to max_seq_len end). Captured, for `rows` rows of these `prompts`: every bucket a step of every
+        slot can reach (none captured while rows are in flight then), and each smaller step over the longest of them.
+        Eager on the CPU: none. A GEMM's first call of a shape there costs about a millisecond more than the next
+        (oneDNN's primitive; prefill meets a new row count every group anyway), where a warm-up step would cost a
+        whole step per row count, thrown away. Returns seconds."""
         shapes = self.warm_up_shapes(prompts, rows)
         with torch.inference_mode():
             return self.decode.warm_up(shapes)
@@ -209,6 +211,8 @@ class GenerationEngine:
         shapes = self.step_shapes()
         if self.decode.mode == "compiled":
             return shapes
+        if self.decode.mode == "eager" and self.device.type == "cpu":
+            return []
         shapes = list({None if slots is None else len(slots): (slots, length) for slots, length in shapes}.values())
         if self.decode.mode != "cuda_graph" or prompts is None:
             return shapes
