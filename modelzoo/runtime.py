@@ -155,7 +155,9 @@ class Runtime:
                             "model.speculative cannot constrain its drafts; drop model.speculative")
         self.compiler = (compile_formats(spec.checkpoint, self.vocab_size, defaults.stop_sequences, list(response_formats))
                          if response_formats else None)
+        started = time.perf_counter()
         self.model = self._load_model(tp)
+        loaded = time.perf_counter()
         free = available_memory(self.device)
         self.rows_in_flight = self._rows_in_flight(rows_to_do, free, tp)
         self.rows_to_do, self.prompts = rows_to_do, prompts
@@ -168,9 +170,15 @@ class Runtime:
         self.gemm: GemmPlan | None = None
         cache = self.kv_cache_bytes(self.rows_in_flight)
         self.step_rows = self._choose_gemm(spare_bytes=(free - cache) // 2)  # row counts of smaller decode steps
+        laid_out = time.perf_counter()
         self.drafter = self._drafter()
         self.engine = self._build_engine(defaults, variety)
         self._scoring_cache: KVCache | None = None
+        # Where the set-up's seconds went, for the log and summary.json.
+        self.setup_parts = {"load": round(loaded - started, 3), "gemm_layout": round(laid_out - loaded, 3),
+                            "kv_cache_and_decode_step": round(time.perf_counter() - laid_out, 3)}
+        log.info("set-up parts: load %.1fs, GEMM choice and weight layout %.1fs, KV cache and decode step %.1fs",
+                 *self.setup_parts.values())
 
     def dtype_name(self) -> str:
         """The precision policy in words (modelzoo/cpu/precision.py)."""

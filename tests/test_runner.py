@@ -81,6 +81,9 @@ def test_predictions_match_transformers_and_file_format(tmp_path, tiny_llama, pr
     from modelzoo.cpu.kernels import cpu_kernels  # the tiny Llama (head_dim 16, 2 query heads a kv head) takes the kernel
     assert summary["decode_step"]["attention"] == ("cpu_kernel" if cpu_kernels() else "sdpa_grouped_queries")
     assert summary["setup_seconds"] > 0 and summary["decode_step"]["warm_up_seconds"] == 0  # eager on the CPU: none
+    parts = summary["setup_parts"]
+    assert list(parts) == ["load", "gemm_layout", "kv_cache_and_decode_step"] and min(parts.values()) >= 0
+    assert sum(parts.values()) <= summary["setup_seconds"]
     assert (model_dir / "artifacts" / "params_inference.yaml").is_file()
 
 

@@ -56,10 +56,11 @@ def _versions() -> dict[str, str]:
 
 def summary_of(stats: list[RunStats], device: str, dtype: str, shards: int,
                gemm: dict[str, Any] | None = None, rows_in_flight: int | None = None,
-               decode_step: dict[str, Any] | None = None) -> dict[str, Any]:
+               decode_step: dict[str, Any] | None = None, setup_parts: dict[str, float] | None = None) -> dict[str, Any]:
     """One summary over the stats of every shard (shards run side by side: seconds is the longest);
     `gemm`: the GEMM backends chosen for this process's weights, with the rates measured;
-    `rows_in_flight`: the rows this process generated together; `decode_step`: how its decode step ran."""
+    `rows_in_flight`: the rows this process generated together; `decode_step`: how its decode step ran;
+    `setup_parts`: this process's set-up seconds by part (Runtime.setup_parts)."""
     total: dict[str, Any] = {}
     for key in ("samples_done", "samples_skipped", "samples_remaining", "batches_done", "batches_skipped",
                 "batches_remaining", "generated_tokens", "prefilled_tokens", "rows_without_start_token", "rows_with_empty_prompt",
@@ -86,6 +87,7 @@ def summary_of(stats: list[RunStats], device: str, dtype: str, shards: int,
         **total,
         "generation_seconds": round(seconds, 3),
         "setup_seconds": round(max((s.setup_seconds for s in stats), default=0.0), 3),
+        "setup_parts": setup_parts,
         "tokens_per_second": round(total["generated_tokens"] / seconds, 2) if seconds else 0.0,
         "speculative_acceptance_rate": (round(total["accepted_tokens"] / total["drafted_tokens"], 4)
                                         if total["drafted_tokens"] else None),

@@ -358,7 +358,8 @@ class InferenceJob:
         runtime = self.runtime
         gemm = runtime.gemm.to_dict() if runtime is not None and runtime.gemm else None
         return summary_of(stats, str(self.device), self.plan.policy.describe(), self.shard.count, gemm,
-                          self._rows_in_flight(), runtime.decode_step if runtime is not None else None)
+                          self._rows_in_flight(), runtime.decode_step if runtime is not None else None,
+                          runtime.setup_parts if runtime is not None else None)
 
     def _rows_in_flight(self) -> int:
         """The runtime's rows in flight; batch_size before it is open."""
