@@ -56,19 +56,35 @@ def map_private(handle) -> mmap.mmap:
     return mapping
 
 
+def _mapping_of(tensor: torch.Tensor) -> tuple[int, mmap.mmap] | None:
+    """(base address, map) of the checkpoint memory map `tensor` views, if any."""
+    start = tensor.data_ptr()
+    return next(((base, mapping) for base, mapping in list(_MAPPINGS.items()) if base <= start < base + len(mapping)),
+                None)
+
+
 def release_mapped(tensor: torch.Tensor) -> None:
     """Drops the whole pages of `tensor` from this process if it views a checkpoint's memory map (read_safetensors),
     once its values were copied elsewhere; they are read again from the file if the tensor is used. Anything else:
     nothing happens."""
+    mapped = _mapping_of(tensor)
+    if mapped is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    base, mapping = mapped
     start = tensor.data_ptr()
     stop = start + tensor.untyped_storage().nbytes() - tensor.storage_offset() * tensor.element_size()
-    for base, mapping in list(_MAPPINGS.items()):
-        if base <= start < base + len(mapping) and hasattr(mmap, "MADV_DONTNEED"):
-            first = -(-(start - base) // mmap.PAGESIZE) * mmap.PAGESIZE  # pages wholly inside: never a neighbour's
-            last = (stop - base) // mmap.PAGESIZE * mmap.PAGESIZE
-            if last > first:
-                mapping.madvise(mmap.MADV_DONTNEED, first, last - first)
-            return
+    first = -(-(start - base) // mmap.PAGESIZE) * mmap.PAGESIZE  # pages wholly inside: never a neighbour's
+    last = (stop - base) // mmap.PAGESIZE * mmap.PAGESIZE
+    if last > first:
+        mapping.madvise(mmap.MADV_DONTNEED, first, last - first)
+
+
+def owns_its_memory(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is contiguous and alone in memory of its own: all of its storage, not a view of a larger
+    tensor or of a checkpoint's memory map (whose pages release_mapped drops)."""
+    return (tensor.is_contiguous() and tensor.storage_offset() == 0
+            and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+            and _mapping_of(tensor) is None)
 
 
 @functools.cache

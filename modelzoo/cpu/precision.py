@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from modelzoo.cpu.memory import release_mapped
+from modelzoo.cpu.memory import owns_its_memory, release_mapped
 from modelzoo.cpu.facts import cpu_flags
 
 
@@ -231,10 +231,19 @@ def apply_bf16_gemm(model: nn.Module) -> dict[str, str]:
 
 class HalfLinear(PackedLinear):
     """A linear layer multiplied by half_linear: its bfloat16 or float16 weight packed into (N/16, K, 16) in its own
-    dtype, widened to float32 as the kernel reads it; a float32 bias, float32 inputs and outputs."""
+    dtype, widened to float32 as the kernel reads it; a float32 bias, float32 inputs and outputs.
+
+    consume: the layer is dropped once replaced, so its weight may be packed in its own memory where that holds
+    nothing else (a fused or cast weight: no second copy written, the layer's weight then garbled); else, and for a
+    view of the checkpoint's memory map, a part of a larger tensor or rows padded to blocks, into new memory."""
+
+    def __init__(self, layer: nn.Module, consume: bool = False) -> None:
+        self.consume = consume
+        super().__init__(layer)
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        return pack_half_weight(weight)
+        in_place = self.consume and weight.shape[0] % GEMM_BLOCK == 0 and owns_its_memory(weight)
+        return pack_half_weight(weight, in_place=in_place)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from modelzoo.cpu.kernels import cpu_kernels
@@ -242,12 +251,14 @@ class HalfLinear(PackedLinear):
         return cpu_kernels().half_linear(x.float(), self.packed, self.bias, self.out_features)  # (..., N) float32
 
 
-def pack_half_weight(weight: torch.Tensor) -> torch.Tensor:
+def pack_half_weight(weight: torch.Tensor, in_place: bool = False) -> torch.Tensor:
     """W (N, K) bfloat16 or float16 -> (ceil(N/16), K, 16) in its dtype: for each input, 16 output rows' values side
-    by side (zero rows pad N), written by the C++ kernels straight into the packed tensor, every block in parallel."""
+    by side (zero rows pad N), written by the C++ kernels straight into the packed tensor, every block in parallel.
+    in_place: written over W itself (contiguous, N a multiple of 16), returned as a view of it."""
     from modelzoo.cpu.kernels import cpu_kernels
 
-    return cpu_kernels().pack_half_weight(weight)
+    kernels = cpu_kernels()
+    return kernels.pack_half_weight_in_place(weight) if in_place else kernels.pack_half_weight(weight)
 
 
 class TiedHalfEmbedding(nn.Module):
@@ -274,7 +285,7 @@ def apply_half_gemm(model: nn.Module) -> dict[str, str]:
                   for name, module in parent.named_children() if isinstance(module, nn.Embedding)}
 
     def pack(parent: nn.Module, name: str, layer: nn.Module) -> tuple[PackedLinear, str]:
-        packed = HalfLinear(layer)
+        packed = HalfLinear(layer, consume=True)
         tied = embeddings.pop(layer.weight.data_ptr(), None)
         if tied is not None and not getattr(layer, "weight_is_in_out", False):
             owner, attribute, _ = tied

@@ -26,6 +26,7 @@
 #include <cstring>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 namespace zoo {
 namespace {
@@ -270,31 +271,57 @@ torch::Tensor half_linear(const torch::Tensor& x, const torch::Tensor& packed, c
   return linear(x, packed, bias, out_features, path_in_use());
 }
 
-torch::Tensor pack_half_weight(const torch::Tensor& weight) {
+namespace {
+
+void check_half_weight(const torch::Tensor& weight) {
   TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 &&
                   (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kHalf),
               "weight must be a bfloat16 or float16 CPU tensor (N, K)");
+}
+
+// One block: `rows` (<= 16) rows of k values -> (k, 16), zero rows padding it.
+void pack_block(const uint16_t* in, int64_t rows, int64_t k, uint16_t* out) {
+  if (rows < kBlock) {
+    std::memset(out, 0, k * kBlock * sizeof(uint16_t));
+    for (int64_t i = 0; i < k; ++i)
+      for (int64_t r = 0; r < rows; ++r) out[i * kBlock + r] = in[r * k + i];
+    return;
+  }
+  for (int64_t i = 0; i < k; ++i)  // 16 rows read side by side, each output line written whole
+    for (int64_t r = 0; r < kBlock; ++r) out[i * kBlock + r] = in[r * k + i];
+}
+
+}  // namespace
+
+torch::Tensor pack_half_weight(const torch::Tensor& weight) {
+  check_half_weight(weight);
   const auto w = weight.contiguous();
   const int64_t n = w.size(0), k = w.size(1), blocks = (n + kBlock - 1) / kBlock;
   auto packed = torch::empty({blocks, k, kBlock}, w.options());
   const auto* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
   auto* dst = reinterpret_cast<uint16_t*>(packed.data_ptr());
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t rows = std::min(kBlock, n - b * kBlock);
-      const uint16_t* in = src + b * kBlock * k;
-      uint16_t* out = dst + b * k * kBlock;
-      if (rows < kBlock) {
-        std::memset(out, 0, k * kBlock * sizeof(uint16_t));
-        for (int64_t i = 0; i < k; ++i)
-          for (int64_t r = 0; r < rows; ++r) out[i * kBlock + r] = in[r * k + i];
-        continue;
-      }
-      for (int64_t i = 0; i < k; ++i)  // 16 rows read side by side, each output line written whole
-        for (int64_t r = 0; r < kBlock; ++r) out[i * kBlock + r] = in[r * k + i];
-    }
+    for (int64_t b = begin; b < end; ++b)
+      pack_block(src + b * kBlock * k, std::min(kBlock, n - b * kBlock), k, dst + b * k * kBlock);
   });
   return packed;
+}
+
+torch::Tensor pack_half_weight_in_place(torch::Tensor& weight) {
+  check_half_weight(weight);
+  TORCH_CHECK(weight.is_contiguous() && weight.size(0) % kBlock == 0,
+              "packing in place needs a contiguous weight of whole blocks of 16 rows");
+  const int64_t n = weight.size(0), k = weight.size(1), blocks = n / kBlock;
+  auto* values = reinterpret_cast<uint16_t*>(weight.data_ptr());
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint16_t> rows(kBlock * k);
+    for (int64_t b = begin; b < end; ++b) {  // block b's rows and its packed values share one place
+      uint16_t* block = values + b * kBlock * k;
+      std::memcpy(rows.data(), block, rows.size() * sizeof(uint16_t));
+      pack_block(rows.data(), kBlock, k, block);
+    }
+  });
+  return weight.view({blocks, k, kBlock});
 }
 
 std::string half_gemm_path(const std::string& use) {

@@ -40,6 +40,8 @@ torch::Tensor half_linear(const torch::Tensor& x, const torch::Tensor& packed, c
                           int64_t out_features);
 // W (N, K) bfloat16 or float16 -> (N/16 rounded up, K, 16) in its dtype, zero rows padding N: half_linear's layout.
 torch::Tensor pack_half_weight(const torch::Tensor& weight);
+// The same layout written into the weight's own memory (contiguous, N a multiple of 16), returned as a view of it.
+torch::Tensor pack_half_weight_in_place(torch::Tensor& weight);
 // Which code path half_linear takes, "avx2" or "avx512": the faster here, timed at the first call; `use` sets it.
 std::string half_gemm_path(const std::string& use);
 // lora_update.cpp: out[m] += B_g A_g x[m], the update of each row's own LoRA adapter g (modelzoo/lora.py).
