@@ -83,7 +83,7 @@ def test_predictions_match_transformers_and_file_format(tmp_path, tiny_llama, pr
     assert summary["setup_seconds"] > 0 and summary["decode_step"]["warm_up_seconds"] == 0  # eager on the CPU: none
     parts = summary["setup_parts"]
     assert list(parts) == ["load", "gemm_layout", "kv_cache_and_decode_step"] and min(parts.values()) >= 0
-    assert sum(parts.values()) <= summary["setup_seconds"]
+    assert sum(parts.values()) <= summary["setup_seconds"] + 0.002  # each of the four rounded to the millisecond
     assert (model_dir / "artifacts" / "params_inference.yaml").is_file()
 
 
