@@ -196,9 +196,10 @@ def run_zoo_dtype(args: argparse.Namespace, prep: Prepared, out: Path, dtype: st
     RSS bound."""
     int8 = dtype == "int8"
     variant = "_".join(part for part in ("int8" if int8 else "", label.replace(" ", "_")) if part)
+    cache = {"weight_cache": str(args.weight_cache.resolve())} if args.weight_cache else None
     row, generated = run_zoo(args, prep, out, "float32" if int8 else dtype, threads, variant=variant,
                              model_keys={"weight_dtype": "int8", "int8_group_size": INT8_GROUP} if int8 else None,
-                             repo=repo)
+                             runconfig_keys=cache, repo=repo)
     row.update(engine=f"zoo-infer {label}" if label else "zoo-infer", dtype=dtype,
                rss_bound_mib=rss_bound_mib(args.model, dtype, args.batch_size, prep.max_seq_len))
     return row, generated
@@ -246,6 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--vllm_python", default=os.environ.get("VLLM_PYTHON") or sys.executable,
                         help="Python interpreter that runs the vLLM peer and is asked whether `import vllm` works, "
                         "e.g. a separate virtualenv's bin/python (default: $VLLM_PYTHON, else this interpreter)")
+    parser.add_argument("--weight_cache", type=Path, default=None, help="zoo-infer's runconfig.weight_cache: each "
+                        "zoo-infer row maps its model laid out by an untimed --compile_only run just before (setup s is "
+                        "then a later job's set-up; float32 layouts are not cached) (default: off)")
     parser.add_argument("--timeout", type=float, default=None, help="seconds after which an engine's process is "
                         "killed (default: none)")
     return parser

@@ -12,13 +12,14 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
 
 from modelzoo.cpu.gemm import GemmPlan, apply_gemm_backend, weight_bytes
 from modelzoo.cpu.int8_compute import apply_int8_backend
-from modelzoo.cpu.kernels import cpu_kernels, machine_dir
+from modelzoo.cpu.kernels import cpu_kernels, kernel_build_dir, machine_dir
 from modelzoo.cpu.precision import (PrecisionPolicy, apply_bf16_gemm, apply_half_gemm, keep_gemm_weights,
                                     precision_policy)
 from modelzoo.cpu.quantization import int8_summary
@@ -36,6 +37,8 @@ from modelzoo.models.kv_cache import KVCache
 from modelzoo.models.lora import AdapterPlan, attach_adapters, plan_adapters
 from modelzoo.models.tensor_parallel import TensorParallelGroup, shard_plan
 from modelzoo.runtime_spec import RuntimeSpec
+from modelzoo import weight_cache
+from modelzoo.weight_cache import CachedLayout
 
 log = logging.getLogger("zoo-infer")
 
@@ -156,7 +159,9 @@ class Runtime:
         self.compiler = (compile_formats(spec.checkpoint, self.vocab_size, defaults.stop_sequences, list(response_formats))
                          if response_formats else None)
         started = time.perf_counter()
-        self.model = self._load_model(tp)
+        cache_key = self._weight_cache_key(tp)
+        cached = weight_cache.load(Path(spec.weight_cache), cache_key) if cache_key else None
+        self.model = cached.model if cached else self._load_model(tp)
         loaded = time.perf_counter()
         free = available_memory(self.device)
         self.rows_in_flight = self._rows_in_flight(rows_to_do, free, tp)
@@ -169,7 +174,15 @@ class Runtime:
                      ", ".join(f"{a.name} ({len(a.updates)} projections)" for a in self.adapters.bank))
         self.gemm: GemmPlan | None = None
         cache = self.kv_cache_bytes(self.rows_in_flight)
-        self.step_rows = self._choose_gemm(spare_bytes=(free - cache) // 2)  # row counts of smaller decode steps
+        if cached:
+            self.gemm = cached.gemm
+            log.info("GEMMs as the weight cache laid them out: %s", ", ".join(f"{key} {kernel}" for key, kernel
+                                                                            in self.gemm.layers.items()))
+        else:
+            self._choose_gemm(spare_bytes=(free - cache) // 2)
+            if cache_key:
+                weight_cache.save(Path(spec.weight_cache), cache_key, CachedLayout(self.model, self.gemm))
+        self.step_rows = self._smaller_steps()  # row counts of smaller decode steps
         laid_out = time.perf_counter()
         self.drafter = self._drafter()
         self.engine = self._build_engine(defaults, variety)
@@ -346,16 +359,30 @@ class Runtime:
             model = model.to(self.dtype)
         return model
 
-    def _choose_gemm(self, spare_bytes: int) -> tuple[int, ...]:
+    def _weight_cache_key(self, tp: TensorParallelGroup) -> str | None:
+        """The weight cache's key for this model (modelzoo/weight_cache.py), or None where runconfig.weight_cache is
+        not set or does not apply (logged why)."""
+        spec = self.spec
+        if not spec.weight_cache:
+            return None
+        kernels = cpu_kernels()
+        why_not = ("it caches CPU layouts" if self.device.type != "cpu" else
+                   "its layouts are the C++ kernels', not built here" if kernels is None else
+                   "tensor parallel ranks load their own shares" if tp.size > 1 else
+                   "LoRA adapters change the weights per job" if self.adapters is not None else
+                   "a compiled decode step lays out no weights" if self.plan.decode_step_mode == "compiled" else None)
+        if why_not:
+            log.info("weight cache: not used (%s)", why_not)
+            return None
+        options = {"policy": self.policy.describe(), "dtype": spec.dtype, "weight_dtype": spec.weight_dtype,
+                   "int8_group_size": spec.int8_group_size, "gemm_backend": spec.gemm_backend,
+                   "int8_backend": spec.int8_backend}
+        return weight_cache.cache_key(spec.checkpoint, options, kernel_build_dir().name + "@" + machine_dir().name)
+
+    def _choose_gemm(self, spare_bytes: int) -> None:
         """Puts every float linear layer in the layout of the GEMM backend chosen for it (runconfig.gemm_backend;
         MKL's second copy of the weights only within `spare_bytes`), and every int8 one in its backend's
-        (int8_backend); returns the row counts of smaller decode steps (`smaller_steps`), or () to keep every
-        step full.
-
-        Every decode forward has one row per row in flight (times K + 1 when verifying K drafted tokens); with
-        fewer rows in flight, steps run fewer rows, which keeps each row's bits only where every chosen backend is
-        batch-invariant.
-        """
+        (int8_backend); `self.gemm` says what was chosen."""
         model, weight_dtype, spec = self.model, self.spec.weight_dtype, self.spec.speculative
         rows = self.rows_in_flight
         # Compiled, torch's own GEMMs: the re-laid-out weights of the other backends cannot be traced.
@@ -369,7 +396,7 @@ class Runtime:
                      "%s, the faster here as timed) for %s", cpu_kernels().bf16_gemm_broadcast(),
                      ", ".join(key if kernel == "bf16_linear" else f"{key} (SiLU gate fused: {kernel})"
                                for key, kernel in self.gemm.layers.items()))
-            return () if spec else smaller_steps(rows)
+            return
         if self.policy.half_gemm:
             if backend != "auto":
                 log.warning("runconfig.gemm_backend %s ignored: %s weights multiply with half_linear here (widened to "
@@ -378,15 +405,27 @@ class Runtime:
             log.info("GEMMs: half_linear (%s weights widened to float32 as read, float32 inputs, sums and outputs; "
                      "%s code path, the faster here as timed) for %s", str(self.policy.weights)[6:],
                      cpu_kernels().half_gemm_path(), ", ".join(self.gemm.layers))
-            return () if spec else smaller_steps(rows)
+            return
         self.gemm = apply_gemm_backend(model, self.dtype, self.device, backend,
                                        decode_rows=rows * (1 + (spec.num_tokens if spec else 0)),
                                        spare_bytes=spare_bytes)
         if weight_dtype == "int8":
             self.gemm.add(apply_int8_backend(model, self.dtype, self.device, self.spec.int8_backend))
-        if spec or self.device.type != "cpu" or self.plan.decode_step_mode == "compiled":
+
+    def _smaller_steps(self) -> tuple[int, ...]:
+        """The row counts of smaller decode steps (`smaller_steps`), or () to keep every step full.
+
+        Every decode forward has one row per row in flight (times K + 1 when verifying K drafted tokens); with
+        fewer rows in flight, steps run fewer rows, which keeps each row's bits only where every chosen backend is
+        batch-invariant (bf16_linear and half_linear are).
+        """
+        if self.spec.speculative:
+            return ()
+        if self.policy.bf16_gemm or self.policy.half_gemm:
+            return smaller_steps(self.rows_in_flight)
+        if self.device.type != "cpu" or self.plan.decode_step_mode == "compiled":
             return ()  # compiled: another shape is another graph, whose fusions may round a row otherwise
-        return smaller_steps(rows) if self.gemm.batch_invariant else ()
+        return smaller_steps(self.rows_in_flight) if self.gemm.batch_invariant else ()
 
     def _drafter(self) -> Drafter | None:
         """The speculative-decoding drafter of `model.speculative`, if any (loads the draft model)."""

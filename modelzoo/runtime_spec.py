@@ -35,7 +35,9 @@ class RuntimeSpec:
     one by name (modelzoo/cpu/gemm.py, modelzoo/cpu/int8_compute.py); tensor_parallel: ranks that split the model;
     speculative: drafted decoding; adapters: LoRA adapter name -> folder, adapter the one of rows that name none
     (merged into the weights when every row runs it); row_adapters: the adapter names rows give (None: rows name
-    none); scoring_top_k: the likeliest tokens the scorer reports at each scored position.
+    none); scoring_top_k: the likeliest tokens the scorer reports at each scored position; weight_cache: a folder
+    where the model, laid out for the CPU's GEMMs, is saved once and mapped by later runs (modelzoo/weight_cache.py;
+    None: off).
     """
 
     checkpoint: str
@@ -56,3 +58,4 @@ class RuntimeSpec:
     adapter: str | None = None
     row_adapters: tuple[str, ...] | None = None
     scoring_top_k: int = 0
+    weight_cache: str | None = None

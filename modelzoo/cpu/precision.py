@@ -120,7 +120,18 @@ def keep_gemm_weights(model: nn.Module, activations: torch.dtype) -> None:
             if buffer.is_floating_point():
                 setattr(module, name, buffer.to(activations))
         if isinstance(module, nn.Embedding):
-            module.register_forward_hook(lambda _module, _args, out: out.to(activations))
+            module.register_forward_hook(CastOutput(activations))
+
+
+class CastOutput:
+    """A forward hook casting a module's output to `dtype` (a class, not a closure: a model holding it can be saved,
+    modelzoo/weight_cache.py)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def __call__(self, _module: nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
+        return out.to(self.dtype)
 
 
 class PackedLinear(nn.Module):

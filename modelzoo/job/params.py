@@ -222,6 +222,7 @@ class RunConfig:
     int8_backend: str = "auto"  # auto (measured at start-up), vnni16, vnni8 or float: modelzoo/cpu/int8_compute.py
     rows_in_flight: int | str = "auto"  # rows generated together (KV cache slots): auto or >= 1, see modelzoo/runtime.py
     decode_step: str = "auto"  # how the decode step runs: auto, eager, compiled or cuda_graph (generation/step.py)
+    weight_cache: str | None = None  # models laid out for the GEMMs, mapped by later jobs: modelzoo/weight_cache.py
 
     def __post_init__(self) -> None:
         if self.tensor_parallel > 1 and self.decode_step in ("compiled", "cuda_graph"):
@@ -248,7 +249,7 @@ class InferenceParams:
             decode_step=run.decode_step, gemm_backend=run.gemm_backend, int8_backend=run.int8_backend,
             tensor_parallel=run.tensor_parallel, speculative=model.speculative, adapters=model.adapters,
             adapter=model.adapter, row_adapters=None if row_adapters is None else tuple(row_adapters),
-            scoring_top_k=model.top_logprobs)
+            scoring_top_k=model.top_logprobs, weight_cache=run.weight_cache)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain YAML-ready dict (tuples become lists), each section's keys in the params reference's order."""
@@ -306,6 +307,7 @@ SCHEMA: dict[str, tuple[type, dict[str, Callable[[str, Any], Any]]]] = {
         "int8_backend": _choice(INT8_BACKENDS, lambda v: isinstance(v, str)),
         "rows_in_flight": _rows_in_flight,
         "decode_step": _choice(DECODE_STEPS, lambda v: isinstance(v, str)),
+        "weight_cache": _path(nullable=True),
     }),
 }
 

@@ -1,0 +1,128 @@
+"""runconfig.weight_cache (modelzoo/weight_cache.py): a model laid out once for the CPU's GEMMs, mapped by later jobs
+with the same predictions; a new file whenever the checkpoint changes; nothing written where the layout is opaque;
+a damaged or unwritable cache never fails a job."""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from harness import prompt_rows, run_job, save_tiny_model, stacked_predictions, write_h5, write_params
+from precision_policies import needs_kernels
+from tiny_configs import tiny_llama_config
+
+VOCAB = 96
+START = VOCAB
+MAX_SEQ_LEN = 32
+LENGTHS = (3, 9, 1, 17, 5)
+
+pytestmark = needs_kernels
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return save_tiny_model(tiny_llama_config(), tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in LENGTHS]
+    folder = tmp_path_factory.mktemp("data")
+    write_h5(folder, prompt_rows(prompts, MAX_SEQ_LEN, START))
+    return folder
+
+
+def job(root: Path, name: str, checkpoint: Path, data: Path, **options) -> np.ndarray:
+    """Runs a job in root/name (params there too); returns its stacked predictions."""
+    params = write_params(root / f"{name}.yaml", checkpoint, data, batch_size=2, start_token=START, **options)
+    assert run_job(params, root / name) == 0
+    return stacked_predictions(root / name)
+
+
+@pytest.mark.parametrize("dtype, weight_dtype", [("bfloat16", None), ("float16", None), ("float32", "int8")])
+def test_second_job_maps_the_cached_model_with_the_same_predictions(tmp_path, checkpoint, data, caplog, dtype,
+                                                                  weight_dtype):
+    """The first job writes one file; the second maps it instead of loading the checkpoint (whose weights are zeros by
+    then, in a file of the same size and time: read, they would change every token), and both write the predictions
+    of a job without the cache."""
+    cache = tmp_path / "cache"
+    options = dict(dtype=dtype, weight_dtype=weight_dtype)
+    plain = job(tmp_path, "plain", checkpoint, data, **options)
+    with caplog.at_level(logging.INFO, logger="zoo-infer"):
+        first = job(tmp_path, "first", checkpoint, data, weight_cache=str(cache), **options)
+    files = list(cache.iterdir())
+    assert len(files) == 1 and files[0].suffix == ".pt" and "weight cache: wrote" in caplog.text
+    assert oct(cache.stat().st_mode & 0o777) == oct(0o700)
+    caplog.clear()
+    weights = checkpoint / "model.safetensors"
+    original, stat = weights.read_bytes(), weights.stat()
+    header_end = 8 + int.from_bytes(original[:8], "little")
+    try:
+        weights.write_bytes(original[:header_end] + bytes(len(original) - header_end))
+        os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+        with caplog.at_level(logging.INFO, logger="zoo-infer"):
+            second = job(tmp_path, "second", checkpoint, data, weight_cache=str(cache), **options)
+    finally:
+        weights.write_bytes(original)
+        os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert "weight cache: mapped" in caplog.text and "weight cache: wrote" not in caplog.text
+    np.testing.assert_array_equal(first, plain)
+    np.testing.assert_array_equal(second, plain)
+
+
+def test_a_changed_checkpoint_gets_a_new_file(tmp_path, data):
+    """The key covers the weight files as they are on disk: rewritten weights are another entry, never the stale one."""
+    checkpoint = save_tiny_model(tiny_llama_config(), tmp_path / "model", seed=0)
+    cache = tmp_path / "cache"
+    first = job(tmp_path, "first", checkpoint, data, dtype="bfloat16", weight_cache=str(cache))
+    save_tiny_model(tiny_llama_config(), checkpoint, seed=1)
+    second = job(tmp_path, "second", checkpoint, data, dtype="bfloat16", weight_cache=str(cache))
+    plain = job(tmp_path, "plain", checkpoint, data, dtype="bfloat16")
+    assert len(list(cache.glob("*.pt"))) == 2
+    np.testing.assert_array_equal(second, plain)
+    assert not np.array_equal(first, second)
+
+
+def test_float32_layout_is_not_cached(tmp_path, checkpoint, data, caplog):
+    """oneDNN's float32 layout is opaque: nothing is written, the job says why and runs as without the option."""
+    cache = tmp_path / "cache"
+    with caplog.at_level(logging.INFO, logger="zoo-infer"):
+        cached = job(tmp_path, "cached", checkpoint, data, weight_cache=str(cache), gemm_backend="onednn")
+    assert "weight cache: not written" in caplog.text and "opaque" in caplog.text
+    assert not any(cache.glob("*.pt")) if cache.exists() else True
+    np.testing.assert_array_equal(cached, job(tmp_path, "plain", checkpoint, data, gemm_backend="onednn"))
+
+
+def test_a_damaged_file_is_rebuilt(tmp_path, checkpoint, data, caplog):
+    """A cache file cut short (a full disk, a copy gone wrong) is read as none: a warning, the model built from the
+    checkpoint, the file written anew, the same predictions."""
+    cache = tmp_path / "cache"
+    first = job(tmp_path, "first", checkpoint, data, dtype="bfloat16", weight_cache=str(cache))
+    (file,) = cache.glob("*.pt")
+    file.write_bytes(file.read_bytes()[:1000])
+    with caplog.at_level(logging.INFO, logger="zoo-infer"):
+        second = job(tmp_path, "second", checkpoint, data, dtype="bfloat16", weight_cache=str(cache))
+    assert "weight cache: cannot read" in caplog.text and "weight cache: wrote" in caplog.text
+    assert file.stat().st_size > 1000
+    np.testing.assert_array_equal(second, first)
+
+
+def test_an_unwritable_cache_folder_does_not_fail_the_job(tmp_path, checkpoint, data, caplog):
+    """weight_cache naming a file, not a folder: a warning, no partial file left, the job completes."""
+    blocker = tmp_path / "not_a_folder"
+    blocker.write_text("x")
+    with caplog.at_level(logging.WARNING, logger="zoo-infer"):
+        got = job(tmp_path, "run", checkpoint, data, dtype="bfloat16", weight_cache=str(blocker / "cache"))
+    assert "weight cache: could not write" in caplog.text
+    np.testing.assert_array_equal(got, job(tmp_path, "plain", checkpoint, data, dtype="bfloat16"))
+
+
+@pytest.mark.parametrize("value", [5, "", ["a"]])
+def test_weight_cache_must_be_a_path(tmp_path, checkpoint, data, value, capsys):
+    params = write_params(tmp_path / "p.yaml", checkpoint, data, batch_size=2, start_token=START, weight_cache=value)
+    assert run_job(params, tmp_path / "run") != 0
+    assert "weight_cache must be a path" in capsys.readouterr().err
