@@ -8,6 +8,7 @@ import functools
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -107,9 +108,13 @@ def run_zoo(args: argparse.Namespace, prep: Prepared, out: Path, dtype: str, thr
     command = [sys.executable, str(repo / "run_inference.py"), "--params", str(params_path),
                "--model_dir", str(model_dir), "--overwrite"]
     log_path = out / "logs" / f"zoo-infer_{name}.log"
+    note = ""
     if (runconfig_keys or {}).get("weight_cache"):  # filled by an untimed set-up first: the timed run maps it
         fill = [*command[:-3], "--model_dir", str(out / f"zoo_{name}_cache_fill"), "--overwrite", "--compile_only"]
-        run_measured(fill, out / "logs" / f"zoo-infer_{name}_cache_fill.log", args.timeout)
+        fill_log = out / "logs" / f"zoo-infer_{name}_cache_fill.log"
+        run_measured(fill, fill_log, args.timeout)
+        said = re.findall(r"(weight cache: (?:wrote|not written|could not write|mapped)[^;\n]*)", fill_log.read_text())
+        note = "before, --compile_only: " + (said[-1] if said else f"no weight cache line, see {fill_log}")
     measured = run_measured(command, log_path, args.timeout)
     summary_path = model_dir / "artifacts" / "summary.json"
     if measured.returncode != 0 or not summary_path.is_file():
@@ -118,10 +123,10 @@ def run_zoo(args: argparse.Namespace, prep: Prepared, out: Path, dtype: str, thr
     summary = json.loads(summary_path.read_text())
     tokens = zoo_generated(model_dir, len(prep.token_ids))
     generated, seconds = int(summary["generated_tokens"]), float(summary["generation_seconds"])
-    note = ""
     counted = sum(len(t) for t in tokens if t is not None)
     if counted != generated:
-        note = f"predictions hold {counted} generated tokens, summary.json says {generated}"
+        mismatch = f"predictions hold {counted} generated tokens, summary.json says {generated}"
+        note = f"{note}; {mismatch}" if note else mismatch
     return result_row("zoo-infer", dtype, generated_tokens=generated, generation_seconds=seconds,
                       tokens_per_s=generated / seconds if seconds else None,
                       process_seconds=measured.process_seconds, setup_seconds=summary.get("setup_seconds"),
@@ -163,6 +168,7 @@ def run_child(engine: str, script: Path, args: argparse.Namespace, prep: Prepare
     generated, seconds = int(result["generated_tokens"]), float(result["generation_seconds"])
     return result_row(engine, dtype, generated_tokens=generated, generation_seconds=seconds,
                       tokens_per_s=generated / seconds if seconds else None, note=note,
+                      setup_seconds=result.get("load_seconds"),  # its model load (vLLM's includes its compile)
                       process_seconds=measured.process_seconds, peak_rss_mib=measured.peak_rss_mib), result["tokens"]
 
 

@@ -34,7 +34,9 @@ What is measured, and why:
     excluding interpreter start-up, imports and model loading, which a long batch job pays once.
   - process s: wall time of the whole process (start-up, load, generation, writing), measured
     here; what a short job costs.
-  - setup s: zoo-infer's `setup_seconds` (loading, GEMM choice, kernel builds, warm-up: before generation).
+  - setup s: zoo-infer's `setup_seconds` (loading, GEMM choice, kernel builds, warm-up: before generation);
+    a peer's model load as its script times it (transformers' from_pretrained, llama-server's start until
+    its health check answers, vLLM's engine construction with its compile).
   - RSS bound MiB: what zoo-infer's peak RSS should stay within: the weights in their dtype's own bytes
     (int8: a byte and a float32 scale per 32 inputs), the KV cache in this CPU's precision policy for
     --batch_size rows of the data's max_seq_len, and 1 GiB.

@@ -49,12 +49,13 @@ class ZooModel:
     max_seq_len: the longest prompt + completion (or context + continuation) a row may hold; rows_in_flight:
     rows run together (auto: as the job's `runconfig.rows_in_flight` sizes them); num_threads: CPU threads
     (default: every core available); adapter: a PEFT LoRA adapter folder of the checkpoint, merged into the
-    weights as they load (checked as a job checks `model.adapter`).
+    weights as they load (checked as a job checks `model.adapter`); weight_cache: a folder where the model laid out
+    for the CPU's GEMMs is saved once and mapped by later loads (as a job's `runconfig.weight_cache`).
     """
 
     def __init__(self, checkpoint: str | Path, dtype: str = "auto", device: str = "auto", max_seq_len: int = 2048,
                  rows_in_flight: int | str = "auto", num_threads: int | None = None,
-                 adapter: str | Path | None = None) -> None:
+                 adapter: str | Path | None = None, weight_cache: str | Path | None = None) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoTokenizer
 
@@ -63,7 +64,8 @@ class ZooModel:
         adapters = {Path(adapter).name: str(adapter)} if adapter else {}
         spec = RuntimeSpec(self.checkpoint, dtype=dtype, device=device, max_seq_len=max_seq_len,
                            rows_in_flight=rows_in_flight, num_threads=num_threads, adapters=adapters,
-                           adapter=Path(adapter).name if adapter else None)
+                           adapter=Path(adapter).name if adapter else None,
+                           weight_cache=str(weight_cache) if weight_cache else None)
         rows = rows_in_flight if rows_in_flight != "auto" else 1 << 30  # auto: as many as memory holds, capped
         self.runtime = Runtime(RuntimePlan.of(spec), rows_to_do=rows)
         self.model, self.device, self.max_seq_len = self.runtime.model, self.runtime.device, max_seq_len

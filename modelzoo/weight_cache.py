@@ -25,6 +25,7 @@ import json
 import logging
 import mmap
 import os
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,15 +86,20 @@ def unsaveable(model: nn.Module) -> str | None:
 
 def _compact(model: nn.Module) -> None:
     """Every tensor of `model` that views part of a larger storage (a checkpoint's memory map, a fused weight) made
-    its own copy, so the file holds each tensor's bytes, not the whole storage it came from."""
+    its own copy, so the file holds each tensor's bytes, not the whole storage it came from. A tensor held in
+    several places (a tied weight) gets one copy, held in all of them."""
+    copies: dict[int, torch.Tensor] = {}
     for module in model.modules():
         for holder in (module._parameters, module._buffers, vars(module)):
             for name, tensor in list(holder.items()):
                 if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
                     continue
-                if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
+                if id(tensor) in copies:
+                    holder[name] = copies[id(tensor)]
+                elif tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
                     copy = tensor.detach().clone()
-                    holder[name] = nn.Parameter(copy, requires_grad=False) if isinstance(tensor, nn.Parameter) else copy
+                    copy = nn.Parameter(copy, requires_grad=False) if isinstance(tensor, nn.Parameter) else copy
+                    copies[id(tensor)] = holder[name] = copy
 
 
 def _reason(error: Exception) -> str:
@@ -120,6 +126,17 @@ def load(folder: Path, key: str) -> CachedLayout | None:
     return cached
 
 
+def _remove_abandoned(folder: Path, key: str) -> None:
+    """Deletes the partial files of `key` that a process of this host left when it was killed while writing (its
+    pid gone); another host's, or a live writer's, are left alone."""
+    host = socket.gethostname()
+    for partial in folder.glob(f".{key}.pt.{host}.*.partial"):
+        pid = partial.name[len(f".{key}.pt.{host}."):-len(".partial")]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            partial.unlink(missing_ok=True)
+            log.info("weight cache: removed %s, left by a writer that was stopped", partial.name)
+
+
 def save(folder: Path, key: str, layout: CachedLayout) -> Path | None:
     """Writes `layout` under `key` (atomically: a temporary file renamed); returns its path, or None with a warning
     where it cannot be written (the job goes on without)."""
@@ -129,9 +146,10 @@ def save(folder: Path, key: str, layout: CachedLayout) -> Path | None:
         return None
     started = time.perf_counter()
     path = folder / f"{key}.pt"
-    partial = folder / f".{key}.pt.{os.getpid()}.partial"
+    partial = folder / f".{key}.pt.{socket.gethostname()}.{os.getpid()}.partial"
     try:
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        _remove_abandoned(folder, key)
         _compact(layout.model)
         torch.save({"model": layout.model, "gemm": layout.gemm}, partial)
         os.replace(partial, path)

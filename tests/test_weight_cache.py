@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness import prompt_rows, run_job, save_tiny_model, stacked_predictions, write_h5, write_params
+from harness import SMOLLM2_DIR, prompt_rows, run_job, save_tiny_model, stacked_predictions, write_h5, write_params
 from precision_policies import needs_kernels
 from tiny_configs import tiny_llama_config
 
@@ -126,3 +126,41 @@ def test_weight_cache_must_be_a_path(tmp_path, checkpoint, data, value, capsys):
     params = write_params(tmp_path / "p.yaml", checkpoint, data, batch_size=2, start_token=START, weight_cache=value)
     assert run_job(params, tmp_path / "run") != 0
     assert "weight_cache must be a path" in capsys.readouterr().err
+
+
+def test_python_api_takes_the_weight_cache(tmp_path, caplog):
+    """ZooModel(weight_cache=...): the second load maps what the first wrote, and answers the same."""
+    from modelzoo.api import ZooModel
+
+    prompts = ["What is 2 + 2?", "Name a colour."]
+    answers = []
+    with caplog.at_level(logging.INFO, logger="zoo-infer"):
+        for _ in range(2):
+            zoo = ZooModel(SMOLLM2_DIR, dtype="bfloat16", max_seq_len=64, rows_in_flight=2, weight_cache=tmp_path)
+            answers.append([a.token_ids for a in zoo.generate(prompts, zoo.default_options(max_tokens=12),
+                                                               chat_template=True)])
+            del zoo
+    assert caplog.text.count("weight cache: wrote") == 1 and caplog.text.count("weight cache: mapped") == 1
+    assert answers[0] == answers[1]
+
+
+def test_a_killed_writers_partial_file_is_removed(tmp_path, checkpoint, data):
+    """A partial file of this host whose writer is gone (killed mid-write) is deleted by the next writer; a live
+    writer's, another host's and another key's are left."""
+    import socket
+    import subprocess
+
+    cache = tmp_path / "cache"
+    job(tmp_path, "first", checkpoint, data, dtype="bfloat16", weight_cache=str(cache))
+    (file,) = cache.glob("*.pt")
+    key, host = file.stem, socket.gethostname()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    abandoned = cache / f".{key}.pt.{host}.{gone.pid}.partial"
+    kept = [cache / f".{key}.pt.{host}.1.partial", cache / f".{key}.pt.elsewhere.{gone.pid}.partial",
+            cache / f".other.pt.{host}.{gone.pid}.partial"]
+    for partial in [abandoned, *kept]:
+        partial.write_bytes(b"half")
+    file.unlink()
+    job(tmp_path, "second", checkpoint, data, dtype="bfloat16", weight_cache=str(cache))
+    assert not abandoned.exists() and all(p.exists() for p in kept) and file.exists()
