@@ -29,7 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 
 QMAX = 127  # symmetric: -128 is never used, so q and -q are both representable
-BLOCK_ROWS = 4096  # rows quantized at a time: the float32 temporaries stay small next to the weight
+# Weights quantized at a time: each float32 temporary of a block (1 MiB) stays in the cache between the passes
+# over it (every x86-64 CPU's L2 or L3 holds a few), where blocks of whole MB went to memory and back at each pass.
+BLOCK_ELEMENTS = 2**18
 
 
 def scale_name(weight_name: str) -> str:
@@ -53,14 +55,15 @@ def quantize_rows(weight: torch.Tensor, group_size: int = 0) -> tuple[torch.Tens
     """(rows, cols) float tensor of any float dtype -> (q int8 (rows, cols), scale float32): (rows,) per-channel
     (group_size 0), else (rows, groups) for groups of group_size columns.
 
-    Computed in float32 whatever the input dtype, a block of rows at a time, so the only full-size
+    Computed in float32 whatever the input dtype, a block of rows at a time (BLOCK_ELEMENTS), so the only full-size
     allocation is the int8 result.
     """
     rows, cols = weight.shape
     q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
     scale = torch.empty(rows, group_count(cols, group_size), dtype=torch.float32, device=weight.device)
-    for start in range(0, rows, BLOCK_ROWS):
-        block = slice(start, start + BLOCK_ROWS)
+    block_rows = max(1, BLOCK_ELEMENTS // max(cols, 1))
+    for start in range(0, rows, block_rows):
+        block = slice(start, start + block_rows)
         groups = _grouped(weight[block], group_size)  # (r, G, size)
         absmax = groups.abs().amax(dim=2)  # (r, G)
         scale[block] = torch.where(absmax > 0, absmax / QMAX, torch.ones_like(absmax))
