@@ -11,7 +11,8 @@ The key covers everything the saved model depends on: the checkpoint's config an
 modification times), the precision policy, the options that shape the weights (dtype, int8 and its group size, the
 GEMM and int8 backends asked for), this CPU and the C++ kernels' build, torch's version, and the source of zoo-infer
 itself (the saved modules are its classes): any change is another file, never a stale one. Files are written under
-a temporary name and renamed, so a job killed while writing leaves no entry another job could read. The file is a
+a temporary name and renamed, so a job killed while writing leaves no entry another job could read (the next
+writer on that host deletes what it left), and never where they would leave less than a GiB free. The file is a
 pickle: keep the folder writable by its owner only (as it is created here), like any code you run.
 
 Only layouts that are plain tensors are saved: bfloat16 and float16 weights packed for bf16_linear or half_linear,
@@ -25,6 +26,7 @@ import json
 import logging
 import mmap
 import os
+import shutil
 import socket
 import time
 from dataclasses import dataclass
@@ -39,6 +41,7 @@ import modelzoo
 log = logging.getLogger("zoo-infer")
 
 FORMAT = 1  # of the saved payload below
+FREE_SPACE_MARGIN = 2**30  # left free on the cache's disk: a cache never fills it
 
 
 @dataclass
@@ -102,6 +105,18 @@ def _compact(model: nn.Module) -> None:
                     copies[id(tensor)] = holder[name] = copy
 
 
+def _tensor_bytes(model: nn.Module) -> int:
+    """The bytes of every distinct storage `model` holds (what the file will hold, give or take its pickles)."""
+    storages = {}
+    for module in model.modules():
+        for holder in (module._parameters, module._buffers, vars(module)):
+            for tensor in holder.values():
+                if isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided:
+                    storage = tensor.untyped_storage()
+                    storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
 def _reason(error: Exception) -> str:
     """An exception's first line, or its type where it says nothing."""
     return str(error).splitlines()[0] if str(error) else type(error).__name__
@@ -151,6 +166,13 @@ def save(folder: Path, key: str, layout: CachedLayout) -> Path | None:
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
         _remove_abandoned(folder, key)
         _compact(layout.model)
+        size = _tensor_bytes(layout.model)
+        free = shutil.disk_usage(folder).free
+        if size + FREE_SPACE_MARGIN > free:
+            log.warning("weight cache: not written: %s has %.2f GiB free, the model needs %.2f GiB (and %.0f GiB are "
+                        "left free)", folder, free / 2**30, size / 2**30, FREE_SPACE_MARGIN / 2**30)
+            return None
+        log.info("weight cache: writing %.2f GiB to %s (once; later jobs map it)", size / 2**30, folder)
         torch.save({"model": layout.model, "gemm": layout.gemm}, partial)
         os.replace(partial, path)
     except Exception as exc:

@@ -164,3 +164,19 @@ def test_a_killed_writers_partial_file_is_removed(tmp_path, checkpoint, data):
     file.unlink()
     job(tmp_path, "second", checkpoint, data, dtype="bfloat16", weight_cache=str(cache))
     assert not abandoned.exists() and all(p.exists() for p in kept) and file.exists()
+
+
+def test_nothing_is_written_to_a_disk_without_room(tmp_path, checkpoint, data, caplog, monkeypatch):
+    """Where the folder's disk has less free space than the model (and a GiB to spare), nothing is written: a warning
+    naming both sizes, the job as without the cache."""
+    from types import SimpleNamespace
+
+    from modelzoo import weight_cache
+
+    monkeypatch.setattr(weight_cache.shutil, "disk_usage", lambda path: SimpleNamespace(free=2**29))
+    cache = tmp_path / "cache"
+    with caplog.at_level(logging.INFO, logger="zoo-infer"):
+        got = job(tmp_path, "run", checkpoint, data, dtype="bfloat16", weight_cache=str(cache))
+    assert "weight cache: not written" in caplog.text and "0.50 GiB free" in caplog.text
+    assert not list(cache.iterdir())
+    np.testing.assert_array_equal(got, job(tmp_path, "plain", checkpoint, data, dtype="bfloat16"))
