@@ -2,7 +2,9 @@
 
 `smollm2`: the default model's shape (SmolLM2-135M), random. `tinyllama`: the shape of TinyLlama-1.1B (22 layers,
 hidden 2048, MLP 5632, 32 query and 4 kv heads; 1.2B parameters in all); `llama3b`: the shape of Llama-3.2-3B (28
-layers, hidden 3072, MLP 8192, 24 query and 8 kv heads; 3.0B parameters, saved in bfloat16). Each with the default
+layers, hidden 3072, MLP 8192, 24 query and 8 kv heads; 3.0B parameters, saved in bfloat16); `llama8b`: the shape of
+Llama-3-8B (32 layers, hidden 4096, MLP 14336, 32 query and 8 kv heads, untied head; 7.4B parameters with this
+vocabulary, 14.8 GB in bfloat16: it needs about 16 GB free to build). Each with the default
 model's tokenizer and vocabulary (49152 entries), so the benchmark's prompts tokenize as for SmolLM2. Weights are
 drawn as transformers initialises them (seeded), saved once as a normal Hugging Face folder, and reused.
 """
@@ -22,9 +24,12 @@ SHAPES = {
     "llama3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
                     num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
                     tie_word_embeddings=True),
+    "llama8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                    num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
+                    tie_word_embeddings=False),
 }
 # Shapes saved in bfloat16, as checkpoints of that size are published (the others in float32).
-BFLOAT16_SHAPES = ("llama3b",)
+BFLOAT16_SHAPES = ("llama3b", "llama8b")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "chat_template.jinja", "generation_config.json")
 

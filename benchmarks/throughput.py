@@ -228,7 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "float32,bfloat16)")
     parser.add_argument("--transformers_dtypes", default=None, help="the dtypes transformers generate() runs in "
                         "besides its float32 reference (default: every float dtype of --dtypes; 'float32': the "
-                        "reference alone, e.g. where its emulated 16-bit GEMMs would take hours)")
+                        "reference alone, e.g. where its emulated 16-bit GEMMs would take hours; 'none': no transformers "
+                        "run at all, where its float32 copy of the model would not fit in memory)")
     parser.add_argument("--peer_dtypes", default=None, help="the float dtypes the peers run in (default: every float "
                         "dtype of --dtypes; e.g. 'float32' where a peer emulates 16-bit arithmetic on this CPU)")
     parser.add_argument("--baseline_repo", type=Path, default=None, help="another zoo-infer checkout (an older "
@@ -267,9 +268,12 @@ def main(argv: list[str] | None = None) -> int:
     float_dtypes = [d for d in dtypes if d in FLOAT_DTYPES]
     hf_dtypes = float_dtypes if args.transformers_dtypes is None else [
         d.strip() for d in args.transformers_dtypes.split(",") if d.strip()]
-    if any(d not in FLOAT_DTYPES for d in hf_dtypes):
-        sys.exit(f"error: --transformers_dtypes takes {', '.join(FLOAT_DTYPES)}; got {args.transformers_dtypes!r}")
-    hf_dtypes = ["float32"] + [d for d in hf_dtypes if d != "float32"]  # the reference first, whatever is asked
+    if hf_dtypes == ["none"]:
+        hf_dtypes = []
+    elif any(d not in FLOAT_DTYPES for d in hf_dtypes):
+        sys.exit(f"error: --transformers_dtypes takes {', '.join(FLOAT_DTYPES)} or none; got {args.transformers_dtypes!r}")
+    else:
+        hf_dtypes = ["float32"] + [d for d in hf_dtypes if d != "float32"]  # the reference first, whatever is asked
     peer_dtypes = float_dtypes if args.peer_dtypes is None else [
         d.strip() for d in args.peer_dtypes.split(",") if d.strip()]
     if any(d not in FLOAT_DTYPES for d in peer_dtypes):
