@@ -62,9 +62,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import platform
 import sys
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -290,8 +292,10 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     threads = args.threads or len(os.sched_getaffinity(0))
     peers = select_peers(args.peers, args.vllm_python)
-    if is_random(args.model):
-        args.model = str(ensure_random_model(args.model, DEFAULT_MODEL, out))
+    if is_random(args.model):  # built in a process of its own: an engine's peak RSS (wait4) would otherwise start
+        # at this process's, which held the whole model while building it (Linux carries it across fork and exec)
+        with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as child:
+            args.model = str(child.submit(ensure_random_model, args.model, DEFAULT_MODEL, out).result())
     prep = prepare(args, out)
     print(f"cpu: {machine.cpu_description()}, {threads} threads")
     probe = machine.MachineProbe(args.model, float_dtypes or ["float32"], threads, args.batch_size)
