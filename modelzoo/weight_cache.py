@@ -27,16 +27,16 @@ import logging
 import mmap
 import os
 import shutil
-import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
 import modelzoo
+from modelzoo.files import temp_path, write_atomic
 
 log = logging.getLogger("zoo-infer")
 
@@ -76,44 +76,38 @@ def cache_key(checkpoint: str | Path, options: dict[str, Any], kernels: str) -> 
     return hashlib.sha1(json.dumps(described, sort_keys=True).encode()).hexdigest()[:20]
 
 
+def _tensors(model: nn.Module) -> Iterator[tuple[str, dict, str, torch.Tensor]]:
+    """(module name, the dict holding it, its name there, tensor) for every tensor a module of `model` holds: its
+    parameters, buffers and plain tensor attributes (a packed weight)."""
+    for module_name, module in model.named_modules():
+        for holder in (module._parameters, module._buffers, vars(module)):
+            for name, tensor in list(holder.items()):
+                if isinstance(tensor, torch.Tensor):
+                    yield module_name, holder, name, tensor
+
+
 def unsaveable(model: nn.Module) -> str | None:
     """Why `model` cannot be written as plain tensors (the first opaque one named), or None."""
-    for module_name, module in model.named_modules():
-        for name, value in vars(module).items():
-            tensors = value.items() if isinstance(value, dict) else [(name, value)]
-            for key, tensor in tensors:
-                if isinstance(tensor, torch.Tensor) and (tensor.is_mkldnn or tensor.layout != torch.strided):
-                    return f"{module_name or 'model'}.{key} is an opaque {tensor.layout} tensor (oneDNN's layout)"
+    for module_name, _, name, tensor in _tensors(model):
+        if tensor.is_mkldnn or tensor.layout != torch.strided:
+            return f"{module_name or 'model'}.{name} is an opaque {tensor.layout} tensor (oneDNN's layout)"
     return None
 
 
-def _compact(model: nn.Module) -> None:
+def _compact(model: nn.Module) -> int:
     """Every tensor of `model` that views part of a larger storage (a checkpoint's memory map, a fused weight) made
     its own copy, so the file holds each tensor's bytes, not the whole storage it came from. A tensor held in
-    several places (a tied weight) gets one copy, held in all of them."""
+    several places (a tied weight) gets one copy, held in all of them. Returns the bytes the file will hold."""
     copies: dict[int, torch.Tensor] = {}
-    for module in model.modules():
-        for holder in (module._parameters, module._buffers, vars(module)):
-            for name, tensor in list(holder.items()):
-                if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
-                    continue
-                if id(tensor) in copies:
-                    holder[name] = copies[id(tensor)]
-                elif tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
-                    copy = tensor.detach().clone()
-                    copy = nn.Parameter(copy, requires_grad=False) if isinstance(tensor, nn.Parameter) else copy
-                    copies[id(tensor)] = holder[name] = copy
-
-
-def _tensor_bytes(model: nn.Module) -> int:
-    """The bytes of every distinct storage `model` holds (what the file will hold, give or take its pickles)."""
-    storages = {}
-    for module in model.modules():
-        for holder in (module._parameters, module._buffers, vars(module)):
-            for tensor in holder.values():
-                if isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided:
-                    storage = tensor.untyped_storage()
-                    storages[storage.data_ptr()] = storage.nbytes()
+    storages: dict[int, int] = {}
+    for _, holder, name, tensor in _tensors(model):
+        if id(tensor) in copies:
+            tensor = holder[name] = copies[id(tensor)]
+        elif tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
+            copy = tensor.detach().clone()
+            copy = nn.Parameter(copy, requires_grad=False) if isinstance(tensor, nn.Parameter) else copy
+            tensor = copies[id(tensor)] = holder[name] = copy
+        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
     return sum(storages.values())
 
 
@@ -142,42 +136,37 @@ def load(folder: Path, key: str) -> CachedLayout | None:
 
 
 def _remove_abandoned(folder: Path, key: str) -> None:
-    """Deletes the partial files of `key` that a process of this host left when it was killed while writing (its
-    pid gone); another host's, or a live writer's, are left alone."""
-    host = socket.gethostname()
-    for partial in folder.glob(f".{key}.pt.{host}.*.partial"):
-        pid = partial.name[len(f".{key}.pt.{host}."):-len(".partial")]
+    """Deletes the temporary files of `key` (files.temp_path's names) that a process of this host left when it was
+    killed while writing (its pid gone); another host's, or a live writer's, are left alone."""
+    prefix, _ = temp_path(folder / f"{key}.pt").name.rsplit(f".{os.getpid()}.", 1)
+    for partial in folder.glob(f"{prefix}.*.tmp"):
+        pid = partial.name[len(prefix) + 1:-len(".tmp")]
         if pid.isdigit() and not Path(f"/proc/{pid}").exists():
             partial.unlink(missing_ok=True)
             log.info("weight cache: removed %s, left by a writer that was stopped", partial.name)
 
 
 def save(folder: Path, key: str, layout: CachedLayout) -> Path | None:
-    """Writes `layout` under `key` (atomically: a temporary file renamed); returns its path, or None with a warning
-    where it cannot be written (the job goes on without)."""
+    """Writes `layout` under `key` (files.write_atomic: a temporary file renamed); returns its path, or None with a
+    warning where it cannot be written (the job goes on without)."""
     reason = unsaveable(layout.model)
     if reason is not None:
         log.info("weight cache: not written: %s", reason)
         return None
     started = time.perf_counter()
     path = folder / f"{key}.pt"
-    partial = folder / f".{key}.pt.{socket.gethostname()}.{os.getpid()}.partial"
     try:
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
         _remove_abandoned(folder, key)
-        _compact(layout.model)
-        size = _tensor_bytes(layout.model)
+        size = _compact(layout.model)
         free = shutil.disk_usage(folder).free
         if size + FREE_SPACE_MARGIN > free:
             log.warning("weight cache: not written: %s has %.2f GiB free, the model needs %.2f GiB (and %.0f GiB are "
                         "left free)", folder, free / 2**30, size / 2**30, FREE_SPACE_MARGIN / 2**30)
             return None
         log.info("weight cache: writing %.2f GiB to %s (once; later jobs map it)", size / 2**30, folder)
-        torch.save({"model": layout.model, "gemm": layout.gemm}, partial)
-        os.replace(partial, path)
-    except Exception as exc:
-        if partial.is_file():
-            partial.unlink()
+        write_atomic(path, lambda handle: torch.save({"model": layout.model, "gemm": layout.gemm}, handle))
+    except Exception as exc:  # WriteError, a full disk, an object that cannot be pickled: no file, no failed job
         log.warning("weight cache: could not write %s (%s); the job goes on without it", path, _reason(exc))
         return None
     log.info("weight cache: wrote %s (%.2f GiB) in %.1fs; the next job of this checkpoint and options maps it", path,

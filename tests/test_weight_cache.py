@@ -153,12 +153,12 @@ def test_a_killed_writers_partial_file_is_removed(tmp_path, checkpoint, data):
     cache = tmp_path / "cache"
     job(tmp_path, "first", checkpoint, data, dtype="bfloat16", weight_cache=str(cache))
     (file,) = cache.glob("*.pt")
-    key, host = file.stem, socket.gethostname()
+    key, host = file.stem, socket.gethostname().split(".")[0]
     gone = subprocess.Popen(["true"])
     gone.wait()
-    abandoned = cache / f".{key}.pt.{host}.{gone.pid}.partial"
-    kept = [cache / f".{key}.pt.{host}.1.partial", cache / f".{key}.pt.elsewhere.{gone.pid}.partial",
-            cache / f".other.pt.{host}.{gone.pid}.partial"]
+    abandoned = cache / f".{key}.pt.{host}.{gone.pid}.tmp"
+    kept = [cache / f".{key}.pt.{host}.1.tmp", cache / f".{key}.pt.elsewhere.{gone.pid}.tmp",
+            cache / f".other.pt.{host}.{gone.pid}.tmp"]
     for partial in [abandoned, *kept]:
         partial.write_bytes(b"half")
     file.unlink()
