@@ -25,9 +25,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 PEERS_DIR = Path(__file__).resolve().parent / "peers"
 PEERS = ("vllm", "ctranslate2", "llamacpp")
 GGUF_OUTTYPE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int8": "q8_0"}  # int8: llama.cpp's Q8_0
-COLUMNS = ("engine", "dtype", "status", "generated_tokens", "generation_seconds", "tokens_per_s",
+COLUMNS = ("engine", "dtype", "status", "generated_tokens", "generation_seconds", "tokens_per_s", "decode_seconds",
            "process_seconds", "setup_seconds", "peak_rss_mib", "rss_bound_mib", "ratio_vs_hf_fp32",
-           "ratio_vs_hf_same_dtype", "ratio_vs_vllm", "ratio_vs_llamacpp", "of_ceiling", "of_peak_bound", "equal_to_hf_fp32", "note")
+           "ratio_vs_hf_same_dtype", "ratio_vs_vllm", "ratio_vs_llamacpp", "of_ceiling", "of_roofline",
+           "decode_of_roofline", "equal_to_hf_fp32", "note")
 
 run_measured = functools.partial(measure.run_measured, cwd=REPO_ROOT)  # every engine runs from the repo root
 
@@ -123,12 +124,14 @@ def run_zoo(args: argparse.Namespace, prep: Prepared, out: Path, dtype: str, thr
     summary = json.loads(summary_path.read_text())
     tokens = zoo_generated(model_dir, len(prep.token_ids))
     generated, seconds = int(summary["generated_tokens"]), float(summary["generation_seconds"])
+    prefill = (summary.get("decode_step") or {}).get("prefill_seconds")  # the rest of the generation: decode steps
     counted = sum(len(t) for t in tokens if t is not None)
     if counted != generated:
         mismatch = f"predictions hold {counted} generated tokens, summary.json says {generated}"
         note = f"{note}; {mismatch}" if note else mismatch
     return result_row("zoo-infer", dtype, generated_tokens=generated, generation_seconds=seconds,
                       tokens_per_s=generated / seconds if seconds else None,
+                      decode_seconds=seconds - prefill if prefill is not None else None,
                       process_seconds=measured.process_seconds, setup_seconds=summary.get("setup_seconds"),
                       peak_rss_mib=measured.peak_rss_mib, note=note), tokens
 

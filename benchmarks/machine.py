@@ -1,5 +1,5 @@
 """What the benchmark machine can do: its CPU, its GEMM rates for the model's weight shapes, its
-arithmetic peak, and two limits on the workload's speed derived from them.
+arithmetic peak and memory read bandwidth, and two limits on the workload's speed derived from them.
 
 Both limits count only the linear layers (2 FLOPs per weight per row): every prompt token (a prefix
 all prompts share once) through every layer but the LM head, one row per prompt through the head,
@@ -8,15 +8,20 @@ engine reaches either:
   - the GEMM ceiling: those FLOPs at the best rate the job's own probe (modelzoo/cpu/gemm.py) measured
     for each weight shape, prompt rows at M = 1024 and generated rows at M = the rows decoded
     together. The fraction of it an engine reaches says how much of the machine it uses.
-  - the peak bound: those FLOPs at the CPU's arithmetic peak for the dtype (benchmarks/peak_rate.py:
-    its multiply-add instruction on registers only). No engine that computes them can pass it,
-    however good its GEMM.
+  - the roofline: the prefill's FLOPs at the CPU's arithmetic peak for the dtype (benchmarks/peak_rate.py:
+    its multiply-add instruction on registers only), then the decode at the slower of its FLOPs at that
+    peak and its reads at the measured read bandwidth: each decode step reads every weight once (in the
+    dtype's bytes under zoo-infer's precision policy; int8: a byte and a float32 scale per 32) and each
+    row's KV cache up to its length. No engine that computes them and holds the weights in those bytes can
+    pass it, however good its GEMM. Decoding a large model with few rows is bound by the reads, a small
+    one with many rows by the FLOPs; the decode's own bound (`DecodeBound`) says which.
 A shared virtual CPU's speed can dip by half for seconds at a time (seen on a 2-vCPU AMD EPYC
 Zen 4), so MachineProbe measures as often as asked (the benchmark: before and after the engines)
 and keeps the best rate seen for each.
 """
 from __future__ import annotations
 
+import math
 import platform
 from collections import Counter
 from dataclasses import dataclass
@@ -29,6 +34,7 @@ from modelzoo.cpu.facts import cpu_flags, cpu_model
 from modelzoo.cpu.gemm import ShapeChoice, available_backends, measure_shape, wrap
 from modelzoo.cpu.precision import BF16Linear, HalfLinear, precision_policy
 
+INT8_GROUP = 32  # model.int8_group_size's default: a float32 scale per 32 int8 weights
 RATE_ROWS = (32, 1024)  # decode-sized and prefill-sized M, always timed
 SHOWN_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_bf16", "amx_fp16", "amx_int8")
 
@@ -41,10 +47,25 @@ def cpu_description() -> str:
 
 @dataclass
 class LinearShapes:
-    """The model's linear layers: {(in, out): count} for the decoder layers and for the LM head."""
+    """The model's linear layers: {(in, out): count} for the decoder layers and for the LM head; kv_features: the
+    values a token's keys (or its values) take in the KV cache over every layer (layers x kv heads x head dim)."""
 
     body: Counter
     head: tuple[int, int]
+    kv_features: int = 0
+
+    def weights(self) -> int:
+        """The weights of every linear layer, the head's included."""
+        return sum(count * i * o for (i, o), count in self.body.items()) + self.head[0] * self.head[1]
+
+
+def storage_bytes(dtype: str) -> tuple[float, int]:
+    """(bytes a weight takes, bytes a KV cache value takes) in a zoo-infer job of `dtype` on this CPU, under its
+    precision policy; int8: int8 weights with a float32 scale per INT8_GROUP, float32 activations."""
+    int8 = dtype == "int8"
+    torch_dtype = torch.float32 if int8 else getattr(torch, dtype)
+    policy = precision_policy(torch_dtype, torch.device("cpu"), int8_weights=int8)
+    return (1 + 4 / INT8_GROUP if int8 else torch_dtype.itemsize), policy.kv_cache.itemsize
 
 
 def model_shapes(checkpoint: str) -> LinearShapes:
@@ -54,12 +75,14 @@ def model_shapes(checkpoint: str) -> LinearShapes:
 
     hf_config = load_hf_config(checkpoint)
     cls = model_class(hf_config)
+    config = cls.config_from_hf(hf_config)
     with torch.device("meta"):
-        model = cls(cls.config_from_hf(hf_config))
+        model = cls(config)
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     head = max(linears, key=lambda m: m.out_features)  # the vocabulary projection
     body = Counter((m.in_features, m.out_features) for m in linears if m is not head)
-    return LinearShapes(body, (head.in_features, head.out_features))
+    return LinearShapes(body, (head.in_features, head.out_features),
+                        config.num_layers * config.num_kv_heads * config.head_dim)
 
 
 def timed_rows(decode_rows: int) -> tuple[int, ...]:
@@ -94,9 +117,77 @@ class Workload:
 
     def flops(self, shapes: LinearShapes) -> float:
         """The linear layers' FLOPs."""
-        body = sum(count * in_features * out_features for (in_features, out_features), count in shapes.body.items())
+        return self.prefill_flops(shapes) + self.decode_flops(shapes)
+
+    def prefill_flops(self, shapes: LinearShapes) -> float:
+        """The linear layers' FLOPs over the prompts: every prompt token through the body, a row a prompt through the
+        head (its first generated token)."""
         head = shapes.head[0] * shapes.head[1]
-        return 2 * (body * (self.prompt_tokens + self.generated_tokens) + head * (self.prompts + self.generated_tokens))
+        return 2 * ((shapes.weights() - head) * self.prompt_tokens + head * self.prompts)
+
+    def decode_flops(self, shapes: LinearShapes) -> float:
+        """The linear layers' FLOPs of the decode steps: every generated token through the body, and each but a
+        prompt's first through the head too (the prefill chose the first)."""
+        head = shapes.head[0] * shapes.head[1]
+        return 2 * ((shapes.weights() - head) * self.generated_tokens + head * self.decode_tokens)
+
+    @property
+    def decode_tokens(self) -> int:
+        """Tokens the decode steps choose: every generated token but each prompt's first."""
+        return max(0, self.generated_tokens - self.prompts)
+
+    def kv_reads(self) -> float:
+        """Cache positions the decode steps read, over every row and step, each prompt generating its share of the
+        tokens: its prompt (a shared prefix included: each row holds its own copy) and the tokens before."""
+        per_prompt = self.generated_tokens / max(1, self.prompts)  # tokens each prompt generates, on average
+        whole_prompts = self.prompt_tokens + self.shared_prefix * max(0, self.prompts - 1)
+        return max(0.0, per_prompt - 1) * (whole_prompts + self.prompts * per_prompt / 2)
+
+
+@dataclass
+class DecodeBound:
+    """The least time the workload's decode steps can take: each step reads every weight once and each row's KV
+    cache (the bytes at the read bandwidth), and does its FLOPs (at the arithmetic peak); the slower binds."""
+
+    steps: int
+    weight_bytes: float  # a step's
+    kv_bytes: float  # every step's together
+    flops: float
+    memory_seconds: float | None  # None: the bandwidth was not measured
+    compute_seconds: float | None  # None: no peak for the dtype
+
+    @property
+    def seconds(self) -> float | None:
+        """The bound: the slower of what is known; None where neither is."""
+        known = [s for s in (self.memory_seconds, self.compute_seconds) if s is not None]
+        return max(known) if known else None
+
+    def describe(self) -> str:
+        """'63 steps reading 0.54 GB of weights each and 1.52 GB of KV cache on average: 3.5 s at the read
+        bandwidth; their FLOPs 7.8 s at the peak: the FLOPs bind'."""
+        reads = (f"{self.steps} steps reading {self.weight_bytes / 1e9:.2f} GB of weights each and "
+                 f"{self.kv_bytes / max(1, self.steps) / 1e9:.2f} GB of KV cache on average")
+        memory = "bandwidth not measured" if self.memory_seconds is None else \
+            f"{self.memory_seconds:.1f} s at the read bandwidth"
+        compute = "no peak for this dtype" if self.compute_seconds is None else \
+            f"their FLOPs {self.compute_seconds:.1f} s at the peak"
+        binds = ""
+        if self.memory_seconds is not None and self.compute_seconds is not None:
+            binds = ": the reads bind" if self.memory_seconds >= self.compute_seconds else ": the FLOPs bind"
+        return f"{reads}: {memory}; {compute}{binds}"
+
+
+def decode_bound(shapes: LinearShapes, dtype: str, work: Workload, peak_gflops: float | None,
+                 bandwidth_gbps: float | None) -> DecodeBound:
+    """The workload's decode bound in `dtype` (storage_bytes) at this peak and read bandwidth (None: unknown)."""
+    per_weight, per_value = storage_bytes(dtype)
+    steps = math.ceil(work.decode_tokens / max(1, work.decode_rows))
+    weight_bytes = per_weight * shapes.weights()
+    kv_bytes = work.kv_reads() * 2 * shapes.kv_features * per_value  # keys and values
+    flops = work.decode_flops(shapes)
+    memory = (steps * weight_bytes + kv_bytes) / (bandwidth_gbps * 1e9) if bandwidth_gbps else None
+    compute = flops / (peak_gflops * 1e9) if peak_gflops else None
+    return DecodeBound(steps, weight_bytes, kv_bytes, flops, memory, compute)
 
 
 def ceiling_tokens_per_s(shapes: LinearShapes, rates: dict, work: Workload) -> float:
@@ -112,9 +203,12 @@ def ceiling_tokens_per_s(shapes: LinearShapes, rates: dict, work: Workload) -> f
     return work.generated_tokens / total
 
 
-def peak_bound_tokens_per_s(shapes: LinearShapes, peak_gflops: float, work: Workload) -> float:
-    """Generated tokens per second if the linear layers ran at the CPU's arithmetic peak."""
-    return work.generated_tokens / (work.flops(shapes) / (peak_gflops * 1e9))
+def roofline_tokens_per_s(shapes: LinearShapes, dtype: str, peak_gflops: float, bandwidth_gbps: float | None,
+                          work: Workload) -> float:
+    """Generated tokens per second if the prefill ran at the CPU's arithmetic peak and the decode at its bound (the
+    peak, or the read bandwidth where the reads take longer)."""
+    decode = decode_bound(shapes, dtype, work, peak_gflops, bandwidth_gbps)
+    return work.generated_tokens / (work.prefill_flops(shapes) / (peak_gflops * 1e9) + decode.seconds)
 
 
 def format_rates(rates: dict[tuple[int, int], ShapeChoice], dtype: str) -> str:
@@ -129,7 +223,8 @@ def format_rates(rates: dict[tuple[int, int], ShapeChoice], dtype: str) -> str:
 
 
 class MachineProbe:
-    """The CPU's peaks and the model's GEMM rates in each dtype, each the best of every measure() call."""
+    """The CPU's peaks, its read bandwidth and the model's GEMM rates in each dtype, each the best of every
+    measure() call."""
 
     def __init__(self, model: str, dtypes: list[str], threads: int, decode_rows: int) -> None:
         self.shapes = model_shapes(model)
@@ -137,14 +232,19 @@ class MachineProbe:
         self.peaks: dict[str, float | None] = {dtype: None for dtype in dtypes}
         self.rates: dict[str, dict[tuple[int, int], ShapeChoice]] = {}
         self.why_no_peak = ""
+        self.bandwidth: float | None = None
+        self.why_no_bandwidth = ""
 
     def measure(self) -> None:
-        """Measures the peaks and the rates once more, keeping the best of each."""
+        """Measures the peaks, the read bandwidth and the rates once more, keeping the best of each."""
         torch.set_num_threads(self.threads)
         peaks, self.why_no_peak = peak_rate.measure_peaks(self.threads, self.dtypes)
         for dtype, peak in peaks.items():
             if peak:
                 self.peaks[dtype] = max(peak, self.peaks[dtype] or 0.0)
+        bandwidth, self.why_no_bandwidth = peak_rate.measure_bandwidth(self.threads)
+        if bandwidth:
+            self.bandwidth = max(bandwidth, self.bandwidth or 0.0)
         for dtype in self.dtypes:
             fresh = gemm_rates(self.shapes, getattr(torch, dtype), self.decode_rows)
             for shape, choice in fresh.items():
@@ -156,15 +256,21 @@ class MachineProbe:
     def describe(self) -> str:
         """The peak line, then a GEMM rate line per dtype and weight shape."""
         lines = [f"arithmetic peak, GFLOP/s: {peak_rate.describe(self.peaks, self.threads, self.why_no_peak)}",
+                 "memory read bandwidth: "
+                 + peak_rate.describe_bandwidth(self.bandwidth, self.threads, self.why_no_bandwidth),
                  f"GEMM rates, GFLOP/s at M = {' / '.join(map(str, timed_rows(self.decode_rows)))} (weights in x "
                  "out; *: not batch-invariant here, never chosen):"]
         lines += [format_rates(self.rates[dtype], dtype) for dtype in self.dtypes]
         return "\n".join(lines)
 
     def limits(self, dtype: str, work: Workload) -> tuple[float | None, float | None]:
-        """(GEMM ceiling, peak bound) in generated tokens per second; None where not measured."""
+        """(GEMM ceiling, roofline) in generated tokens per second; None where not measured."""
         if dtype not in self.rates or not work.generated_tokens:
             return None, None
         peak = self.peaks.get(dtype)
-        bound = peak_bound_tokens_per_s(self.shapes, peak, work) if peak else None
+        bound = roofline_tokens_per_s(self.shapes, dtype, peak, self.bandwidth, work) if peak else None
         return ceiling_tokens_per_s(self.shapes, self.rates[dtype], work), bound
+
+    def decode_bound(self, dtype: str, work: Workload) -> DecodeBound:
+        """The decode's bound in `dtype` (int8 too: its reads, with no peak for its arithmetic)."""
+        return decode_bound(self.shapes, dtype, work, self.peaks.get(dtype), self.bandwidth)

@@ -1,6 +1,8 @@
 /* The arithmetic peak of this CPU's vector units, measured: every thread runs independent chains of
  * one multiply-add instruction on registers only (no loads, no stores), so nothing else limits it.
  * No matrix multiply in that dtype can run faster on these threads, whatever library computes it.
+ * Also the rate at which these threads read memory (read_gbps): the bound on a step that must stream its weights
+ * and KV cache from DRAM, as a decode step of a large model does.
  * Built and called by benchmarks/peak_rate.py (cc -O2 -shared -pthread); x86-64 only.
  *
  * kind 0: vfmadd231ps on zmm  (float32, AVX-512F):      16 lanes x 2 FLOPs = 32 per instruction
@@ -14,7 +16,10 @@
  * four source tiles, as its GEMM kernels do. AMX needs the kernel's permission for its tile state
  * (arch_prctl ARCH_REQ_XCOMP_PERM, Linux 5.16+), asked once per process.
  */
+#include <emmintrin.h>
 #include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -115,4 +120,71 @@ double peak_gflops(int kind, int threads, long iterations) {
     double seconds = now() - start;
     if (started != threads) return -1.0;
     return FLOPS_PER_ITERATION[kind] * (double)iterations * threads / seconds / 1e9;
+}
+
+struct reader {
+    long bytes;              /* of its own buffer, a multiple of 64 */
+    int passes;              /* reads of the whole buffer, timed together */
+    int *ready, *go;         /* threads with their buffers touched; 1: start reading, -1: give up */
+    double start, end;       /* its timed reads */
+    long long sum;           /* what it read, kept so that the reads are not optimised away */
+    int failed;
+};
+
+static void *run_reader(void *arg) {
+    struct reader *reader = (struct reader *)arg;
+    char *buffer = NULL;
+    /* Its own buffer, first touched by this thread: its pages lie where it runs. */
+    reader->failed = posix_memalign((void **)&buffer, 4096, (size_t)reader->bytes) != 0;
+    if (!reader->failed) memset(buffer, 1, (size_t)reader->bytes);
+    __atomic_add_fetch(reader->ready, 1, __ATOMIC_SEQ_CST);
+    while (__atomic_load_n(reader->go, __ATOMIC_SEQ_CST) == 0) {
+    }
+    reader->start = now();
+    __m128i sums[4] = {_mm_setzero_si128(), _mm_setzero_si128(), _mm_setzero_si128(), _mm_setzero_si128()};
+    for (int pass = 0; !reader->failed && *reader->go > 0 && pass < reader->passes; ++pass) {
+        for (long offset = 0; offset < reader->bytes; offset += 64) {  /* a cache line: four 16-byte loads */
+            const __m128i *line = (const __m128i *)(buffer + offset);
+            sums[0] = _mm_add_epi64(sums[0], _mm_load_si128(line));
+            sums[1] = _mm_add_epi64(sums[1], _mm_load_si128(line + 1));
+            sums[2] = _mm_add_epi64(sums[2], _mm_load_si128(line + 2));
+            sums[3] = _mm_add_epi64(sums[3], _mm_load_si128(line + 3));
+        }
+    }
+    reader->end = now();
+    const __m128i total = _mm_add_epi64(_mm_add_epi64(sums[0], sums[1]), _mm_add_epi64(sums[2], sums[3]));
+    reader->sum = _mm_cvtsi128_si64(total) + _mm_cvtsi128_si64(_mm_unpackhi_epi64(total, total));
+    free(buffer);
+    return 0;
+}
+
+/* GB/s at which `threads` threads together read memory: each reads its own buffer of `bytes_per_thread` bytes
+ * (first touched by itself, before any thread starts) `passes` times, from the first thread's start to the last
+ * one's end; a negative value when a buffer or a thread could not be had. Buffers far larger than the last-level
+ * cache measure DRAM's rate. */
+double read_gbps(int threads, long bytes_per_thread, int passes) {
+    enum { MAX_THREADS = 1024 };
+    pthread_t ids[MAX_THREADS];
+    struct reader readers[MAX_THREADS];
+    int ready = 0, go = 0;
+    bytes_per_thread = bytes_per_thread / 64 * 64;
+    if (threads < 1 || threads > MAX_THREADS || bytes_per_thread < 64 || passes < 1) return -1.0;
+    int started = 0;
+    for (; started < threads; ++started) {
+        readers[started] = (struct reader){bytes_per_thread, passes, &ready, &go, 0.0, 0.0, 0, 0};
+        if (pthread_create(&ids[started], 0, run_reader, &readers[started]) != 0) break;
+    }
+    while (__atomic_load_n(&ready, __ATOMIC_SEQ_CST) < started) {
+    }
+    __atomic_store_n(&go, started == threads ? 1 : -1, __ATOMIC_SEQ_CST);
+    double first = 0.0, last = 0.0;
+    int failed = started != threads;
+    for (int i = 0; i < started; ++i) {
+        pthread_join(ids[i], 0);
+        failed |= readers[i].failed;
+        if (i == 0 || readers[i].start < first) first = readers[i].start;
+        if (i == 0 || readers[i].end > last) last = readers[i].end;
+    }
+    if (failed || last <= first) return -1.0;
+    return (double)bytes_per_thread * passes * threads / (last - first) / 1e9;
 }

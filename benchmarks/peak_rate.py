@@ -2,7 +2,7 @@
 multiply-add instruction for that dtype, every thread issuing it on registers only. No GEMM in that
 dtype can beat it on these threads, so a workload's FLOPs over it bound every engine's tokens/s.
 
-    python benchmarks/peak_rate.py            # prints the peaks with every core available
+    python benchmarks/peak_rate.py            # prints the peaks and the read bandwidth with every core available
 
 Which instruction bounds which dtype:
   - float32: vfmadd231ps on zmm (AVX-512F), else on ymm (AVX2 + FMA).
@@ -13,6 +13,10 @@ Which instruction bounds which dtype:
   - int8: tdpbssd on AMX tiles where the CPU has AMX-INT8 (ops, not FLOPs).
 A CPU with AVX512-FP16 or AMX-FP16 multiplies float16 faster than any of these loops: no bound is
 given there for float16 (None), rather than a wrong one; nor for int8 without AMX.
+
+Also the rate at which the same threads read memory (`measure_bandwidth`): every thread streams a buffer of its
+own, together far larger than the last-level cache, so the rate is DRAM's. A decode step reads every weight and
+the rows' KV cache once; those bytes over this rate bound its time however few FLOPs it does.
 """
 from __future__ import annotations
 
@@ -39,6 +43,8 @@ INSTRUCTIONS = {FP32_ZMM: "vfmadd231ps zmm", FP32_YMM: "vfmadd231ps ymm", BF16_Z
 AMX_ITERATIONS_SHARE = 16  # an AMX iteration does 85-340x the FLOPs of a vector one: fewer of them
 ITERATIONS = 20_000_000  # 240M instructions a thread: about 0.1 s at 4 GHz and two ports
 REPEATS = 5  # the best of these runs is kept (the rate moves a few percent between runs)
+BANDWIDTH_BYTES = 2**30  # read by all threads together, at least: several times any last-level cache
+BANDWIDTH_PASSES, BANDWIDTH_REPEATS = 2, 3
 
 
 def _build(folder: Path) -> ctypes.CDLL:
@@ -52,6 +58,8 @@ def _build(folder: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(library))
     lib.peak_gflops.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long]
     lib.peak_gflops.restype = ctypes.c_double
+    lib.read_gbps.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_int]
+    lib.read_gbps.restype = ctypes.c_double
     return lib
 
 
@@ -97,6 +105,48 @@ def measure_peaks(threads: int, dtypes: list[str]) -> tuple[dict[str, float | No
             for dtype in dtypes}, ""
 
 
+def largest_cache_bytes() -> int:
+    """The largest CPU cache Linux lists for CPU 0 (its last level), in bytes; 0 where none is listed."""
+    sizes = []
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = path.read_text().strip()
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes, default=0)
+
+
+def bandwidth_bytes() -> int:
+    """Bytes the threads read together: BANDWIDTH_BYTES, or four times the last-level cache where that is more."""
+    return max(BANDWIDTH_BYTES, 4 * largest_cache_bytes())
+
+
+def measure_bandwidth(threads: int) -> tuple[float | None, str]:
+    """(GB/s at which `threads` threads read memory, the best of BANDWIDTH_REPEATS; None and why where not measured)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None, f"not measured on {platform.machine()} (x86-64 only)"
+    try:
+        with tempfile.TemporaryDirectory(prefix="zoo-peak-") as folder:
+            lib = _build(Path(folder))
+            rate = max(lib.read_gbps(threads, bandwidth_bytes() // threads, BANDWIDTH_PASSES)
+                       for _ in range(BANDWIDTH_REPEATS))
+    except (RuntimeError, OSError, subprocess.CalledProcessError) as error:
+        detail = getattr(error, "stderr", "") or str(error)
+        return None, f"not measured ({detail.strip().splitlines()[-1][:200]})"
+    if rate <= 0:
+        return None, f"not measured (could not start {threads} threads or allocate {bandwidth_bytes() >> 20} MiB)"
+    return rate, ""
+
+
+def describe_bandwidth(gbps: float | None, threads: int, why_not: str = "") -> str:
+    """'19.6 GB/s (2 threads reading 1024 MiB, 2 passes, best of 3)', or why it was not measured."""
+    if gbps is None:
+        return why_not or "not measured"
+    return (f"{gbps:.1f} GB/s ({threads} threads reading {bandwidth_bytes() >> 20} MiB, {BANDWIDTH_PASSES} passes, "
+            f"best of {BANDWIDTH_REPEATS})")
+
+
 def iterations(kind: int) -> int:
     """Loop iterations a thread runs for instruction `kind`."""
     return ITERATIONS // AMX_ITERATIONS_SHARE if kind in (BF16_AMX, INT8_AMX) else ITERATIONS
@@ -124,6 +174,8 @@ def main() -> int:
     threads = len(os.sched_getaffinity(0))
     peaks, why_not = measure_peaks(threads, ["float32", "bfloat16", "float16", "int8"])
     print(f"arithmetic peak, GFLOP/s: {describe(peaks, threads, why_not)}")
+    gbps, why_not = measure_bandwidth(threads)
+    print(f"memory read bandwidth: {describe_bandwidth(gbps, threads, why_not)}")
     return 0
 
 

@@ -50,9 +50,15 @@ What is measured, and why:
     over the best GEMM rate measured here for each weight shape (benchmarks/machine.py). Printed
     first, with the CPU model and flags and every GEMM candidate's rate at M = 32, 1024 and
     --batch_size.
-  - of peak: tokens/s over the workload's peak bound in that dtype: the same FLOPs at the CPU's
-    arithmetic peak (benchmarks/peak_rate.py, printed first too). No engine can reach 1.00 there;
-    after the table, the share of it that 1.5x vLLM's tokens/s would take is printed.
+  - of roofline: tokens/s over the workload's roofline in that dtype: the prefill's FLOPs at the CPU's
+    arithmetic peak (benchmarks/peak_rate.py, printed first too), then the decode at the slower of its
+    FLOPs at that peak and its reads at the measured memory read bandwidth (every weight once a step, in
+    the dtype's bytes, and each row's KV cache). No engine can reach 1.00 there; after the table, the
+    share of it that 1.5x vLLM's tokens/s would take is printed.
+  - decode of roofline: for zoo-infer, which reports its decode steps' time (summary.json: the generation
+    less its prefill), the decode's bound over that time. The lines before the table say what the bound
+    is made of (steps, bytes of weights and KV cache read, seconds at the bandwidth and at the peak) and
+    which of the reads or the FLOPs binds: a large model decoding few rows is bound by the reads.
   - equal to HF fp32: fraction of prompts whose generated ids are exactly transformers float32's.
 
 Develop and check with small settings (--num_prompts 16 --max_tokens 8); the full run takes a
@@ -90,7 +96,6 @@ from data_tools.prompts import load_tokenizer, tokenize_prompts  # noqa: E402
 DEFAULT_MODEL = REPO_ROOT / "models" / "smollm2-135m-instruct"
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 DTYPES = (*FLOAT_DTYPES, "int8")  # int8: zoo-infer's int8 weights (model.weight_dtype) with float32 arithmetic
-INT8_GROUP = 32  # model.int8_group_size's default: a float32 scale per 32 int8 weights
 
 
 
@@ -174,24 +179,19 @@ def variant_data(prep: Prepared, out: Path, name: str, per_row: dict[str, Any],
 
 def rss_bound_mib(model: str, dtype: str, rows: int, max_seq_len: int) -> float:
     """The peak RSS a zoo-infer run should stay within: its weights in their own bytes (int8: a byte and a float32
-    scale per INT8_GROUP inputs), its KV cache under this CPU's precision policy (rows x max_seq_len), and 1 GiB."""
+    scale per machine.INT8_GROUP inputs), its KV cache under this CPU's precision policy (rows x max_seq_len), and 1 GiB."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from modelzoo.cpu.precision import precision_policy
 
     config = AutoConfig.from_pretrained(model)
     with torch.device("meta"):
         parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
-    int8 = dtype == "int8"
-    torch_dtype = torch.float32 if int8 else getattr(torch, dtype)
-    weights = parameters * (1 + 4 / INT8_GROUP if int8 else torch_dtype.itemsize)
-    kv_dtype = precision_policy(torch_dtype, torch.device("cpu"), int8_weights=int8).kv_cache
+    per_weight, per_value = machine.storage_bytes(dtype)
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    cache = 2 * config.num_hidden_layers * rows * max_seq_len * kv_heads * head_dim * kv_dtype.itemsize
-    return (weights + cache + 2**30) / 2**20
+    cache = 2 * config.num_hidden_layers * rows * max_seq_len * kv_heads * head_dim * per_value
+    return (parameters * per_weight + cache + 2**30) / 2**20
 
 
 def run_zoo_dtype(args: argparse.Namespace, prep: Prepared, out: Path, dtype: str, threads: int,
@@ -202,7 +202,7 @@ def run_zoo_dtype(args: argparse.Namespace, prep: Prepared, out: Path, dtype: st
     variant = "_".join(part for part in ("int8" if int8 else "", label.replace(" ", "_")) if part)
     cache = {"weight_cache": str(args.weight_cache.resolve())} if args.weight_cache else None
     row, generated = run_zoo(args, prep, out, "float32" if int8 else dtype, threads, variant=variant,
-                             model_keys={"weight_dtype": "int8", "int8_group_size": INT8_GROUP} if int8 else None,
+                             model_keys={"weight_dtype": "int8", "int8_group_size": machine.INT8_GROUP} if int8 else None,
                              runconfig_keys=cache, repo=repo)
     row.update(engine=f"zoo-infer {label}" if label else "zoo-infer", dtype=dtype,
                rss_bound_mib=rss_bound_mib(args.model, dtype, args.batch_size, prep.max_seq_len))
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     probe = machine.MachineProbe(args.model, float_dtypes or ["float32"], threads, args.batch_size)
     workload = workload_of(prep, args.batch_size)
     probe.measure()
-    print_machine(probe, workload, len(prep.token_ids) * args.max_tokens)
+    print_machine(probe, workload, len(prep.token_ids) * args.max_tokens, dtypes)
 
     rows: list[dict] = []
     tokens: dict[tuple[str, str], list | None] = {}
@@ -326,9 +326,10 @@ def main(argv: list[str] | None = None) -> int:
 
     probe.measure()  # again, keeping the best of both: a dip in the machine's speed does not lower the limits
     print("\nthe machine again, best of before and after the engines:")
-    print_machine(probe, workload, len(prep.token_ids) * args.max_tokens)
+    print_machine(probe, workload, len(prep.token_ids) * args.max_tokens, dtypes)
     fill_comparisons(rows, tokens, lambda dtype, generated: (probe.limits(dtype, workload(generated))
-                                                             if dtype in probe.dtypes else (None, None)))
+                                                             if dtype in probe.dtypes else (None, None)),
+                     lambda dtype, generated: probe.decode_bound(dtype, workload(generated)).seconds)
     order = {"zoo-infer": 0, "transformers": 1, "vllm": 2, "ctranslate2": 3, "llama.cpp": 4}
     rows.sort(key=lambda row: (order.get(row["engine"].split()[0], 9), DTYPES.index(row["dtype"])))
     config = {

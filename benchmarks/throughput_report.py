@@ -1,5 +1,5 @@
 """What benchmarks/throughput.py reports: the machine's limits for the workload, the table with its ratio and
-equality columns (printed, and written to results.csv and results.json), and the share of the peak bound a target
+equality columns (printed, and written to results.csv and results.json), and the share of the roofline a target
 takes."""
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from benchmarks import machine
 from benchmarks.engines import COLUMNS, Prepared
 
 REFERENCE = ("transformers", "float32")  # the reference of the ratio and equality columns
-Limits = Callable[[str, int], tuple[float | None, float | None]]  # (dtype, generated) -> (ceiling, peak bound)
+Limits = Callable[[str, int], tuple[float | None, float | None]]  # (dtype, generated) -> (ceiling, roofline) tokens/s
+DecodeLimit = Callable[[str, int], float | None]  # (dtype, generated) -> the decode's bound in seconds
 
 
 def workload_of(prep: Prepared, decode_rows: int) -> Callable[[int], machine.Workload]:
@@ -24,23 +25,30 @@ def workload_of(prep: Prepared, decode_rows: int) -> Callable[[int], machine.Wor
     return lambda generated: machine.Workload(prompt_tokens, len(prep.token_ids), generated, decode_rows, shared)
 
 
-def print_machine(probe: machine.MachineProbe, workload: Callable[[int], machine.Workload], full: int) -> None:
-    """The probe's peaks and rates, and the limits if every prompt generated `full` tokens in all."""
+def print_machine(probe: machine.MachineProbe, workload: Callable[[int], machine.Workload], full: int,
+                  dtypes: list[str]) -> None:
+    """The probe's peaks, bandwidth and rates, and the limits in `dtypes` if every prompt generated `full` tokens in
+    all: the GEMM ceiling and the roofline of the floating-point dtypes, the decode's bound of every dtype."""
     print(probe.describe())
     work = workload(full)
     print(f"if every prompt generated max_tokens: {work.flops(probe.shapes) / 1e12:.2f} TFLOP in the linear layers "
           f"({work.prompt_tokens} prompt tokens, the {work.shared_prefix}-token prefix all prompts share counted once, "
           f"{full} generated)")
-    for dtype in probe.dtypes:
-        ceiling, bound = probe.limits(dtype, work)
-        print(f"  {dtype}: GEMM ceiling {ceiling:.0f} tokens/s (at the best rates above, nothing else), peak bound "
-              + (f"{bound:.0f} tokens/s (at the arithmetic peak: no engine passes it)" if bound else "not measured"))
+    for dtype in dtypes:
+        if dtype in probe.dtypes:
+            ceiling, bound = probe.limits(dtype, work)
+            print(f"  {dtype}: GEMM ceiling {ceiling:.0f} tokens/s (at the best rates above, nothing else), roofline "
+                  + (f"{bound:.0f} tokens/s (prefill at the arithmetic peak, decode at its bound: no engine passes it)"
+                     if bound else "not measured"))
+        print(f"  {dtype} decode: {probe.decode_bound(dtype, work).describe()}")
 
 
 def fill_comparisons(rows: list[dict], tokens: dict[tuple[str, str], list | None],
-                     limits: Limits = lambda dtype, generated: (None, None)) -> None:
-    """Adds the ratio and equality columns, against transformers' and vLLM's rows, and the share of
-    the GEMM ceiling and of the peak bound (`limits(dtype, generated tokens)`: tokens/s) each row reaches."""
+                     limits: Limits = lambda dtype, generated: (None, None),
+                     decode_limit: DecodeLimit = lambda dtype, generated: None) -> None:
+    """Adds the ratio and equality columns, against transformers' and vLLM's rows, the share of the GEMM ceiling
+    and of the roofline (`limits(dtype, generated tokens)`: tokens/s) each row reaches, and, for a row that says how
+    long its decode steps took, the share of the decode's bound (`decode_limit`: seconds) they reach."""
     by_key = {(row["engine"], row["dtype"]): row for row in rows}
     reference = by_key.get(REFERENCE)
     ref_rate = reference["tokens_per_s"] if reference else None
@@ -62,7 +70,10 @@ def fill_comparisons(rows: list[dict], tokens: dict[tuple[str, str], list | None
         if ceiling:
             row["of_ceiling"] = rate / ceiling
         if bound:
-            row["of_peak_bound"] = rate / bound
+            row["of_roofline"] = rate / bound
+        decode_bound = decode_limit(row["dtype"], row["generated_tokens"])
+        if decode_bound and row.get("decode_seconds"):
+            row["decode_of_roofline"] = decode_bound / row["decode_seconds"]
         mine = tokens.get((row["engine"], row["dtype"]))
         if ref_tokens is not None and mine is not None:
             equal = sum(1 for a, b in zip(mine, ref_tokens) if a is not None and list(a) == list(b))
@@ -81,8 +92,8 @@ def fmt(value: Any, digits: int = 2) -> str:
 def format_table(rows: list[dict]) -> str:
     """The printed table (the CSV has the same rows with full precision)."""
     header = ("engine", "dtype", "gen tokens", "seconds", "tokens/s", "process s", "setup s", "peak RSS MiB",
-              "RSS bound MiB", "vs HF fp32", "vs HF same dtype", "vs vLLM", "vs llama.cpp", "of ceiling", "of peak",
-              "equal to HF fp32", "status")
+              "RSS bound MiB", "vs HF fp32", "vs HF same dtype", "vs vLLM", "vs llama.cpp", "of ceiling", "of roofline",
+              "decode of roofline", "equal to HF fp32", "status")
     cells = [header]
     for row in rows:
         status = row["status"] if not row["note"] else f"{row['status']}: {row['note']}"
@@ -91,7 +102,8 @@ def format_table(rows: list[dict]) -> str:
                       fmt(row["setup_seconds"], 1), fmt(row["peak_rss_mib"], 0), fmt(row["rss_bound_mib"], 0),
                       fmt(row["ratio_vs_hf_fp32"]), fmt(row["ratio_vs_hf_same_dtype"]), fmt(row["ratio_vs_vllm"]),
                       fmt(row["ratio_vs_llamacpp"]),
-                      fmt(row["of_ceiling"]), fmt(row["of_peak_bound"]), fmt(row["equal_to_hf_fp32"], 3), status))
+                      fmt(row["of_ceiling"]), fmt(row["of_roofline"]), fmt(row["decode_of_roofline"]),
+                      fmt(row["equal_to_hf_fp32"], 3), status))
     widths = [max(len(line[i]) for line in cells) for i in range(len(header) - 1)]
     lines = []
     for index, line in enumerate(cells):
@@ -113,11 +125,11 @@ def write_outputs(rows: list[dict], out: Path, config: dict) -> tuple[Path, Path
 
 
 def print_target(rows: list[dict], factor: float = 1.5) -> None:
-    """For each dtype vLLM ran: `factor` x vLLM's tokens/s, as a share of the peak bound."""
+    """For each dtype vLLM ran: `factor` x vLLM's tokens/s, as a share of the roofline."""
     by_key = {(row["engine"], row["dtype"]): row for row in rows}
     for (engine, dtype), row in by_key.items():
-        if engine != "vllm" or not row["tokens_per_s"] or not row["of_peak_bound"]:
+        if engine != "vllm" or not row["tokens_per_s"] or not row["of_roofline"]:
             continue
         target = factor * row["tokens_per_s"]
-        print(f"{factor:g}x vLLM {dtype}: {target:.1f} tokens/s = {factor * row['of_peak_bound']:.2f} of the peak "
-              f"bound ({row['tokens_per_s'] / row['of_peak_bound']:.1f}); above 1.00, no engine can reach it here")
+        print(f"{factor:g}x vLLM {dtype}: {target:.1f} tokens/s = {factor * row['of_roofline']:.2f} of the roofline "
+              f"({row['tokens_per_s'] / row['of_roofline']:.1f}); above 1.00, no engine can reach it here")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import json
 import platform
+import re
 import sys
 from pathlib import Path
 
@@ -44,12 +45,19 @@ def test_throughput_table(tmp_path: Path, capsys: pytest.CaptureFixture) -> None
     # The machine first: the CPU, its peak, a GEMM rate line per weight shape of SmolLM2, the limits.
     assert "cpu: " in printed and "GEMM rates, GFLOP/s at M = 2 / 32 / 1024" in printed  # --batch_size 2 too
     assert "arithmetic peak, GFLOP/s: float32 " in printed
+    if platform.machine() == "x86_64":  # measured on x86-64 only
+        assert re.search(r"memory read bandwidth: \d+\.\d GB/s \(\d+ threads reading \d+ MiB", printed), printed
+    # The decode's bound in every dtype, int8 too (its reads: no arithmetic peak is measured for it without AMX);
+    # 4 prompts x 4 tokens, 2 rows at a time: 12 tokens decoded in 6 steps.
+    for dtype in ("float32", "int8"):
+        assert re.search(rf"  {dtype} decode: 6 steps reading 0\.\d\d GB of weights each", printed), printed
     assert "the machine again, best of before and after the engines:" in printed
     for shape in ("576x960", "576x576", "576x3072", "1536x576", "576x49152"):
         assert any(line.split()[:2] == ["float32", shape] for line in printed.splitlines() if line.strip())
     assert "float32: GEMM ceiling " in printed and "the 0-token prefix" not in printed  # the chat template's is shared
     # The printed table: its header and one row per engine.
     assert "vs HF fp32" in printed and "equal to HF fp32" in printed and "of ceiling" in printed
+    assert "of roofline" in printed and "decode of roofline" in printed
     table_lines = [line.split() for line in printed.splitlines()]
     assert any(cells[:2] == ["zoo-infer", "float32"] for cells in table_lines if cells)
     assert any(cells[:2] == ["transformers", "float32"] for cells in table_lines if cells)
@@ -84,8 +92,14 @@ def test_throughput_table(tmp_path: Path, capsys: pytest.CaptureFixture) -> None
         assert float(row["ratio_vs_hf_fp32"]) > 0 and float(row["ratio_vs_hf_same_dtype"]) > 0
         assert float(row["equal_to_hf_fp32"]) == 1.0  # fp32 greedy is token-exact with transformers
         assert 0 < float(row["of_ceiling"]) and row["ratio_vs_vllm"] == ""  # no vLLM row to compare with
-        if platform.machine() == "x86_64":  # the peak is measured on x86-64 only
-            assert 0 < float(row["of_peak_bound"]) < 1  # no engine passes the arithmetic peak
+        if platform.machine() == "x86_64":  # the peak and the bandwidth are measured on x86-64 only
+            assert 0 < float(row["of_roofline"]) < 1  # no engine passes the roofline
+    # zoo-infer's decode steps (its generation less its prefill) against the decode's bound; the others do not say
+    assert 0 < float(zoo["decode_seconds"]) < float(zoo["generation_seconds"])
+    assert hf["decode_seconds"] == "" and hf["decode_of_roofline"] == ""
+    if platform.machine() == "x86_64":
+        for key in (("zoo-infer", "float32"), ("zoo-infer", "int8")):
+            assert 0 < float(rows[key]["decode_of_roofline"]) < 1
     assert float(hf["ratio_vs_hf_fp32"]) == 1.0
     assert (out / "results.json").is_file()
 

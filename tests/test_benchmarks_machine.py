@@ -63,6 +63,56 @@ def test_peak_rate_instructions_and_measurement(monkeypatch: pytest.MonkeyPatch)
     assert peaks == {"float32": None} and why_not.startswith("not measured (")
 
 
+def test_read_bandwidth_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The memory read bandwidth is a positive rate, said with what was read; bad arguments are refused by the C
+    function, a missing compiler is said, not raised."""
+    peak_rate = load_script("benchmarks/peak_rate.py")
+    if platform.machine() != "x86_64":
+        assert peak_rate.measure_bandwidth(2)[0] is None
+        pytest.skip("the bandwidth is measured on x86-64 only")
+    gbps, why_not = peak_rate.measure_bandwidth(2)
+    assert why_not == "" and gbps > 0.1
+    assert peak_rate.bandwidth_bytes() >= max(peak_rate.BANDWIDTH_BYTES, 4 * peak_rate.largest_cache_bytes())
+    assert peak_rate.describe_bandwidth(gbps, 2) == (f"{gbps:.1f} GB/s (2 threads reading "
+                                                     f"{peak_rate.bandwidth_bytes() >> 20} MiB, 2 passes, best of 3)")
+    with tempfile.TemporaryDirectory() as folder:
+        lib = peak_rate._build(Path(folder))
+        assert lib.read_gbps(0, 2**20, 1) < 0 and lib.read_gbps(2, 32, 1) < 0 and lib.read_gbps(1, 2**20, 0) < 0
+        assert lib.read_gbps(1, 2**20, 1) > 0  # a buffer in cache: a rate all the same
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    gbps, why_not = peak_rate.measure_bandwidth(2)
+    assert gbps is None and why_not.startswith("not measured (")
+    assert peak_rate.describe_bandwidth(None, 2, why_not) == why_not
+
+
+def test_decode_bound_counts_every_weight_once_a_step_and_each_rows_cache() -> None:
+    """The decode's bound: steps of decode_rows tokens, each reading every weight in the dtype's bytes; the KV cache
+    read up to each row's length (the shared prefix in every row); the slower of the reads and the FLOPs binds."""
+    from collections import Counter
+
+    machine = load_script("benchmarks/machine.py")
+    shapes = machine.LinearShapes(Counter({(4, 8): 2}), (4, 10), kv_features=6)  # 104 weights, 40 in the head
+    # 2 prompts of 10 tokens in all generate 4 each: 3 decoded each (the prefill chose the first), 2 rows a step.
+    work = machine.Workload(prompt_tokens=10, prompts=2, generated_tokens=8, decode_rows=2)
+    assert work.decode_tokens == 6
+    assert work.kv_reads() == 3 * 10 + 2 * (1 + 2 + 3)  # each decoded token reads its row's prompt and those before
+    assert work.prefill_flops(shapes) == 2 * (64 * 10 + 40 * 2) and work.decode_flops(shapes) == 2 * (64 * 8 + 40 * 6)
+    bound = machine.decode_bound(shapes, "float32", work, peak_gflops=1e-6, bandwidth_gbps=1e-6)
+    assert (bound.steps, bound.weight_bytes, bound.kv_bytes) == (3, 104 * 4, 42 * 2 * 6 * 4)
+    assert bound.memory_seconds == pytest.approx((3 * 416 + 2016) / 1e3)
+    assert bound.compute_seconds == pytest.approx(1504 / 1e3)
+    assert bound.seconds == bound.memory_seconds and bound.describe().endswith(": the reads bind")
+    assert bound.describe().startswith("3 steps reading 0.00 GB of weights each")
+    int8 = machine.decode_bound(shapes, "int8", work, peak_gflops=None, bandwidth_gbps=1e-6)
+    assert int8.weight_bytes == pytest.approx(104 * (1 + 4 / 32))  # a byte and a float32 scale per 32
+    assert int8.seconds == int8.memory_seconds and "no peak for this dtype" in int8.describe()
+    assert machine.decode_bound(shapes, "float32", work, None, None).seconds is None
+    shared = machine.Workload(prompt_tokens=10, prompts=2, generated_tokens=8, decode_rows=2, shared_prefix=3)
+    assert shared.kv_reads() == work.kv_reads() + 3 * 3  # the second row's copy of the prefix, read 3 times
+    roofline = machine.roofline_tokens_per_s(shapes, "float32", 1e-6, 1e-6, work)
+    assert roofline == pytest.approx(8 / (2 * (640 + 80) / 1e3 + bound.memory_seconds))
+
+
 def test_cpu_gemm_paths(capsys: pytest.CaptureFixture) -> None:
     """benchmarks/cpu_gemm_paths.py on a tiny shape: a rate for every candidate this build has, at each row count
     (its own check that each kernel's paths agree passes); a malformed --shapes is refused."""
