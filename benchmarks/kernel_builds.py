@@ -1,7 +1,7 @@
 #!/usr/bin/env python
-"""C++ kernel builds side by side, on data laid out as in a job: the bfloat16 GEMMs over every layer's own weights
-and the attention over every layer's own KV cache (SmolLM2-135M's shapes by default), so weights and cache come
-from memory, as in a job, and not from a CPU cache a loop over one tensor keeps warm.
+"""C++ kernel builds side by side, on data laid out as in a job: the bfloat16-weight GEMMs over every layer's own
+weights and the attention over every layer's own KV cache (SmolLM2-135M's shapes by default), so weights and cache
+come from memory, as in a job, and not from a CPU cache a loop over one tensor keeps warm.
 
     python -m modelzoo.cpu.kernels        # prints this checkout's build folder; edit a kernel, run it again
     python benchmarks/kernel_builds.py before=<build folder> after=<build folder>
@@ -9,9 +9,11 @@ from memory, as in a job, and not from a CPU cache a loop over one tensor keeps 
 
 Each round runs every build in turn, in this one process, on the same inputs (the first round is a warm-up);
 printed per build: the median over the rounds of each GEMM's GFLOP/s (a decode step's rows, then a prefill
-chunk's tokens; the SwiGLU gate | up with its SiLU gate applied, as bf16_silu_gate runs it) and of the attention's
-milliseconds per layer (a decode step; a packed prefill chunk), and whether every output equals the first
-build's bit for bit. The GEMMs need AVX512-BF16 (skipped without it); the attention runs on any CPU.
+chunk's tokens) and of the attention's milliseconds per layer (a decode step; a packed prefill chunk), and whether
+every output equals the first build's bit for bit. The GEMMs are the ones a bfloat16 job runs on this CPU:
+bf16_linear where every build has it (AVX512-BF16; the SwiGLU gate | up with its SiLU gate applied, as
+bf16_silu_gate runs it), else half_linear (bfloat16 weights widened to float32 as they are read: every AVX2 CPU, and
+AVX-512 ones without AVX512-BF16). The attention runs on any CPU.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from modelzoo.models.kv_cache import zeroed_cache_tensor  # noqa: E402
 from modelzoo.cpu.kernels import _built_library, _load_library, kernel_build_dir  # noqa: E402
-from modelzoo.cpu.precision import SILU_GATE_TILE, pack_bf16_weight  # noqa: E402
+from modelzoo.cpu.precision import SILU_GATE_TILE, pack_bf16_weight, pack_half_weight  # noqa: E402
 
 
 def load_builds(specs: list[str]) -> dict[str, ModuleType]:
@@ -52,16 +54,18 @@ def load_builds(specs: list[str]) -> dict[str, ModuleType]:
 class Workload:
     """Every layer's weights and KV cache, and one decode step's and one prefill chunk's inputs, seeded."""
 
-    def __init__(self, args: argparse.Namespace, gemms: bool) -> None:
+    def __init__(self, args: argparse.Namespace, gemm: str | None) -> None:
+        """gemm: the GEMM kernel the weights are packed for (bf16_linear, half_linear), or None for no GEMMs."""
         g = torch.Generator().manual_seed(0)
         hidden, inter, heads, kv, dim = args.hidden, args.intermediate, args.heads, args.kv_heads, args.head_dim
         bf16 = lambda *shape: torch.randn(*shape, generator=g).bfloat16()
+        pack = pack_bf16_weight if gemm == "bf16_linear" else pack_half_weight
         self.shapes = {"qkv": (hidden, (heads + 2 * kv) * dim), "o": (heads * dim, hidden),
                        "gate_up": (hidden, 2 * inter), "down": (inter, hidden)}
-        self.weights = [{name: pack_bf16_weight(bf16(n, k)) for name, (k, n) in self.shapes.items()}
-                        for _ in range(args.layers)] if gemms else []
+        self.weights = [{name: pack(bf16(n, k)) for name, (k, n) in self.shapes.items()}
+                        for _ in range(args.layers)] if gemm else []
         self.vocab = args.vocab
-        self.lm_head = pack_bf16_weight(bf16(args.vocab, hidden)) if gemms else None
+        self.lm_head = pack(bf16(args.vocab, hidden)) if gemm else None
         lengths = torch.randint(args.min_context, args.max_context + 1, (args.rows,), generator=g)
         max_len = args.max_context + 1
         def cache() -> torch.Tensor:  # allocated as a job's KV cache is (huge pages where Linux gives them)
@@ -89,26 +93,28 @@ class Workload:
                        for rows in (args.rows, total)}
 
 
-def run_gemms(kernels: ModuleType, work: Workload, rows: int, lm_head: bool) -> tuple[dict[str, float], list]:
-    """Every layer's GEMMs on `rows` rows: GFLOP/s per GEMM, and the outputs of the last layer."""
+def run_gemms(kernels: ModuleType, gemm: str, work: Workload, rows: int, lm_head: bool
+              ) -> tuple[dict[str, float], list]:
+    """Every layer's GEMMs on `rows` rows with kernel `gemm`: GFLOP/s per GEMM, and the outputs of the last layer."""
     seconds: dict[str, float] = dict.fromkeys(work.shapes, 0.0)
+    linear = getattr(kernels, gemm)
     outputs = []
     for weights in work.weights:
         outputs = []
         for name, (k, n) in work.shapes.items():
             x = work.inputs[rows][name]
             start = time.perf_counter()
-            if name == "gate_up":
+            if name == "gate_up" and gemm == "bf16_linear":
                 outputs.append(kernels.bf16_silu_gate(x, weights[name], n // 2))
             else:
-                outputs.append(kernels.bf16_linear(x, weights[name], None, n))
+                outputs.append(linear(x, weights[name], None, n))
             seconds[name] += time.perf_counter() - start
     rates = {name: 2 * rows * k * n * len(work.weights) / seconds[name] / 1e9
              for name, (k, n) in work.shapes.items()}
     if lm_head:
         x = work.inputs[rows]["qkv"]
         start = time.perf_counter()
-        outputs.append(kernels.bf16_linear(x, work.lm_head, None, work.vocab))
+        outputs.append(linear(x, work.lm_head, None, work.vocab))
         rates["lm_head"] = 2 * rows * x.shape[1] * work.vocab / (time.perf_counter() - start) / 1e9
     return rates, outputs
 
@@ -123,21 +129,29 @@ def run_attention(kernels: ModuleType, work: Workload, inputs: tuple, scale: flo
     return (time.perf_counter() - start) / len(work.caches) * 1e3, out
 
 
+def gemm_kernel(builds: dict[str, ModuleType]) -> str | None:
+    """The GEMM a bfloat16 job runs here that every build has: bf16_linear (AVX512-BF16), else half_linear; None."""
+    if all(kernels.bf16_dot_available() for kernels in builds.values()):
+        return "bf16_linear"
+    if all(hasattr(kernels, "half_linear") for kernels in builds.values()):
+        return "half_linear"
+    return None
+
+
 def measure(builds: dict[str, ModuleType], args: argparse.Namespace) -> dict[str, dict]:
     """{label: {"figures": {name: median}, "identical": bool}} over args.rounds rounds (the warm-up one dropped)."""
-    gemms = all(kernels.bf16_dot_available() for kernels in builds.values())
-    if not gemms:
-        print("the GEMMs are skipped: a build lacks bf16_linear (no AVX512-BF16 here)")
-    work = Workload(args, gemms)
+    gemm = gemm_kernel(builds)
+    print(f"GEMMs: {gemm}" if gemm else "the GEMMs are skipped: a build has neither bf16_linear nor half_linear")
+    work = Workload(args, gemm)
     scale = args.head_dim ** -0.5
     samples: dict[str, dict[str, list[float]]] = {label: {} for label in builds}
     outputs: dict[str, list] = {}
     for round_index in range(args.rounds + 1):
         for label, kernels in builds.items():
             figures, outs = {}, []
-            if gemms:
+            if gemm:
                 for rows, phase in ((args.rows, "decode"), (work.prefill_tokens, "prefill")):
-                    rates, last = run_gemms(kernels, work, rows, lm_head=phase == "decode")
+                    rates, last = run_gemms(kernels, gemm, work, rows, lm_head=phase == "decode")
                     figures.update({f"{phase} {name} GFLOP/s": rate for name, rate in rates.items()})
                     outs += last
             for phase, inputs in (("decode", work.decode), ("prefill", work.prefill)):
