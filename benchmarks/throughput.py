@@ -179,7 +179,8 @@ def variant_data(prep: Prepared, out: Path, name: str, per_row: dict[str, Any],
 
 def rss_bound_mib(model: str, dtype: str, rows: int, max_seq_len: int) -> float:
     """The peak RSS a zoo-infer run should stay within: its weights in their own bytes (int8: a byte and a float32
-    scale per machine.INT8_GROUP inputs), its KV cache under this CPU's precision policy (rows x max_seq_len), and 1 GiB."""
+    scale per machine.INT8_GROUP inputs), its KV cache under this CPU's precision policy (rows x max_seq_len), and
+    1 GiB."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -201,9 +202,9 @@ def run_zoo_dtype(args: argparse.Namespace, prep: Prepared, out: Path, dtype: st
     int8 = dtype == "int8"
     variant = "_".join(part for part in ("int8" if int8 else "", label.replace(" ", "_")) if part)
     cache = {"weight_cache": str(args.weight_cache.resolve())} if args.weight_cache else None
+    int8_keys = {"weight_dtype": "int8", "int8_group_size": machine.INT8_GROUP} if int8 else None
     row, generated = run_zoo(args, prep, out, "float32" if int8 else dtype, threads, variant=variant,
-                             model_keys={"weight_dtype": "int8", "int8_group_size": machine.INT8_GROUP} if int8 else None,
-                             runconfig_keys=cache, repo=repo)
+                             model_keys=int8_keys, runconfig_keys=cache, repo=repo)
     row.update(engine=f"zoo-infer {label}" if label else "zoo-infer", dtype=dtype,
                rss_bound_mib=rss_bound_mib(args.model, dtype, args.batch_size, prep.max_seq_len))
     return row, generated

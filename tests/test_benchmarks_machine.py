@@ -158,7 +158,8 @@ def test_kernel_builds(capsys: pytest.CaptureFixture) -> None:
     # The GEMMs a bfloat16 job runs here: bf16_linear with AVX512-BF16, else half_linear (every AVX2 CPU).
     assert f"GEMMs: {'bf16_linear' if kernels.bf16_dot_available() else 'half_linear'}" in printed
     expected = ["decode attention ms/layer", "prefill attention ms/layer", "decode lm_head GFLOP/s"]
-    expected += [f"{phase} {name} GFLOP/s" for phase in ("decode", "prefill") for name in ("qkv", "o", "gate_up", "down")]
+    expected += [f"{phase} {name} GFLOP/s" for phase in ("decode", "prefill")
+                 for name in ("qkv", "o", "gate_up", "down")]
     for line in lines.values():
         assert line.endswith("identical to a: True"), line
         for name in expected:
