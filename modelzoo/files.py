@@ -99,14 +99,15 @@ def remove(path: Path) -> None:
         raise WriteError(f"cannot remove {path}: {describe(error)}") from None
 
 
-def remove_dead_temps(folder: Path) -> int:
-    """Removes temp files left in `folder` by killed writers of this host; returns how many.
+def remove_dead_temps(folder: Path, name: str = "*") -> int:
+    """Removes temp files left in `folder` by killed writers of this host; returns how many. name: only the temp
+    files of that file (a glob; default: every file's).
 
     A temp file names its writer's host and pid: one of this host whose process is gone is dead;
     those of other hosts are left alone (their writers may still be running).
     """
     host, removed = socket.gethostname().split(".")[0], 0
-    for path in folder.glob(".*.tmp"):
+    for path in folder.glob(f".{name}.*.*.tmp"):
         match = _TEMP.match(path.name)
         if match and match["host"] == host and not _alive(int(match["pid"])):
             remove(path)

@@ -25,7 +25,6 @@ import hashlib
 import json
 import logging
 import mmap
-import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -36,7 +35,7 @@ import torch
 from torch import nn
 
 import modelzoo
-from modelzoo.files import temp_path, write_atomic
+from modelzoo.files import remove_dead_temps, write_atomic
 
 log = logging.getLogger("zoo-infer")
 
@@ -135,17 +134,6 @@ def load(folder: Path, key: str) -> CachedLayout | None:
     return cached
 
 
-def _remove_abandoned(folder: Path, key: str) -> None:
-    """Deletes the temporary files of `key` (files.temp_path's names) that a process of this host left when it was
-    killed while writing (its pid gone); another host's, or a live writer's, are left alone."""
-    prefix, _ = temp_path(folder / f"{key}.pt").name.rsplit(f".{os.getpid()}.", 1)
-    for partial in folder.glob(f"{prefix}.*.tmp"):
-        pid = partial.name[len(prefix) + 1:-len(".tmp")]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            partial.unlink(missing_ok=True)
-            log.info("weight cache: removed %s, left by a writer that was stopped", partial.name)
-
-
 def save(folder: Path, key: str, layout: CachedLayout) -> Path | None:
     """Writes `layout` under `key` (files.write_atomic: a temporary file renamed); returns its path, or None with a
     warning where it cannot be written (the job goes on without)."""
@@ -157,7 +145,8 @@ def save(folder: Path, key: str, layout: CachedLayout) -> Path | None:
     path = folder / f"{key}.pt"
     try:
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        _remove_abandoned(folder, key)
+        if remove_dead_temps(folder, f"{key}.pt"):
+            log.info("weight cache: removed what a writer of %s.pt that was stopped left", key)
         size = _compact(layout.model)
         free = shutil.disk_usage(folder).free
         if size + FREE_SPACE_MARGIN > free:
