@@ -2,8 +2,9 @@
 arithmetic peak and memory read bandwidth, and two limits on the workload's speed derived from them.
 
 Both limits count only the linear layers (2 FLOPs per weight per row): every prompt token (a prefix
-all prompts share once) through every layer but the LM head, one row per prompt through the head,
-and every generated token through all of them. Attention, norms and sampling are left out, so no
+all prompts share once) through every layer but the LM head, one row per prompt through the head (its
+first generated token), and every other generated token's input through all of them (a decode step
+feeds a row's last token to choose the next). Attention, norms and sampling are left out, so no
 engine reaches either:
   - the GEMM ceiling: those FLOPs at the best rate the job's own probe (modelzoo/cpu/gemm.py) measured
     for each weight shape, prompt rows at M = 1024 and generated rows at M = the rows decoded
@@ -107,7 +108,8 @@ def gemm_rates(shapes: LinearShapes, dtype: torch.dtype, decode_rows: int) -> di
 @dataclass
 class Workload:
     """The rows each linear layer multiplies: prompt tokens (a shared prefix once) through the body,
-    one row per prompt through the head, generated tokens through both, decoded `decode_rows` at a time."""
+    one row per prompt through the head (its first generated token), every other generated token's input through
+    both, decoded `decode_rows` at a time."""
 
     prompt_tokens: int  # the shared prefix counted once
     prompts: int
@@ -126,10 +128,8 @@ class Workload:
         return 2 * ((shapes.weights() - head) * self.prompt_tokens + head * self.prompts)
 
     def decode_flops(self, shapes: LinearShapes) -> float:
-        """The linear layers' FLOPs of the decode steps: every generated token through the body, and each but a
-        prompt's first through the head too (the prefill chose the first)."""
-        head = shapes.head[0] * shapes.head[1]
-        return 2 * ((shapes.weights() - head) * self.generated_tokens + head * self.decode_tokens)
+        """The linear layers' FLOPs of the decode steps: a row through every layer for each token they choose."""
+        return 2 * shapes.weights() * self.decode_tokens
 
     @property
     def decode_tokens(self) -> int:
@@ -197,9 +197,9 @@ def ceiling_tokens_per_s(shapes: LinearShapes, rates: dict, work: Workload) -> f
         return 2 * shape[0] * shape[1] * rows / (best * 1e9)
 
     decode, prefill = work.decode_rows, RATE_ROWS[1]  # the head's one row a prompt: at the decode rate too
-    total = sum(count * (seconds(shape, work.prompt_tokens, prefill) + seconds(shape, work.generated_tokens, decode))
+    total = sum(count * (seconds(shape, work.prompt_tokens, prefill) + seconds(shape, work.decode_tokens, decode))
                 for shape, count in shapes.body.items())
-    total += seconds(shapes.head, work.prompts, decode) + seconds(shapes.head, work.generated_tokens, decode)
+    total += seconds(shapes.head, work.prompts, decode) + seconds(shapes.head, work.decode_tokens, decode)
     return work.generated_tokens / total
 
 

@@ -96,11 +96,14 @@ def test_decode_bound_counts_every_weight_once_a_step_and_each_rows_cache() -> N
     work = machine.Workload(prompt_tokens=10, prompts=2, generated_tokens=8, decode_rows=2)
     assert work.decode_tokens == 6
     assert work.kv_reads() == 3 * 10 + 2 * (1 + 2 + 3)  # each decoded token reads its row's prompt and those before
-    assert work.prefill_flops(shapes) == 2 * (64 * 10 + 40 * 2) and work.decode_flops(shapes) == 2 * (64 * 8 + 40 * 6)
+    # the prefill: every prompt token through the body, a row a prompt through the head; each decoded token's input
+    # row through every layer
+    assert work.prefill_flops(shapes) == 2 * (64 * 10 + 40 * 2) and work.decode_flops(shapes) == 2 * 104 * 6
+    assert work.flops(shapes) == work.prefill_flops(shapes) + work.decode_flops(shapes)
     bound = machine.decode_bound(shapes, "float32", work, peak_gflops=1e-6, bandwidth_gbps=1e-6)
     assert (bound.steps, bound.weight_bytes, bound.kv_bytes) == (3, 104 * 4, 42 * 2 * 6 * 4)
     assert bound.memory_seconds == pytest.approx((3 * 416 + 2016) / 1e3)
-    assert bound.compute_seconds == pytest.approx(1504 / 1e3)
+    assert bound.compute_seconds == pytest.approx(2 * 104 * 6 / 1e3)
     assert bound.seconds == bound.memory_seconds and bound.describe().endswith(": the reads bind")
     assert bound.describe().startswith("3 steps reading 0.00 GB of weights each")
     int8 = machine.decode_bound(shapes, "int8", work, peak_gflops=None, bandwidth_gbps=1e-6)
