@@ -21,14 +21,16 @@ the rows' KV cache once; those bytes over this rate bound its time however few F
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
 import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Set as AbstractSet
+from collections.abc import Callable, Set as AbstractSet
 from pathlib import Path
+from typing import TypeVar
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
@@ -38,6 +40,7 @@ from modelzoo.cpu.facts import cpu_flags  # noqa: E402
 
 SOURCE = Path(__file__).with_name("peak_rate.c")
 FP32_ZMM, FP32_YMM, BF16_ZMM, BF16_AMX, INT8_AMX = 0, 1, 2, 3, 4  # peak_gflops()'s `kind` in peak_rate.c
+T = TypeVar("T")
 INSTRUCTIONS = {FP32_ZMM: "vfmadd231ps zmm", FP32_YMM: "vfmadd231ps ymm", BF16_ZMM: "vdpbf16ps zmm",
                 BF16_AMX: "tdpbf16ps tiles", INT8_AMX: "tdpbssd tiles"}
 AMX_ITERATIONS_SHARE = 16  # an AMX iteration does 85-340x the FLOPs of a vector one: fewer of them
@@ -47,11 +50,17 @@ BANDWIDTH_BYTES = 2**30  # read by all threads together, at least: several times
 BANDWIDTH_PASSES, BANDWIDTH_REPEATS = 2, 3
 
 
-def _build(folder: Path) -> ctypes.CDLL:
-    """Compiles peak_rate.c into `folder` with the system's C compiler and loads it."""
+def _compiler() -> str:
+    """The system's C compiler ($CC, else cc, else gcc)."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         raise RuntimeError("no C compiler (cc / gcc / $CC)")
+    return compiler
+
+
+def _build(folder: Path) -> ctypes.CDLL:
+    """Compiles peak_rate.c into `folder` with the system's C compiler and loads it."""
+    compiler = _compiler()
     library = folder / "peak_rate.so"
     subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-pthread", str(SOURCE), "-o", str(library)],
                    check=True, capture_output=True, text=True)
@@ -61,6 +70,22 @@ def _build(folder: Path) -> ctypes.CDLL:
     lib.read_gbps.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_int]
     lib.read_gbps.restype = ctypes.c_double
     return lib
+
+
+@functools.lru_cache(maxsize=None)
+def _built_once(compiler: str) -> ctypes.CDLL:
+    """peak_rate.c built by `compiler` and loaded, once per process (the loaded library outlives its file)."""
+    with tempfile.TemporaryDirectory(prefix="zoo-peak-") as folder:
+        return _build(Path(folder))
+
+
+def _measured(measure: Callable[[ctypes.CDLL], T]) -> tuple[T | None, str]:
+    """(measure(the library), "") or (None, why the library could not be had)."""
+    try:
+        return measure(_built_once(_compiler())), ""
+    except (RuntimeError, OSError, subprocess.CalledProcessError) as error:
+        detail = getattr(error, "stderr", "") or str(error)
+        return None, f"not measured ({detail.strip().splitlines()[-1][:200]})"
 
 
 def instructions_for(flags: AbstractSet[str]) -> dict[str, int | None]:
@@ -90,14 +115,10 @@ def measure_peaks(threads: int, dtypes: list[str]) -> tuple[dict[str, float | No
         return nothing, f"not measured on {platform.machine()} (x86-64 only)"
     kinds = instructions_for(cpu_flags())
     wanted = sorted({kinds.get(dtype) for dtype in dtypes} - {None})
-    try:
-        with tempfile.TemporaryDirectory(prefix="zoo-peak-") as folder:
-            lib = _build(Path(folder))
-            rates = {kind: max(lib.peak_gflops(kind, threads, iterations(kind)) for _ in range(REPEATS))
-                     for kind in wanted}
-    except (RuntimeError, OSError, subprocess.CalledProcessError) as error:
-        detail = getattr(error, "stderr", "") or str(error)
-        return nothing, f"not measured ({detail.strip().splitlines()[-1][:200]})"
+    rates, why_not = _measured(lambda lib: {kind: max(lib.peak_gflops(kind, threads, iterations(kind))
+                                                      for _ in range(REPEATS)) for kind in wanted})
+    if rates is None:
+        return nothing, why_not
     if all(rate <= 0 for rate in rates.values()):
         return nothing, f"not measured (could not start {threads} threads)"
     # A kind that failed alone (Linux before 5.16 refuses AMX's tile state) leaves only its dtypes unmeasured.
@@ -126,14 +147,10 @@ def measure_bandwidth(threads: int) -> tuple[float | None, str]:
     """(GB/s at which `threads` threads read memory, the best of BANDWIDTH_REPEATS; None and why where not measured)."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return None, f"not measured on {platform.machine()} (x86-64 only)"
-    try:
-        with tempfile.TemporaryDirectory(prefix="zoo-peak-") as folder:
-            lib = _build(Path(folder))
-            rate = max(lib.read_gbps(threads, bandwidth_bytes() // threads, BANDWIDTH_PASSES)
-                       for _ in range(BANDWIDTH_REPEATS))
-    except (RuntimeError, OSError, subprocess.CalledProcessError) as error:
-        detail = getattr(error, "stderr", "") or str(error)
-        return None, f"not measured ({detail.strip().splitlines()[-1][:200]})"
+    rate, why_not = _measured(lambda lib: max(lib.read_gbps(threads, bandwidth_bytes() // threads, BANDWIDTH_PASSES)
+                                              for _ in range(BANDWIDTH_REPEATS)))
+    if rate is None:
+        return None, why_not
     if rate <= 0:
         return None, f"not measured (could not start {threads} threads or allocate {bandwidth_bytes() >> 20} MiB)"
     return rate, ""
