@@ -167,7 +167,10 @@ def run_child(engine: str, script: Path, args: argparse.Namespace, prep: Prepare
     if "skipped" in result:
         return result_row(engine, dtype, status="skipped", note=result["skipped"]), None
     # A child writes its result last; one that crashed after that (vLLM can abort in its shutdown) still measured it.
-    note = f"exited {measured.returncode} after writing its result, see {log_path}" if measured.returncode else ""
+    notes = [f"exited {measured.returncode} after writing its result, see {log_path}"] if measured.returncode else []
+    if result.get("kernels"):  # vLLM's kernel libraries: its AVX2 or AVX-512 builds
+        notes.append(f"kernels {' '.join(result['kernels'])}")
+    note = "; ".join(notes)
     generated, seconds = int(result["generated_tokens"]), float(result["generation_seconds"])
     return result_row(engine, dtype, generated_tokens=generated, generation_seconds=seconds,
                       tokens_per_s=generated / seconds if seconds else None, note=note,

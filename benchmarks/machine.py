@@ -23,6 +23,7 @@ and keeps the best rate seen for each.
 from __future__ import annotations
 
 import math
+import os
 import platform
 from collections import Counter
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ import torch
 from torch import nn
 
 from benchmarks import peak_rate
-from modelzoo.cpu.facts import cpu_flags, cpu_model
+from modelzoo.cpu.facts import cpu_capability, cpu_flags, cpu_model
 from modelzoo.cpu.gemm import ShapeChoice, available_backends, measure_shape, wrap
 from modelzoo.cpu.precision import BF16Linear, HalfLinear, precision_policy
 
@@ -41,9 +42,11 @@ SHOWN_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "
 
 
 def cpu_description() -> str:
-    """'AMD EPYC (x86_64; avx2 avx512f avx512_bf16 avx512_vnni)'."""
+    """'AMD EPYC (x86_64; avx2 avx512f avx512_bf16 avx512_vnni)'; '..., run at AVX2 (ATEN_CPU_CAPABILITY)' where that
+    variable sets PyTorch's vector level (the flags past it hidden: modelzoo/cpu/facts.py)."""
     flags = " ".join(flag for flag in SHOWN_FLAGS if flag in cpu_flags()) or "no AVX2 / AVX-512 flags"
-    return f"{cpu_model() or platform.processor() or 'unknown CPU'} ({platform.machine()}; {flags})"
+    capped = f", run at {cpu_capability()} (ATEN_CPU_CAPABILITY)" if os.environ.get("ATEN_CPU_CAPABILITY") else ""
+    return f"{cpu_model() or platform.processor() or 'unknown CPU'} ({platform.machine()}; {flags}{capped})"
 
 
 @dataclass

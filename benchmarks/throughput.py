@@ -61,6 +61,13 @@ What is measured, and why:
     which of the reads or the FLOPs binds: a large model decoding few rows is bound by the reads.
   - equal to HF fp32: fraction of prompts whose generated ids are exactly transformers float32's.
 
+As on an AVX2 CPU: on an AVX-512 CPU, with ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+MKL_ENABLE_INSTRUCTIONS=AVX2 set for the command, every engine runs at AVX2: zoo-infer (its kernels built for
+x86-64-v3, its choices made without AVX-512: modelzoo/cpu/facts.py), transformers, vLLM (its AVX2 kernels, named in
+the note column), and llama.cpp when its AVX2 build comes first on PATH (ISA=avx2 bash
+benchmarks/peers/setup_llamacpp.sh). The same cores then run AVX2 code: a stand-in for an AVX2 CPU's code paths,
+not for its cores or memory.
+
 Develop and check with small settings (--num_prompts 16 --max_tokens 8); the full run takes a
 while on a CPU and should run on a quiet machine.
 """

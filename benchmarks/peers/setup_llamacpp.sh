@@ -3,6 +3,8 @@
 # model hub), for the benchmarks' llama.cpp peer. Usage:
 #   bash benchmarks/peers/setup_llamacpp.sh [DEST]      # DEST default: benchmarks/peers/llama.cpp
 # Then: export PATH="DEST/build/bin:$PATH" LLAMA_CPP_DIR=DEST (the script prints the line).
+# ISA=avx2 builds for AVX2 CPUs instead of this one (into DEST/build-avx2): the llama.cpp of a benchmark run as on
+# an AVX2 CPU (ATEN_CPU_CAPABILITY=avx2, benchmarks/throughput.py).
 # Needs cmake and a C++ compiler; about 15 minutes on 2 cores. A second run reuses the build. Also installs
 # what llama.cpp's convert_hf_to_gguf.py imports (gguf, sentencepiece, protobuf) into the project's .venv.
 set -euo pipefail
@@ -31,8 +33,14 @@ fi
 # convert_hf_to_gguf.py (which makes the GGUF files from a Hugging Face folder) imports these.
 "$PIP" install --quiet gguf sentencepiece protobuf >&2
 
-cmake -S "$DEST" -B "$DEST/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON \
+case "${ISA:-native}" in
+    native) BUILD="$DEST/build"; TARGET=(-DGGML_NATIVE=ON) ;;
+    avx2) BUILD="$DEST/build-avx2"
+          TARGET=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_BMI2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF) ;;
+    *) echo "error: ISA is native (the default) or avx2, not ${ISA}" >&2; exit 1 ;;
+esac
+cmake -S "$DEST" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF "${TARGET[@]}" \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >&2
-cmake --build "$DEST/build" --target llama-server -j "$JOBS" >&2
-"$DEST/build/bin/llama-server" --version >&2 || true
-echo "export PATH=\"$DEST/build/bin:\$PATH\" LLAMA_CPP_DIR=\"$DEST\""
+cmake --build "$BUILD" --target llama-server -j "$JOBS" >&2
+"$BUILD/bin/llama-server" --version >&2 || true
+echo "export PATH=\"$BUILD/bin:\$PATH\" LLAMA_CPP_DIR=\"$DEST\""

@@ -55,6 +55,40 @@ def kv_cache_bytes(model: str, dtype: str, sequences: int, max_model_len: int) -
     return max(256 * MiB, math.ceil(needed * 1.25 / MiB) * MiB)
 
 
+def follow_pytorchs_vector_level() -> None:
+    """Under ATEN_CPU_CAPABILITY=avx2 (throughput.py run as on an AVX2 CPU), vLLM loads its AVX2 kernels as it would
+    on an AVX2 CPU: it picks them by the CPU's own AVX-512 flag, so that test is answered no, and the engine runs in
+    this process, where the answer holds."""
+    if os.environ.get("ATEN_CPU_CAPABILITY", "").lower() != "avx2":
+        return
+    import torch
+
+    torch.cpu._is_avx512_supported = lambda: False
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+
+def loaded_kernels() -> list[str]:
+    """vLLM's kernel libraries (_C.abi3.so, _C_AVX2.abi3.so, ...) mapped by this process and its children."""
+    me = str(os.getpid())
+    pids = [me] + [pid for pid in os.listdir("/proc") if pid.isdigit() and _parent(pid) == me]
+    names = set()
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        names.update(Path(line.split()[-1]).name for line in maps.splitlines()
+                     if "/vllm/_C" in line and line.endswith(".so"))
+    return sorted(names)
+
+
+def _parent(pid: str) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+    except (OSError, IndexError):
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Starts the engine, generates, writes the result JSON."""
     args = base_parser(__doc__).parse_args(argv)
@@ -62,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     count = threads(args)
     # vLLM's CPU backend pins one OpenMP thread per listed core; "0-(n-1)" uses the first n.
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{count - 1}" if count > 1 else "0")
+    follow_pytorchs_vector_level()
     try:
         import vllm
         from vllm import LLM, SamplingParams
@@ -101,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     write_result(args, "vllm", tokens, seconds, load_seconds=load_seconds, threads=count,
                  **({"teacher_forced_top1": forced} if forced else {}),
                  kv_cache=f"{kv_space} GiB (VLLM_CPU_KVCACHE_SPACE)" if kv_space else f"{kv_bytes // MiB} MiB",
-                 versions={"vllm": vllm.__version__})
+                 versions={"vllm": vllm.__version__}, kernels=loaded_kernels())
     return 0
 
 

@@ -1,8 +1,15 @@
-"""This machine's CPU as /proc/cpuinfo describes it (its first processor), read once: what the dtype
-policy (precision.py), the kernels' build key and GEMM choices (kernels/) and the benchmark look at."""
+"""This machine's CPU as /proc/cpuinfo describes it (its first processor), read once, at the vector level PyTorch
+runs at: what the dtype policy (precision.py), the kernels' build and GEMM choices (kernels/) and the benchmark look
+at. PyTorch's ATEN_CPU_CAPABILITY=avx2 on an AVX-512 CPU hides the flags above AVX2 here too, so a job runs as it
+would on an AVX2 CPU of the same cores: its kernels built for x86-64-v3, its choices made without AVX-512."""
 from __future__ import annotations
 
 import functools
+
+import torch
+
+# Prefixes of the flags of instructions past x86-64-v3 (AVX2, FMA, F16C): AVX-512, AMX, AVX-VNNI, AVX-NE-CONVERT.
+_ABOVE_AVX2 = ("avx512", "amx", "avx_")
 
 
 @functools.cache
@@ -26,6 +33,16 @@ def cpu_model() -> str:
     return _first_processor().get("model name", "")
 
 
+def cpu_capability() -> str:
+    """PyTorch's vector level for its CPU kernels: 'AVX512', 'AVX2', 'DEFAULT'...: this CPU's best, or the lower
+    one ATEN_CPU_CAPABILITY names."""
+    return torch.backends.cpu.get_cpu_capability()
+
+
 def cpu_flags() -> frozenset[str]:
-    """The CPU feature flags (avx2, avx512_bf16, amx_bf16, ...; empty where unknown)."""
-    return frozenset(_first_processor().get("flags", "").split())
+    """The CPU feature flags (avx2, avx512_bf16, amx_bf16, ...; empty where unknown); those past AVX2 left out
+    where PyTorch runs at AVX2 (module docstring)."""
+    flags = frozenset(_first_processor().get("flags", "").split())
+    if cpu_capability() == "AVX2":
+        return frozenset(flag for flag in flags if not flag.startswith(_ABOVE_AVX2))
+    return flags

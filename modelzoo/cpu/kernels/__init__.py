@@ -13,8 +13,9 @@ ops not even that: they are bit-identical to the PyTorch ops they replace). They
 with AVX2 (the SiLU gate calls libtorch's own vector exp); elsewhere the build fails, with the same
 fallback.
 
-They are compiled with -march=native, so the build directory is keyed by this CPU's model,
-instruction sets and the torch version (then by the sources): nodes of another CPU type sharing
+They are compiled with -march=native (-march=x86-64-v3 -mtune=native where PyTorch runs at AVX2:
+ATEN_CPU_CAPABILITY=avx2, modelzoo/cpu/facts.py), so the build directory is keyed by this CPU's model,
+instruction sets and the torch version (then by the sources and flags): nodes of another CPU type sharing
 the checkout build their own copy instead of loading one that could hit an illegal instruction.
 
 Where builds (and modelzoo/cpu/gemm.py's measured choices) live, `kernel_roots()`, in order:
@@ -38,7 +39,7 @@ from types import ModuleType
 
 import torch
 
-from modelzoo.cpu.facts import cpu_flags, cpu_model
+from modelzoo.cpu.facts import cpu_capability, cpu_flags, cpu_model
 
 log = logging.getLogger("zoo-infer")
 
@@ -48,7 +49,18 @@ SOURCES = [Path(__file__).with_name(name) for name in ("bindings.cpp", "cached_a
 HEADERS = [Path(__file__).with_name(name) for name in ("attention_tiles.h", "kernels.h", "storage.h", "timed_choice.h")]
 BUILD_ROOT = Path(__file__).with_name("build")
 MODULE_NAME = "zoo_infer_cpu_kernels"  # torch names the library <name>.so (<name>_v1.so, ... on a rebuild in-process)
-CFLAGS, LDFLAGS = ("-O3", "-march=native", "-fopenmp"), ("-fopenmp",)
+LDFLAGS = ("-fopenmp",)
+
+
+def compile_flags() -> tuple[str, ...]:
+    """The compiler's flags: for this CPU, or for any AVX2 CPU tuned for this one where PyTorch runs at AVX2."""
+    target = ("-march=x86-64-v3", "-mtune=native") if cpu_capability() == "AVX2" else ("-march=native",)
+    return ("-O3", *target, "-fopenmp")
+
+
+def _target() -> str:
+    """What the build is for, as the log says it."""
+    return "x86-64-v3, as PyTorch runs at AVX2" if cpu_capability() == "AVX2" else "this CPU"
 
 
 def kernel_roots() -> list[Path]:
@@ -130,7 +142,7 @@ def kernel_build_dir(root: Path | None = None) -> Path:
     if root is None:
         found = (build_dir for build_dir in map(kernel_build_dir, kernel_roots()) if _built_library(build_dir))
         return next(found, None) or kernel_build_dir(writable_root())
-    flags = " ".join(CFLAGS + LDFLAGS).encode()
+    flags = " ".join(compile_flags() + LDFLAGS).encode()
     sources = hashlib.sha1(b"".join(path.read_bytes() for path in SOURCES + HEADERS) + flags).hexdigest()[:12]
     return machine_dir(root) / f"kernels-{sources}"
 
@@ -162,7 +174,7 @@ def cpu_kernels() -> ModuleType | None:
         except Exception as error:  # a damaged file: building afresh below replaces it where writable
             log.warning("C++ CPU kernels in %s not loadable (%s: %s)", build_dir, type(error).__name__, error)
             continue
-        log.info("C++ CPU kernels loaded from %s", build_dir)
+        log.info("C++ CPU kernels (%s) loaded from %s", _target(), build_dir)
         return module
     build_dir = kernel_build_dir(writable_root())
     try:
@@ -170,12 +182,12 @@ def cpu_kernels() -> ModuleType | None:
             raise PermissionError(f"{build_dir} is not writable; set ZOO_INFER_KERNEL_DIR to a writable folder")
         build_dir.mkdir(parents=True, exist_ok=True)
         module = cpp_extension.load(name=MODULE_NAME, sources=[str(s) for s in SOURCES],
-                                    build_directory=str(build_dir), extra_cflags=list(CFLAGS),  # load appends
+                                    build_directory=str(build_dir), extra_cflags=list(compile_flags()),  # load appends
                                     extra_ldflags=list(LDFLAGS), verbose=False)
     except Exception as error:  # no compiler, no headers, no writable folder: the torch path still works
         reason = str(error).strip().splitlines()[-1] if str(error).strip() else ""
         log.warning("C++ CPU kernels unavailable (%s: %s); the PyTorch code path runs instead",
                     type(error).__name__, reason)
         return None
-    log.info("C++ CPU kernels built and loaded from %s", build_dir)
+    log.info("C++ CPU kernels (%s) built and loaded from %s", _target(), build_dir)
     return module

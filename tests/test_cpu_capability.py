@@ -1,0 +1,90 @@
+"""PyTorch's CPU vector level (ATEN_CPU_CAPABILITY) holds for zoo-infer too: at AVX2 on an AVX-512 CPU the flags
+past AVX2 are hidden, the C++ kernels are built for x86-64-v3 in a folder of their own, and a job runs as on an AVX2
+CPU, with the same tokens as transformers."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import modelzoo.cpu.facts as facts
+import modelzoo.cpu.kernels as kernels
+from harness import (REPO_ROOT, expected_rows, family_prompts, hf_greedy, prompt_rows, save_tiny_model,
+                     stacked_predictions, write_h5, write_params)
+from tiny_configs import VOCAB, tiny_llama_config
+
+AVX512_FLAGS = "fpu sse2 avx avx2 fma f16c avx512f avx512bw avx512_vnni avx512_bf16 amx_bf16 amx_tile avx_vnni"
+
+
+@pytest.fixture
+def avx512_cpu(monkeypatch):
+    """/proc/cpuinfo of an AVX-512 CPU with AMX and AVX-VNNI."""
+    monkeypatch.setattr(facts, "_first_processor", lambda: {"model name": "Some Xeon", "flags": AVX512_FLAGS})
+
+
+@pytest.mark.parametrize("capability", ["AVX512", "AVX2"])
+def test_the_flags_and_the_build_follow_pytorchs_vector_level(capability, avx512_cpu, monkeypatch):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    flags, build = facts.cpu_flags(), kernels.kernel_build_dir(kernels.BUILD_ROOT)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512" if capability == "AVX2" else "AVX2")
+    assert build != kernels.kernel_build_dir(kernels.BUILD_ROOT)  # a build of its own, GEMM choices of their own
+    assert build.parent != kernels.machine_dir(kernels.BUILD_ROOT)
+    if capability == "AVX512":
+        assert flags == frozenset(AVX512_FLAGS.split())
+    else:
+        assert flags == frozenset({"fpu", "sse2", "avx", "avx2", "fma", "f16c"})
+
+
+def test_the_compiler_targets_x86_64_v3_at_avx2(monkeypatch):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert kernels.compile_flags() == ("-O3", "-march=x86-64-v3", "-mtune=native", "-fopenmp")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert kernels.compile_flags() == ("-O3", "-march=native", "-fopenmp")
+
+
+def bfloat16_rounded(checkpoint, folder):
+    """A copy of `checkpoint` with every weight rounded to bfloat16 and stored as float32: what float32 arithmetic
+    over bfloat16 weights computes."""
+    folder.mkdir()
+    for item in checkpoint.iterdir():
+        if item.name != "model.safetensors":
+            (folder / item.name).write_bytes(item.read_bytes())
+    weights = load_file(checkpoint / "model.safetensors")
+    save_file({name: tensor.bfloat16().float() for name, tensor in weights.items()}, folder / "model.safetensors")
+    return folder
+
+
+@pytest.mark.skipif("avx512f" not in facts.cpu_flags(), reason="an AVX2 CPU runs at AVX2 already")
+@pytest.mark.skipif(kernels.cpu_kernels() is None, reason="the C++ kernels could not be built here")
+def test_a_job_at_avx2_on_an_avx512_cpu_equals_transformers(tmp_path):
+    """float32 and bfloat16 jobs in a process at ATEN_CPU_CAPABILITY=avx2 (and oneDNN at AVX2): kernels built for
+    x86-64-v3 (no VNNI, half_linear's AVX2 path), the tokens of transformers in float32, over the bfloat16-rounded
+    weights for bfloat16 (16-bit weights widened in the GEMM, float32 arithmetic, as on any AVX2 CPU)."""
+    checkpoint = save_tiny_model(tiny_llama_config(), tmp_path / "model")
+    prompts = family_prompts(VOCAB)
+    write_h5(tmp_path / "data", prompt_rows(prompts, 64, VOCAB))
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    for dtype, oracle in (("float32", checkpoint), ("bfloat16", bfloat16_rounded(checkpoint, tmp_path / "rounded"))):
+        params = write_params(tmp_path / f"{dtype}.yaml", checkpoint, tmp_path / "data", batch_size=3, start_token=VOCAB,
+                              max_tokens=16, dtype=dtype)
+        job = subprocess.run([sys.executable, str(REPO_ROOT / "run_inference.py"), "--params", str(params),
+                              "--model_dir", str(tmp_path / dtype)], env=env, capture_output=True, text=True,
+                             timeout=900)
+        assert job.returncode == 0, job.stderr
+        assert "C++ CPU kernels (x86-64-v3, as PyTorch runs at AVX2)" in job.stderr
+        expected = expected_rows(prompts, hf_greedy(oracle, prompts, 16), 64, VOCAB)
+        np.testing.assert_array_equal(stacked_predictions(tmp_path / dtype)[: len(prompts)], expected, err_msg=dtype)
+    summary = json.loads((tmp_path / "bfloat16" / "artifacts" / "summary.json").read_text())
+    assert summary["dtype"] == "bfloat16 weights, float32 arithmetic and KV cache"
+    assert set(summary["gemm"]["layers"].values()) == {"half_linear"}
+    probe = ("from modelzoo.cpu.kernels import cpu_kernels; k = cpu_kernels(); "
+             "print(k.half_gemm_path(), k.int8_vnni_available(), k.bf16_dot_available())")
+    built = subprocess.run([sys.executable, "-c", probe], env=env, cwd=REPO_ROOT, capture_output=True, text=True,
+                           timeout=900)
+    assert built.stdout.split() == ["avx2", "False", "False"], built.stderr
