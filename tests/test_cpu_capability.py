@@ -17,6 +17,7 @@ import modelzoo.cpu.facts as facts
 import modelzoo.cpu.kernels as kernels
 from harness import (REPO_ROOT, expected_rows, family_prompts, hf_greedy, prompt_rows, save_tiny_model,
                      stacked_predictions, write_h5, write_params)
+from repo_scripts import load_script
 from tiny_configs import VOCAB, tiny_llama_config
 
 AVX512_FLAGS = "fpu sse2 avx avx2 fma f16c avx512f avx512bw avx512_vnni avx512_bf16 amx_bf16 amx_tile avx_vnni"
@@ -88,3 +89,13 @@ def test_a_job_at_avx2_on_an_avx512_cpu_equals_transformers(tmp_path):
     built = subprocess.run([sys.executable, "-c", probe], env=env, cwd=REPO_ROOT, capture_output=True, text=True,
                            timeout=900)
     assert built.stdout.split() == ["avx2", "False", "False"], built.stderr
+
+
+def test_the_benchmarks_name_the_vector_level_they_ran_at(avx512_cpu, monkeypatch):
+    cpu_description = load_script("benchmarks/machine.py").cpu_description
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert cpu_description().endswith("; avx2, run at AVX2 (ATEN_CPU_CAPABILITY))")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY")
+    assert cpu_description().endswith("; avx2 avx512f avx512_bf16 avx512_vnni amx_bf16)")
