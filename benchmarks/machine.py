@@ -23,7 +23,6 @@ and keeps the best rate seen for each.
 from __future__ import annotations
 
 import math
-import os
 import platform
 from collections import Counter
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ import torch
 from torch import nn
 
 from benchmarks import peak_rate
-from modelzoo.cpu.facts import cpu_capability, cpu_flags, cpu_model
+from modelzoo.cpu.facts import cpu_flags, cpu_model, held_to_avx2
 from modelzoo.cpu.gemm import ShapeChoice, available_backends, measure_shape, wrap
 from modelzoo.cpu.precision import BF16Linear, HalfLinear, precision_policy
 
@@ -42,10 +41,10 @@ SHOWN_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "
 
 
 def cpu_description() -> str:
-    """'AMD EPYC (x86_64; avx2 avx512f avx512_bf16 avx512_vnni)'; '..., run at AVX2 (ATEN_CPU_CAPABILITY)' where that
-    variable sets PyTorch's vector level (the flags past it hidden: modelzoo/cpu/facts.py)."""
+    """'AMD EPYC (x86_64; avx2 avx512f avx512_bf16 avx512_vnni)'; '..., run at AVX2 (ATEN_CPU_CAPABILITY)' on an
+    AVX-512 CPU held to AVX2 (the flags past it hidden: modelzoo/cpu/facts.py)."""
     flags = " ".join(flag for flag in SHOWN_FLAGS if flag in cpu_flags()) or "no AVX2 / AVX-512 flags"
-    capped = f", run at {cpu_capability()} (ATEN_CPU_CAPABILITY)" if os.environ.get("ATEN_CPU_CAPABILITY") else ""
+    capped = ", run at AVX2 (ATEN_CPU_CAPABILITY)" if held_to_avx2() else ""
     return f"{cpu_model() or platform.processor() or 'unknown CPU'} ({platform.machine()}; {flags}{capped})"
 
 

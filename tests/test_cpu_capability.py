@@ -42,10 +42,19 @@ def test_the_flags_and_the_build_follow_pytorchs_vector_level(capability, avx512
         assert flags == frozenset({"fpu", "sse2", "avx", "avx2", "fma", "f16c"})
 
 
-def test_the_compiler_targets_x86_64_v3_at_avx2(monkeypatch):
+def test_the_compiler_targets_x86_64_v3_where_held_to_avx2(avx512_cpu, monkeypatch):
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     assert kernels.compile_flags() == ("-O3", "-march=x86-64-v3", "-mtune=native", "-fopenmp")
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert kernels.compile_flags() == ("-O3", "-march=native", "-fopenmp")
+
+
+def test_an_avx2_cpu_keeps_its_flags_and_its_native_build(monkeypatch):
+    """An AVX2 CPU (AVX-VNNI and all) runs at AVX2 anyway: nothing hidden, built for itself, as before."""
+    flags = "fpu sse2 avx avx2 fma f16c avx_vnni"
+    monkeypatch.setattr(facts, "_first_processor", lambda: {"model name": "Some Core", "flags": flags})
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert facts.cpu_flags() == frozenset(flags.split()) and not facts.held_to_avx2()
     assert kernels.compile_flags() == ("-O3", "-march=native", "-fopenmp")
 
 
@@ -78,7 +87,7 @@ def test_a_job_at_avx2_on_an_avx512_cpu_equals_transformers(tmp_path):
                               "--model_dir", str(tmp_path / dtype)], env=env, capture_output=True, text=True,
                              timeout=900)
         assert job.returncode == 0, job.stderr
-        assert "C++ CPU kernels (x86-64-v3, as PyTorch runs at AVX2)" in job.stderr
+        assert "C++ CPU kernels (x86-64-v3, as PyTorch is held to AVX2)" in job.stderr
         expected = expected_rows(prompts, hf_greedy(oracle, prompts, 16), 64, VOCAB)
         np.testing.assert_array_equal(stacked_predictions(tmp_path / dtype)[: len(prompts)], expected, err_msg=dtype)
     summary = json.loads((tmp_path / "bfloat16" / "artifacts" / "summary.json").read_text())
@@ -94,8 +103,6 @@ def test_a_job_at_avx2_on_an_avx512_cpu_equals_transformers(tmp_path):
 def test_the_benchmarks_name_the_vector_level_they_ran_at(avx512_cpu, monkeypatch):
     cpu_description = load_script("benchmarks/machine.py").cpu_description
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
     assert cpu_description().endswith("; avx2, run at AVX2 (ATEN_CPU_CAPABILITY))")
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    monkeypatch.delenv("ATEN_CPU_CAPABILITY")
     assert cpu_description().endswith("; avx2 avx512f avx512_bf16 avx512_vnni amx_bf16)")

@@ -68,11 +68,13 @@ def follow_pytorchs_vector_level() -> None:
 
 
 def loaded_kernels() -> list[str]:
-    """vLLM's kernel libraries (_C.abi3.so, _C_AVX2.abi3.so, ...) mapped by this process and its children."""
-    me = str(os.getpid())
-    pids = [me] + [pid for pid in os.listdir("/proc") if pid.isdigit() and _parent(pid) == me]
-    names = set()
-    for pid in pids:
+    """vLLM's kernel libraries (_C.abi3.so, _C_AVX2.abi3.so, ...) mapped by this process and its descendants (the
+    engine's own process)."""
+    parents = {pid: _parent(pid) for pid in os.listdir("/proc") if pid.isdigit()}
+    family, names = {str(os.getpid())}, set()
+    while grown := {pid for pid, parent in parents.items() if parent in family} - family:
+        family |= grown
+    for pid in family:
         try:
             maps = Path(f"/proc/{pid}/maps").read_text()
         except OSError:
@@ -83,6 +85,7 @@ def loaded_kernels() -> list[str]:
 
 
 def _parent(pid: str) -> str | None:
+    """The parent process id of `pid` (/proc/PID/stat's fourth field), None once it has gone."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
     except (OSError, IndexError):

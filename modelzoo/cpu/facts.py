@@ -39,10 +39,18 @@ def cpu_capability() -> str:
     return torch.backends.cpu.get_cpu_capability()
 
 
+def _all_flags() -> frozenset[str]:
+    return frozenset(_first_processor().get("flags", "").split())
+
+
+def held_to_avx2() -> bool:
+    """Whether PyTorch runs at AVX2 on a CPU with AVX-512 (ATEN_CPU_CAPABILITY=avx2)."""
+    return cpu_capability() == "AVX2" and "avx512f" in _all_flags()
+
+
 def cpu_flags() -> frozenset[str]:
     """The CPU feature flags (avx2, avx512_bf16, amx_bf16, ...; empty where unknown); those past AVX2 left out
-    where PyTorch runs at AVX2 (module docstring)."""
-    flags = frozenset(_first_processor().get("flags", "").split())
-    if cpu_capability() == "AVX2":
-        return frozenset(flag for flag in flags if not flag.startswith(_ABOVE_AVX2))
-    return flags
+    where PyTorch is held to AVX2 (module docstring)."""
+    if held_to_avx2():
+        return frozenset(flag for flag in _all_flags() if not flag.startswith(_ABOVE_AVX2))
+    return _all_flags()

@@ -13,8 +13,8 @@ ops not even that: they are bit-identical to the PyTorch ops they replace). They
 with AVX2 (the SiLU gate calls libtorch's own vector exp); elsewhere the build fails, with the same
 fallback.
 
-They are compiled with -march=native (-march=x86-64-v3 -mtune=native where PyTorch runs at AVX2:
-ATEN_CPU_CAPABILITY=avx2, modelzoo/cpu/facts.py), so the build directory is keyed by this CPU's model,
+They are compiled with -march=native (-march=x86-64-v3 -mtune=native where PyTorch is held to AVX2 on
+an AVX-512 CPU: ATEN_CPU_CAPABILITY=avx2, modelzoo/cpu/facts.py), so the build directory is keyed by this CPU's model,
 instruction sets and the torch version (then by the sources and flags): nodes of another CPU type sharing
 the checkout build their own copy instead of loading one that could hit an illegal instruction.
 
@@ -39,7 +39,7 @@ from types import ModuleType
 
 import torch
 
-from modelzoo.cpu.facts import cpu_capability, cpu_flags, cpu_model
+from modelzoo.cpu.facts import cpu_flags, cpu_model, held_to_avx2
 
 log = logging.getLogger("zoo-infer")
 
@@ -53,14 +53,14 @@ LDFLAGS = ("-fopenmp",)
 
 
 def compile_flags() -> tuple[str, ...]:
-    """The compiler's flags: for this CPU, or for any AVX2 CPU tuned for this one where PyTorch runs at AVX2."""
-    target = ("-march=x86-64-v3", "-mtune=native") if cpu_capability() == "AVX2" else ("-march=native",)
+    """The compiler's flags: for this CPU, or for any AVX2 CPU (tuned for this one) where PyTorch is held to AVX2."""
+    target = ("-march=x86-64-v3", "-mtune=native") if held_to_avx2() else ("-march=native",)
     return ("-O3", *target, "-fopenmp")
 
 
 def _target() -> str:
     """What the build is for, as the log says it."""
-    return "x86-64-v3, as PyTorch runs at AVX2" if cpu_capability() == "AVX2" else "this CPU"
+    return "x86-64-v3, as PyTorch is held to AVX2" if held_to_avx2() else "this CPU"
 
 
 def kernel_roots() -> list[Path]:
