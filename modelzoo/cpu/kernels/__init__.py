@@ -63,6 +63,15 @@ def _target() -> str:
     return "x86-64-v3, as PyTorch is held to AVX2" if held_to_avx2() else "this CPU"
 
 
+def warn_if_held_in_part() -> None:
+    """Where PyTorch is held to AVX2, warns about the libraries under it that are not (oneDNN's and MKL's GEMMs)."""
+    wanted = {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    unheld = [f"{name}={value}" for name, value in wanted.items() if os.environ.get(name, "").upper() != value]
+    if held_to_avx2() and unheld:
+        log.warning("PyTorch is held to AVX2 (ATEN_CPU_CAPABILITY) but its GEMM libraries still use AVX-512: set %s "
+                    "too for the whole job to run as on an AVX2 CPU", " and ".join(unheld))
+
+
 def kernel_roots() -> list[Path]:
     """The folders holding builds and GEMM choices, searched in this order (see the module docstring)."""
     chosen = os.environ.get("ZOO_INFER_KERNEL_DIR")
@@ -165,6 +174,7 @@ def cpu_kernels() -> ModuleType | None:
     `writable_root()`; None where it cannot be built."""
     from torch.utils import cpp_extension
 
+    warn_if_held_in_part()
     for build_dir in map(kernel_build_dir, kernel_roots()):
         library = _built_library(build_dir)
         if library is None:
