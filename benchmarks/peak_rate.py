@@ -58,9 +58,8 @@ def _compiler() -> str:
     return compiler
 
 
-def _build(folder: Path) -> ctypes.CDLL:
-    """Compiles peak_rate.c into `folder` with the system's C compiler and loads it."""
-    compiler = _compiler()
+def _build(folder: Path, compiler: str) -> ctypes.CDLL:
+    """Compiles peak_rate.c into `folder` with `compiler` and loads it."""
     library = folder / "peak_rate.so"
     subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-pthread", str(SOURCE), "-o", str(library)],
                    check=True, capture_output=True, text=True)
@@ -76,7 +75,7 @@ def _build(folder: Path) -> ctypes.CDLL:
 def _built_once(compiler: str) -> ctypes.CDLL:
     """peak_rate.c built by `compiler` and loaded, once per process (the loaded library outlives its file)."""
     with tempfile.TemporaryDirectory(prefix="zoo-peak-") as folder:
-        return _build(Path(folder))
+        return _build(Path(folder), compiler)
 
 
 def _measured(measure: Callable[[ctypes.CDLL], T]) -> tuple[T | None, str]:

@@ -56,7 +56,7 @@ def test_peak_rate_instructions_and_measurement(monkeypatch: pytest.MonkeyPatch)
     assert peak_rate.describe(peaks, 2).startswith(f"float32 {peaks['float32']:.0f} (vfmadd231ps ")
     if "amx_tile" not in peak_rate.cpu_flags():  # the AMX loops are refused here, not run (no SIGILL)
         with tempfile.TemporaryDirectory() as folder:
-            lib = peak_rate._build(Path(folder))
+            lib = peak_rate._build(Path(folder), peak_rate._compiler())
             assert lib.peak_gflops(peak_rate.BF16_AMX, 1, 10) < 0 and lib.peak_gflops(peak_rate.INT8_AMX, 1, 10) < 0
     monkeypatch.setenv("CC", "/nonexistent/cc")  # no compiler: said, not raised
     peaks, why_not = peak_rate.measure_peaks(2, ["float32"])
@@ -76,7 +76,7 @@ def test_read_bandwidth_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
     assert peak_rate.describe_bandwidth(gbps, 2) == (f"{gbps:.1f} GB/s (2 threads reading "
                                                      f"{peak_rate.bandwidth_bytes() >> 20} MiB, 2 passes, best of 3)")
     with tempfile.TemporaryDirectory() as folder:
-        lib = peak_rate._build(Path(folder))
+        lib = peak_rate._build(Path(folder), peak_rate._compiler())
         assert lib.read_gbps(0, 2**20, 1) < 0 and lib.read_gbps(2, 32, 1) < 0 and lib.read_gbps(1, 2**20, 0) < 0
         assert lib.read_gbps(1, 2**20, 1) > 0  # a buffer in cache: a rate all the same
     monkeypatch.setenv("CC", "/nonexistent/cc")

@@ -73,30 +73,21 @@ def test_a_hold_that_leaves_onednn_or_mkl_out_is_a_warning(avx512_cpu, monkeypat
     assert caplog.text == ""
 
 
-def bfloat16_rounded(checkpoint, folder):
-    """A copy of `checkpoint` with every weight rounded to bfloat16 and stored as float32: what float32 arithmetic
-    over bfloat16 weights computes."""
-    folder.mkdir()
-    for item in checkpoint.iterdir():
-        if item.name != "model.safetensors":
-            (folder / item.name).write_bytes(item.read_bytes())
-    weights = load_file(checkpoint / "model.safetensors")
-    save_file({name: tensor.bfloat16().float() for name, tensor in weights.items()}, folder / "model.safetensors")
-    return folder
-
-
 @pytest.mark.skipif("avx512f" not in facts.cpu_flags(), reason="an AVX2 CPU runs at AVX2 already")
 @pytest.mark.skipif(kernels.cpu_kernels() is None, reason="the C++ kernels could not be built here")
 def test_a_job_at_avx2_on_an_avx512_cpu_equals_transformers(tmp_path):
     """float32 and bfloat16 jobs in a process at ATEN_CPU_CAPABILITY=avx2 (and oneDNN, MKL at AVX2): kernels built for
-    x86-64-v3 (no VNNI, half_linear's AVX2 path), the tokens of transformers in float32, over the bfloat16-rounded
-    weights for bfloat16 (16-bit weights widened in the GEMM, float32 arithmetic, as on any AVX2 CPU)."""
+    x86-64-v3 (no VNNI, half_linear's AVX2 path), both the tokens of transformers in float32, the checkpoint's
+    weights being bfloat16 values (a bfloat16 job widens them in the GEMM: float32 arithmetic, as on any AVX2 CPU)."""
     checkpoint = save_tiny_model(tiny_llama_config(), tmp_path / "model")
+    weights = load_file(checkpoint / "model.safetensors")
+    save_file({name: tensor.bfloat16().float() for name, tensor in weights.items()}, checkpoint / "model.safetensors")
     prompts = family_prompts(VOCAB)
+    expected = expected_rows(prompts, hf_greedy(checkpoint, prompts, 16), 64, VOCAB)
     write_h5(tmp_path / "data", prompt_rows(prompts, 64, VOCAB))
     held = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
     env = {**os.environ, **held}
-    for dtype, oracle in (("float32", checkpoint), ("bfloat16", bfloat16_rounded(checkpoint, tmp_path / "rounded"))):
+    for dtype in ("float32", "bfloat16"):
         params = write_params(tmp_path / f"{dtype}.yaml", checkpoint, tmp_path / "data", batch_size=3, start_token=VOCAB,
                               max_tokens=16, dtype=dtype)
         job = subprocess.run([sys.executable, str(REPO_ROOT / "run_inference.py"), "--params", str(params),
@@ -105,7 +96,6 @@ def test_a_job_at_avx2_on_an_avx512_cpu_equals_transformers(tmp_path):
         assert job.returncode == 0, job.stderr
         assert "C++ CPU kernels (x86-64-v3, as PyTorch is held to AVX2)" in job.stderr
         assert "still use AVX-512" not in job.stderr
-        expected = expected_rows(prompts, hf_greedy(oracle, prompts, 16), 64, VOCAB)
         np.testing.assert_array_equal(stacked_predictions(tmp_path / dtype)[: len(prompts)], expected, err_msg=dtype)
     summary = json.loads((tmp_path / "bfloat16" / "artifacts" / "summary.json").read_text())
     assert summary["dtype"] == "bfloat16 weights, float32 arithmetic and KV cache"
