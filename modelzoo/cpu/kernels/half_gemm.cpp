@@ -123,7 +123,7 @@ inline void tile_avx512(const float* x, int64_t k, int64_t kc, const Weights& we
 }
 #endif
 
-// A tile of `rows` (<= 6) x `blocks` (1 on the AVX2 path, <= 4 on the AVX-512 one) over inputs [0, kc): with
+// A tile of `rows` (<= 6) x `blocks` (<= 4; one at a time on the AVX2 path) over inputs [0, kc): with
 // `packed` the blocks' packed weights (block_values apart), widened in registers as they are multiplied; else
 // `panel` (kc, blocks * 16), widened before.
 template <bool Bf16>
@@ -148,14 +148,16 @@ void tile(Path path, int64_t rows, int64_t blocks, const float* x, int64_t k, in
   }
 #endif
   with_count<kRowsTile>(rows, [&](auto r) {
-    if (packed) {
-      tile_avx2<decltype(r)::value>(x, k, kc, [=](int64_t i, int64_t h) {
-        return widen8<Bf16>(packed + i * kBlock + 8 * h);
-      }, sums, stride, first);
-    } else {
-      tile_avx2<decltype(r)::value>(x, k, kc, [=](int64_t i, int64_t h) {
-        return _mm256_loadu_ps(panel + i * kBlock + 8 * h);
-      }, sums, stride, first);
+    for (int64_t b = 0; b < blocks; ++b) {  // the tile's rows of x stay in the L1 cache from block to block
+      if (packed) {
+        tile_avx2<decltype(r)::value>(x, k, kc, [=](int64_t i, int64_t h) {
+          return widen8<Bf16>(packed + b * block_values + i * kBlock + 8 * h);
+        }, sums + b * kBlock, stride, first);
+      } else {
+        tile_avx2<decltype(r)::value>(x, k, kc, [=](int64_t i, int64_t h) {
+          return _mm256_loadu_ps(panel + (i * blocks + b) * kBlock + 8 * h);
+        }, sums + b * kBlock, stride, first);
+      }
     }
   });
 }
@@ -171,9 +173,10 @@ void widen_panel(const uint16_t* w, int64_t blocks, int64_t block_values, int64_
                          widen8<Bf16>(w + b * block_values + (k0 + i) * kBlock + half * 8));
 }
 
-// y (rows, out_features) = x (rows, k) @ W^T (+ bias) over the packed weight. Tasks: a column tile (1 block on the
-// AVX2 path, 4 on the AVX-512 one) times a run of up to kRowsRun rows, column tiles outer: each thread streams its
-// share of the weights once. A task of one row tile widens each weight as it multiplies it (decode with few rows);
+// y (rows, out_features) = x (rows, k) @ W^T (+ bias) over the packed weight. Tasks: a column tile (4 blocks; 1 on
+// the AVX2 path for a call of one row tile, whose weights are all its work) times a run of up to kRowsRun rows,
+// column tiles outer: each thread streams its share of the weights once, and a row tile's inputs, read once from
+// memory, serve the 64 outputs of its column tile. A task of one row tile widens each weight as it multiplies it (decode with few rows);
 // a longer one widens kPanelInputs inputs of its column tile at a time into a float32 panel that all its row tiles
 // share, keeping its running sums in `sums` between panels. Either way each output's fused multiply-adds run in
 // ascending k from zero: the same bits.
@@ -183,7 +186,7 @@ constexpr int64_t kPanelInputs = 128;
 template <bool Bf16>
 void multiply(const float* x, int64_t rows, int64_t k, const uint16_t* w, int64_t blocks, const float* bias,
               int64_t out_features, float* y, Path path) {
-  const int64_t blocks_tile = path == Path::kAvx512 ? 4 : 1;
+  const int64_t blocks_tile = path == Path::kAvx512 || rows > kRowsTile ? 4 : 1;
   const int64_t column_tiles = (blocks + blocks_tile - 1) / blocks_tile;
   const int64_t row_runs = (rows + kRowsRun - 1) / kRowsRun;
   const int64_t block_values = k * kBlock;
