@@ -58,7 +58,8 @@ struct Shape {
 };
 
 // Each kernel below (Vnni<Policy>, Avx2Int16) offers: `type` (a quantized activation), kRowsTile x kBlocksTile
-// (activation rows x packed blocks per register tile), quantize_row (one row of k_padded float32 values -> xq, the
+// (activation rows x packed blocks per register tile), the shape of a multiply task over more than one row tile
+// (`multiply`: kRunBlocks, kRunTiles, kSpanInputs), quantize_row (one row of k_padded float32 values -> xq, the
 // chunk scales and the chunks' corrections) and tile (rows x blocks -> out[r * kBlocksTile * 16 + b * 16 + j]).
 
 #if defined(ZOO_INT8_VNNI)
@@ -129,16 +130,18 @@ void quantize_row(const float* x, int64_t k_padded, int64_t chunk, typename Poli
   }
 }
 
-// rows (<= kRowsTile) activation rows x blocks (<= kBlocksTile) packed blocks -> out[r][b * 16 + j], float32.
+// rows (<= kRowsTile) activation rows x blocks (<= kBlocksTile) packed blocks over chunks [c0, c1): the running
+// sums out[r * stride + b * 16 + j], float32, loaded (from zero if `first`) and stored back.
 template <typename Policy, int64_t Rows, int64_t Blocks>
 void tile(const typename Policy::type* xq, const float* xs, const int32_t* xc, const Shape& shape,
-          const uint8_t* packed, const float* scales, float* out) {
+          const uint8_t* packed, const float* scales, int64_t c0, int64_t c1, float* out, int64_t stride, bool first) {
   const int64_t chunks = shape.k_padded / shape.chunk, block_bytes = shape.k_padded * kBlock;
   const int64_t block_groups = shape.k_padded / shape.group * kBlock;
   __m512 sums[Rows][Blocks];
   for (int64_t r = 0; r < Rows; ++r)
-    for (int64_t b = 0; b < Blocks; ++b) sums[r][b] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < chunks; ++c) {
+    for (int64_t b = 0; b < Blocks; ++b)
+      sums[r][b] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(out + r * stride + b * kBlock);
+  for (int64_t c = c0; c < c1; ++c) {
     __m512i dots[Blocks][Rows];
     for (int64_t r = 0; r < Rows; ++r) {
       const __m512i start = _mm512_set1_epi32(xc[r * chunks + c]);
@@ -158,17 +161,16 @@ void tile(const typename Policy::type* xq, const float* xs, const int32_t* xc, c
     }
   }
   for (int64_t r = 0; r < Rows; ++r)
-    for (int64_t b = 0; b < Blocks; ++b) _mm512_storeu_ps(out + r * kBlocksTile * kBlock + b * kBlock, sums[r][b]);
+    for (int64_t b = 0; b < Blocks; ++b) _mm512_storeu_ps(out + r * stride + b * kBlock, sums[r][b]);
 }
 
-template <typename Policy, int64_t Blocks>
-void tile_rows(int64_t rows, const typename Policy::type* xq, const float* xs, const int32_t* xc, const Shape& shape,
-               const uint8_t* packed, const float* scales, float* out) {
+template <typename Policy, int64_t Blocks, typename... Args>
+void tile_rows(int64_t rows, Args... args) {
   switch (rows) {
-    case 4: return tile<Policy, 4, Blocks>(xq, xs, xc, shape, packed, scales, out);
-    case 3: return tile<Policy, 3, Blocks>(xq, xs, xc, shape, packed, scales, out);
-    case 2: return tile<Policy, 2, Blocks>(xq, xs, xc, shape, packed, scales, out);
-    default: return tile<Policy, 1, Blocks>(xq, xs, xc, shape, packed, scales, out);
+    case 4: return tile<Policy, 4, Blocks>(args...);
+    case 3: return tile<Policy, 3, Blocks>(args...);
+    case 2: return tile<Policy, 2, Blocks>(args...);
+    default: return tile<Policy, 1, Blocks>(args...);
   }
 }
 
@@ -176,16 +178,18 @@ template <typename Policy>
 struct Vnni {
   using type = typename Policy::type;
   static constexpr int64_t kRowsTile = zoo::kRowsTile, kBlocksTile = zoo::kBlocksTile;
+  static constexpr int64_t kRunBlocks = kBlocksTile, kRunTiles = 1, kSpanInputs = 0;  // measured: longer runs slower
   static void quantize_row(const float* x, int64_t k_padded, int64_t chunk, type* out, float* scales,
                            int32_t* corrections) {
     zoo::quantize_row<Policy>(x, k_padded, chunk, out, scales, corrections);
   }
   static void tile(int64_t rows, int64_t blocks, const type* xq, const float* xs, const int32_t* xc,
-                   const Shape& shape, const uint8_t* packed, const float* scales, float* out) {
+                   const Shape& shape, const uint8_t* packed, const float* scales, int64_t c0, int64_t c1, float* out,
+                   int64_t stride, bool first) {
     if (blocks == kBlocksTile)
-      tile_rows<Policy, kBlocksTile>(rows, xq, xs, xc, shape, packed, scales, out);
+      tile_rows<Policy, kBlocksTile>(rows, xq, xs, xc, shape, packed, scales, c0, c1, out, stride, first);
     else
-      tile_rows<Policy, 1>(rows, xq, xs, xc, shape, packed, scales, out);
+      tile_rows<Policy, 1>(rows, xq, xs, xc, shape, packed, scales, c0, c1, out, stride, first);
   }
 };
 #endif
@@ -194,7 +198,7 @@ struct Vnni {
 // halves of 8 rows) per tile.
 struct Avx2Int16 {
   using type = int16_t;
-  static constexpr int64_t kRowsTile = 4, kBlocksTile = 1;
+  static constexpr int64_t kRowsTile = 4, kBlocksTile = 1, kRunBlocks = 4, kRunTiles = 12, kSpanInputs = 256;
   static constexpr int32_t kMax = 32767;
 
   // As quantize_row<Int16Activations>, a value at a time: the same float32 products, rounding (cvtss2si, like
@@ -219,13 +223,15 @@ struct Avx2Int16 {
 
   template <int64_t Rows>
   static void tile_of(const type* xq, const float* xs, const int32_t* xc, const Shape& shape, const uint8_t* packed,
-                      const float* scales, float* out) {
+                      const float* scales, int64_t c0, int64_t c1, float* out, int64_t stride, bool first) {
     const int64_t chunks = shape.k_padded / shape.chunk;
     const __m256i low_bytes = _mm256_set1_epi16(0xFF);
     __m256 sums[Rows][2];
 #pragma GCC unroll 4
-    for (int64_t r = 0; r < Rows; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < chunks; ++c) {
+    for (int64_t r = 0; r < Rows; ++r)
+      for (int64_t h = 0; h < 2; ++h)
+        sums[r][h] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + r * stride + 8 * h);
+    for (int64_t c = c0; c < c1; ++c) {
       __m256i dots[Rows][2];
 #pragma GCC unroll 4
       for (int64_t r = 0; r < Rows; ++r) dots[r][0] = dots[r][1] = _mm256_set1_epi32(xc[r * chunks + c]);
@@ -261,19 +267,17 @@ struct Avx2Int16 {
       }
     }
 #pragma GCC unroll 4
-    for (int64_t r = 0; r < Rows; ++r) {
-      _mm256_storeu_ps(out + r * kBlock, sums[r][0]);
-      _mm256_storeu_ps(out + r * kBlock + 8, sums[r][1]);
-    }
+    for (int64_t r = 0; r < Rows; ++r)
+      for (int64_t h = 0; h < 2; ++h) _mm256_storeu_ps(out + r * stride + 8 * h, sums[r][h]);
   }
 
-  static void tile(int64_t rows, int64_t, const type* xq, const float* xs, const int32_t* xc, const Shape& shape,
-                   const uint8_t* packed, const float* scales, float* out) {
+  template <typename... Args>
+  static void tile(int64_t rows, int64_t, Args... args) {
     switch (rows) {
-      case 4: return tile_of<4>(xq, xs, xc, shape, packed, scales, out);
-      case 3: return tile_of<3>(xq, xs, xc, shape, packed, scales, out);
-      case 2: return tile_of<2>(xq, xs, xc, shape, packed, scales, out);
-      default: return tile_of<1>(xq, xs, xc, shape, packed, scales, out);
+      case 4: return tile_of<4>(args...);
+      case 3: return tile_of<3>(args...);
+      case 2: return tile_of<2>(args...);
+      default: return tile_of<1>(args...);
     }
   }
 };
@@ -302,25 +306,42 @@ void multiply(const scalar_t* xp, int64_t rows, int64_t k, const Shape& shape, c
     }
   });
   const int64_t groups = shape.k_padded / shape.group;
-  const int64_t column_tiles = (blocks + kBlocksTile - 1) / kBlocksTile;
-  const int64_t row_tiles = (rows + kRowsTile - 1) / kRowsTile;
-  // Output columns outer, rows inner: each thread streams its share of the weights once.
-  at::parallel_for(0, column_tiles * row_tiles, 1, [&](int64_t begin, int64_t end) {
-    float result[kRowsTile * kBlocksTile * kBlock];
+  // Tasks: a column tile of blocks times a run of rows, column tiles outer: each thread streams its share of the
+  // weights once. A call of one row tile takes the kernel's own tile of blocks over all inputs (decode with few rows:
+  // the weights are all its work). A longer one takes the kernel's kRunBlocks blocks and kRunTiles row tiles, a span
+  // of about kSpanInputs inputs at a time (0: all): the span's weights stay in the L1 cache for every row tile of the
+  // run, and a row tile's span of activations for every block, the running sums kept in `sums` between spans.
+  // Either way each output's chunks are summed in ascending order from zero: the same bits.
+  constexpr int64_t kRunBlocks = Kernel::kRunBlocks, kRunTiles = Kernel::kRunTiles;
+  static_assert(kRunBlocks % kBlocksTile == 0, "a run's blocks are whole kernel tiles");
+  const bool one_tile = rows <= kRowsTile;
+  const int64_t run_blocks = one_tile ? kBlocksTile : kRunBlocks;
+  const int64_t run_rows = one_tile ? kRowsTile : kRunTiles * kRowsTile;
+  const int64_t span =
+      one_tile || !Kernel::kSpanInputs ? chunks : std::max<int64_t>(1, Kernel::kSpanInputs / shape.chunk);
+  const int64_t column_tiles = (blocks + run_blocks - 1) / run_blocks, row_runs = (rows + run_rows - 1) / run_rows;
+  constexpr int64_t kStride = kRunBlocks * kBlock;  // of sums
+  at::parallel_for(0, column_tiles * row_runs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buffer(kRunTiles * kRowsTile * kStride);
+    float* sums = buffer.data();
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t block = task / row_tiles * kBlocksTile, row = task % row_tiles * kRowsTile;
-      const int64_t tile_rows_count = std::min(kRowsTile, rows - row);
-      const int64_t tile_blocks = std::min(kBlocksTile, blocks - block);
-      const auto* xrow = xq.data() + row * shape.k_padded;
-      const float* srow = xs.data() + row * chunks;
-      const int32_t* crow = xc.data() + row * chunks;
-      const uint8_t* wblock = wp + block * shape.k_padded * kBlock;
-      const float* sblock = sp + block * groups * kBlock;
-      Kernel::tile(tile_rows_count, tile_blocks, xrow, srow, crow, shape, wblock, sblock, result);
-      const int64_t first = block * kBlock, last = std::min(out_features, (block + tile_blocks) * kBlock);
-      for (int64_t r = 0; r < tile_rows_count; ++r) {
+      const int64_t block = task / row_runs * run_blocks, row = task % row_runs * run_rows;
+      const int64_t task_rows = std::min(run_rows, rows - row), task_blocks = std::min(run_blocks, blocks - block);
+      for (int64_t c0 = 0; c0 < chunks; c0 += span) {
+        for (int64_t r = 0; r < task_rows; r += kRowsTile) {
+          const int64_t tile_row = row + r;
+          for (int64_t b = 0; b < task_blocks; b += kBlocksTile)
+            Kernel::tile(std::min(kRowsTile, task_rows - r), std::min(kBlocksTile, task_blocks - b),
+                         xq.data() + tile_row * shape.k_padded, xs.data() + tile_row * chunks,
+                         xc.data() + tile_row * chunks, shape, wp + (block + b) * shape.k_padded * kBlock,
+                         sp + (block + b) * groups * kBlock, c0, std::min(chunks, c0 + span),
+                         sums + r * kStride + b * kBlock, kStride, c0 == 0);
+        }
+      }
+      const int64_t first = block * kBlock, last = std::min(out_features, (block + task_blocks) * kBlock);
+      for (int64_t r = 0; r < task_rows; ++r) {
         scalar_t* y = yp + (row + r) * out_features;
-        const float* values = result + r * kBlocksTile * kBlock;
+        const float* values = sums + r * kStride;
         for (int64_t n = first; n < last; ++n)
           y[n] = from_float<scalar_t>(bp ? values[n - first] + to_float(bp[n]) : values[n - first]);
       }
