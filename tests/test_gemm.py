@@ -10,6 +10,7 @@ from torch import nn
 
 import modelzoo.cpu.gemm as gemm
 import modelzoo.cpu.kernels
+from modelzoo.cpu.precision import HalfLinear
 from modelzoo.errors import UserError
 from modelzoo.cpu.gemm import (INVARIANCE_ROWS, MKLPackedLinear, OneDNNLinear, RowBlockLinear, apply_gemm_backend,
                            available_backends, linear_layers, measure_shape, weight_bytes, wrap)
@@ -61,6 +62,7 @@ def test_measure_prefers_batch_invariant_candidates_and_says_why():
     assert all(rate > 0 for rates in choice.gflops.values() for rate in rates.values())
     if any(choice.invariant.values()):
         assert choice.invariant[choice.backend]
+    assert choice.invariant.get("packed", "packed" not in FLOAT32_BACKENDS)  # invariant by construction
     # the property itself, checked again here on other data for the chosen backend
     linear = nn.Linear(96, 160, bias=False)
     layer = wrap(linear, choice.backend, decode_rows=INVARIANCE_ROWS[-1])
@@ -103,8 +105,8 @@ def test_forced_backend_is_used_everywhere(backend):
     model = nn.Sequential(nn.Linear(16, 24), nn.Linear(24, 16))
     plan = apply_gemm_backend(model, torch.float32, CPU, backend)
     assert set(plan.layers.values()) == {backend}
-    kinds = {"onednn": OneDNNLinear, "mkl": MKLPackedLinear, "torch": nn.Linear, "onednn_blocks": RowBlockLinear,
-             "torch_blocks": RowBlockLinear}
+    kinds = {"onednn": OneDNNLinear, "mkl": MKLPackedLinear, "packed": HalfLinear, "torch": nn.Linear,
+             "onednn_blocks": RowBlockLinear, "torch_blocks": RowBlockLinear}
     assert all(type(layer) is kinds[backend] for layer in model)
 
 

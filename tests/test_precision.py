@@ -176,7 +176,7 @@ def test_bf16_silu_gate_rejects_a_weight_not_in_gated_tiles():
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype", [BF16, F16])
+@pytest.mark.parametrize("dtype", [BF16, F16, F32])
 @pytest.mark.parametrize("out_features, in_features", [(17, 5), (48, 3), (33, 130)])
 def test_packed_half_weight_layout(dtype, out_features, in_features):
     """packed[b, k, r] = W[16 b + r, k]; the rows past N are zeros."""
@@ -190,7 +190,7 @@ def test_packed_half_weight_layout(dtype, out_features, in_features):
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype", [BF16, F16])
+@pytest.mark.parametrize("dtype", [BF16, F16, F32])
 def test_half_weight_packed_in_its_own_memory(dtype):
     """In place, the packed layout is the one written into new memory, in the weight's own storage; a weight that
     is not whole blocks of 16 rows is refused."""
@@ -240,12 +240,13 @@ def half_gemm_paths() -> list[str]:
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype", [BF16, F16])
+@pytest.mark.parametrize("dtype", [BF16, F16, F32])
 @pytest.mark.parametrize("rows, in_features, out_features", [(1, 64, 48), (7, 575, 1531), (40, 96, 33), (100, 300, 70)])
 def test_half_linear_is_float32_arithmetic_over_16_bit_weights_and_batch_invariant(dtype, rows, in_features,
                                                                                     out_features):
-    """Every code path: float32 sums of float32 inputs times the 16-bit weights (as a float32 GEMM over the widened
-    weights, within float32 rounding), the same bits on each path, and a row's bits whatever rows share its call."""
+    """Every code path: float32 sums of float32 inputs times the 16-bit (or float32: the GEMM candidate `packed`)
+    weights (as a float32 GEMM over the widened weights, within float32 rounding), the same bits on each path, and a
+    row's bits whatever rows share its call."""
     kernels = cpu_kernels()
     chosen = kernels.half_gemm_path()
     generator = torch.Generator().manual_seed(rows)
@@ -253,7 +254,8 @@ def test_half_linear_is_float32_arithmetic_over_16_bit_weights_and_batch_invaria
     with torch.no_grad():
         linear.bias.normal_(generator=generator)
     layer = precision.HalfLinear(linear)
-    assert layer.packed.dtype == dtype and layer.packed_bytes() == -(-out_features // 16) * 16 * in_features * 2
+    assert layer.packed.dtype == dtype
+    assert layer.packed_bytes() == -(-out_features // 16) * 16 * in_features * dtype.itemsize
     x = torch.randn(rows, in_features, generator=generator)
     want = x.double() @ linear.weight.double().T + linear.bias.double()
     outputs = []
@@ -291,8 +293,8 @@ def test_half_linear_rejects_bad_inputs():
         layer(torch.randn(2, 30))
     with pytest.raises(RuntimeError, match="bias must be contiguous float32"):
         kernels.half_linear(torch.randn(2, 32), layer.packed, torch.zeros(16, dtype=BF16), 16)
-    with pytest.raises(RuntimeError, match="packed must be contiguous bfloat16 or float16"):
-        kernels.half_linear(torch.randn(2, 32), layer.packed.float(), None, 16)
+    with pytest.raises(RuntimeError, match="packed must be contiguous bfloat16, float16 or float32"):
+        kernels.half_linear(torch.randn(2, 32), layer.packed.double(), None, 16)
     with pytest.raises(RuntimeError, match="out_features does not match"):
         kernels.half_linear(torch.randn(2, 32), layer.packed, None, 17)
     with pytest.raises(RuntimeError, match="x must be a float32 CPU tensor"):

@@ -10,6 +10,10 @@ job multiplies, the candidates are timed on this machine at a prefill-sized and 
             PyTorch's Inductor emits); the reordered copy *replaces* the checkpoint's.
 - `mkl`:    MKL's packed GEMM for the decode batch's row count (`torch.ops.mkl`, float32 only); MKL
             needs the plain weight for every other row count, so it keeps two copies.
+- `packed`: zoo-infer's own C++ GEMM (`half_linear`, modelzoo/cpu/kernels/half_gemm.cpp) over the weight packed
+            in blocks of 16 outputs, each output one float32 fused multiply-add chain in ascending k: batch-invariant
+            by construction, its work split in tasks small enough to keep every thread busy; the packed copy
+            replaces the checkpoint's. float32, where the C++ kernels are built.
 - `onednn_blocks`, `torch_blocks`: `onednn` and `torch` called on fixed blocks of BLOCK_ROWS rows, the
             last one zero-padded: every call the library sees has the same shape, so its blocking (AMX
             tiles included) cannot follow the number of rows, and neither can a row's bits. They cost
@@ -40,12 +44,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from modelzoo.cpu.memory import release_freed_memory, release_mapped
+from modelzoo.cpu.precision import HalfLinear
 from modelzoo.errors import UserError
-from modelzoo.cpu.kernels import read_machine_choices, write_machine_choices
+from modelzoo.cpu.kernels import cpu_kernels, read_machine_choices, write_machine_choices
 
 log = logging.getLogger("zoo-infer")
 
-BACKENDS = ("mkl", "onednn", "torch", "onednn_blocks", "torch_blocks")
+BACKENDS = ("mkl", "onednn", "packed", "torch", "onednn_blocks", "torch_blocks")
 PREFILL_ROWS, DECODE_ROWS = 256, 32  # the row counts timed (fixed, so the choice does not depend on the job)
 INVARIANCE_ROWS = (1, 7, DECODE_ROWS)  # row counts whose rows must equal the same rows in a larger call
 INVARIANCE_OFFSETS = (0, 5, 70)  # where those rows sit in the larger call (70: past a block of BLOCK_ROWS)
@@ -147,6 +152,8 @@ def available_backends(device: torch.device, dtype: torch.dtype) -> list[str]:
         names[:0] = ["onednn", "onednn_blocks"]
     if dtype == torch.float32 and torch._C.has_mkl and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"):
         names.insert(0, "mkl")
+    if dtype == torch.float32 and cpu_kernels() is not None:
+        names.append("packed")
     return names
 
 
@@ -158,6 +165,8 @@ def wrap(linear: nn.Linear, backend: str, decode_rows: int = DECODE_ROWS) -> nn.
         return MKLPackedLinear(linear, decode_rows)
     if backend == "torch":
         return linear
+    if backend == "packed":
+        return HalfLinear(linear)
     if backend in ("onednn_blocks", "torch_blocks"):
         return RowBlockLinear(linear, backend.removesuffix("_blocks"))
     raise ValueError(f"unknown GEMM backend {backend!r}; one of {', '.join(BACKENDS)}")

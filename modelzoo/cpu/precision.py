@@ -242,7 +242,8 @@ def apply_bf16_gemm(model: nn.Module) -> dict[str, str]:
 
 class HalfLinear(PackedLinear):
     """A linear layer multiplied by half_linear: its bfloat16 or float16 weight packed into (N/16, K, 16) in its own
-    dtype, widened to float32 as the kernel reads it; a float32 bias, float32 inputs and outputs.
+    dtype, widened to float32 as the kernel reads it; a float32 bias, float32 inputs and outputs. A float32 weight
+    packs the same way (the float32 GEMM candidate `packed`, modelzoo/cpu/gemm.py).
 
     consume: the layer is dropped once replaced, so its weight may be packed in its own memory where that holds
     nothing else (a fused or cast weight: no second copy written, the layer's weight then garbled); else, and for a
@@ -263,8 +264,9 @@ class HalfLinear(PackedLinear):
 
 
 def pack_half_weight(weight: torch.Tensor, in_place: bool = False) -> torch.Tensor:
-    """W (N, K) bfloat16 or float16 -> (ceil(N/16), K, 16) in its dtype: for each input, 16 output rows' values side
-    by side (zero rows pad N), written by the C++ kernels straight into the packed tensor, every block in parallel.
+    """W (N, K) bfloat16, float16 or float32 -> (ceil(N/16), K, 16) in its dtype: for each input, 16 output rows'
+    values side by side (zero rows pad N), written by the C++ kernels straight into the packed tensor, every block in
+    parallel.
     in_place: written over W itself (contiguous, N a multiple of 16), returned as a view of it."""
     from modelzoo.cpu.kernels import cpu_kernels
 

@@ -16,7 +16,7 @@ from modelzoo.runtime_spec import RuntimeSpec, SpeculativeParams
 DATA_PROCESSOR = "GptHDF5MapDataProcessor"
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-GEMM_BACKENDS = ("auto", "mkl", "onednn", "torch", "onednn_blocks", "torch_blocks")  # modelzoo/cpu/gemm.py
+GEMM_BACKENDS = ("auto", "mkl", "onednn", "packed", "torch", "onednn_blocks", "torch_blocks")  # modelzoo/cpu/gemm.py
 INT8_BACKENDS = ("auto", "vnni16", "vnni8", "float")  # modelzoo/cpu/int8_compute.py
 DECODE_STEPS = ("auto", "eager", "compiled", "cuda_graph")  # modelzoo/generation/step.py
 WEIGHT_DTYPES = ("int8",)

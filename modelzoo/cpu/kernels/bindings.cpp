@@ -36,13 +36,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "instead. The outputs are the same bits either way.",
         py::arg("use") = "");
   m.def("half_linear", &zoo::half_linear,
-        "x (..., K) float32 @ W^T (+ bias) for a bfloat16 or float16 W packed (N/16, K, 16) by modelzoo/precision.py, "
-        "widened to float32 as it is read: one fused multiply-add per input in ascending order, (..., out_features) "
-        "float32",
+        "x (..., K) float32 @ W^T (+ bias) for a bfloat16, float16 or float32 W packed (N/16, K, 16) by "
+        "modelzoo/precision.py, widened to float32 as it is read: one fused multiply-add per input in ascending order, "
+        "(..., out_features) float32",
         py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(), py::arg("out_features"));
   m.def("pack_half_weight", &zoo::pack_half_weight,
-        "W (N, K) bfloat16 or float16 -> (ceil(N/16), K, 16) in its dtype: for each input, 16 output rows' values side "
-        "by side, zero rows padding N (the layout half_linear reads); blocks packed in parallel",
+        "W (N, K) bfloat16, float16 or float32 -> (ceil(N/16), K, 16) in its dtype: for each input, 16 output rows' "
+        "values side by side, zero rows padding N (the layout half_linear reads); blocks packed in parallel",
         py::arg("weight"));
   m.def("pack_half_weight_in_place", &zoo::pack_half_weight_in_place,
         "pack_half_weight's layout written into W's own memory (contiguous, N a multiple of 16): returns a view of W",

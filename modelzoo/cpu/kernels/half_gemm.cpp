@@ -1,4 +1,6 @@
 // 16-bit-weight linear layers in float32 arithmetic: y = x @ W^T (+ bias), W bfloat16 or float16, x and y float32.
+// (float32 weights pack and multiply the same way, read as they are: the float32 GEMM candidate `packed` of
+// modelzoo/cpu/gemm.py, batch-invariant by construction.)
 //
 // The GEMM of the precision policy on a CPU without native multiplies for the job's 16-bit dtype
 // (modelzoo/precision.py): the weights stay in their own 2 bytes, are widened to float32 as they are read (into
@@ -56,9 +58,9 @@ inline void with_count(int64_t n, F&& f) {
 }
 
 // 8 packed 16-bit weights -> 8 float32 (AVX2), bfloat16 or float16 bits (storage.h's load8).
-template <bool Bf16>
-inline __m256 widen8(const uint16_t* p) {
-  return load8(reinterpret_cast<const std::conditional_t<Bf16, c10::BFloat16, c10::Half>*>(p));
+template <typename T>
+inline __m256 widen8(const T* p) {
+  return load8(p);
 }
 
 // AVX2 tile: Rows rows x one block of 16 outputs (two 8-wide halves), inputs [0, kc) of x (the first row; rows k
@@ -87,10 +89,12 @@ inline void tile_avx2(const float* x, int64_t k, int64_t kc, const Weights& weig
 }
 
 #if defined(__AVX512F__)
-template <bool Bf16>
-inline __m512 widen16(const uint16_t* p) {
+template <typename T>
+inline __m512 widen16(const T* p) {
+  if constexpr (std::is_same_v<T, float>) return _mm512_loadu_ps(p);
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  if constexpr (Bf16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  if constexpr (std::is_same_v<T, c10::BFloat16>)
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
   return _mm512_cvtph_ps(bits);
 }
 
@@ -126,8 +130,8 @@ inline void tile_avx512(const float* x, int64_t k, int64_t kc, const Weights& we
 // A tile of `rows` (<= 6) x `blocks` (<= 4; one at a time on the AVX2 path) over inputs [0, kc): with
 // `packed` the blocks' packed weights (block_values apart), widened in registers as they are multiplied; else
 // `panel` (kc, blocks * 16), widened before.
-template <bool Bf16>
-void tile(Path path, int64_t rows, int64_t blocks, const float* x, int64_t k, int64_t kc, const uint16_t* packed,
+template <typename T>
+void tile(Path path, int64_t rows, int64_t blocks, const float* x, int64_t k, int64_t kc, const T* packed,
           int64_t block_values, const float* panel, float* sums, int64_t stride, bool first) {
 #if defined(__AVX512F__)
   if (path == Path::kAvx512) {
@@ -136,7 +140,7 @@ void tile(Path path, int64_t rows, int64_t blocks, const float* x, int64_t k, in
         constexpr int64_t kBlocks = decltype(b)::value;
         if (packed) {
           tile_avx512<decltype(r)::value, kBlocks>(x, k, kc, [=](int64_t i, int64_t block) {
-            return widen16<Bf16>(packed + block * block_values + i * kBlock);
+            return widen16<T>(packed + block * block_values + i * kBlock);
           }, sums, stride, first);
         } else {
           tile_avx512<decltype(r)::value, kBlocks>(x, k, kc, [=](int64_t i, int64_t block) {
@@ -151,7 +155,7 @@ void tile(Path path, int64_t rows, int64_t blocks, const float* x, int64_t k, in
     for (int64_t b = 0; b < blocks; ++b) {  // the tile's rows of x stay in the L1 cache from block to block
       if (packed) {
         tile_avx2<decltype(r)::value>(x, k, kc, [=](int64_t i, int64_t h) {
-          return widen8<Bf16>(packed + b * block_values + i * kBlock + 8 * h);
+          return widen8<T>(packed + b * block_values + i * kBlock + 8 * h);
         }, sums + b * kBlock, stride, first);
       } else {
         tile_avx2<decltype(r)::value>(x, k, kc, [=](int64_t i, int64_t h) {
@@ -164,27 +168,28 @@ void tile(Path path, int64_t rows, int64_t blocks, const float* x, int64_t k, in
 
 // inputs [k0, k0 + kc) of `blocks` packed blocks (the first at w, block_values apart) widened into panel (kc, blocks
 // * 16) float32.
-template <bool Bf16>
-void widen_panel(const uint16_t* w, int64_t blocks, int64_t block_values, int64_t k0, int64_t kc, float* panel) {
+template <typename T>
+void widen_panel(const T* w, int64_t blocks, int64_t block_values, int64_t k0, int64_t kc, float* panel) {
   for (int64_t i = 0; i < kc; ++i)
     for (int64_t b = 0; b < blocks; ++b)
       for (int64_t half = 0; half < 2; ++half)
         _mm256_storeu_ps(panel + (i * blocks + b) * kBlock + half * 8,
-                         widen8<Bf16>(w + b * block_values + (k0 + i) * kBlock + half * 8));
+                         widen8<T>(w + b * block_values + (k0 + i) * kBlock + half * 8));
 }
 
 // y (rows, out_features) = x (rows, k) @ W^T (+ bias) over the packed weight. Tasks: a column tile (4 blocks; 1 on
 // the AVX2 path for a call of one row tile, whose weights are all its work) times a run of up to kRowsRun rows,
 // column tiles outer: each thread streams its share of the weights once, and a row tile's inputs, read once from
-// memory, serve the 64 outputs of its column tile. A task of one row tile widens each weight as it multiplies it (decode with few rows);
-// a longer one widens kPanelInputs inputs of its column tile at a time into a float32 panel that all its row tiles
-// share, keeping its running sums in `sums` between panels. Either way each output's fused multiply-adds run in
-// ascending k from zero: the same bits.
+// memory, serve the 64 outputs of its column tile. A task of one row tile widens each weight as it multiplies it
+// (decode with few rows); a longer one widens kPanelInputs inputs of its column tile at a time into a float32 panel
+// that all its row tiles share (float32 weights are read in place, as many inputs at a time), keeping its running
+// sums in `sums` between panels. Either way each output's fused multiply-adds run in ascending k from zero: the
+// same bits.
 constexpr int64_t kRowsRun = 8 * kRowsTile;
 constexpr int64_t kPanelInputs = 128;
 
-template <bool Bf16>
-void multiply(const float* x, int64_t rows, int64_t k, const uint16_t* w, int64_t blocks, const float* bias,
+template <typename T>
+void multiply(const float* x, int64_t rows, int64_t k, const T* w, int64_t blocks, const float* bias,
               int64_t out_features, float* y, Path path) {
   const int64_t blocks_tile = path == Path::kAvx512 || rows > kRowsTile ? 4 : 1;
   const int64_t column_tiles = (blocks + blocks_tile - 1) / blocks_tile;
@@ -198,16 +203,17 @@ void multiply(const float* x, int64_t rows, int64_t k, const uint16_t* w, int64_
       const int64_t run_rows = std::min(kRowsRun, rows - run), tile_blocks = std::min(blocks_tile, blocks - block);
       const int64_t stride = blocks_tile * kBlock;  // of sums
       const float* xr = x + run * k;
-      const uint16_t* wb = w + block * block_values;
+      const T* wb = w + block * block_values;
       if (run_rows <= kRowsTile) {
-        tile<Bf16>(path, run_rows, tile_blocks, xr, k, k, wb, block_values, nullptr, sums, stride, true);
+        tile<T>(path, run_rows, tile_blocks, xr, k, k, wb, block_values, nullptr, sums, stride, true);
       } else {
         for (int64_t k0 = 0; k0 < k; k0 += kPanelInputs) {
           const int64_t kc = std::min(kPanelInputs, k - k0);
-          widen_panel<Bf16>(wb, tile_blocks, block_values, k0, kc, panel);
+          const bool widen = !std::is_same_v<T, float>;  // float32 weights are read in place
+          if (widen) widen_panel<T>(wb, tile_blocks, block_values, k0, kc, panel);
           for (int64_t row = 0; row < run_rows; row += kRowsTile)
-            tile<Bf16>(path, std::min(kRowsTile, run_rows - row), tile_blocks, xr + row * k + k0, k, kc, nullptr, 0,
-                       panel, sums + row * stride, stride, k0 == 0);
+            tile<T>(path, std::min(kRowsTile, run_rows - row), tile_blocks, xr + row * k + k0, k, kc,
+                    widen ? nullptr : wb + k0 * kBlock, block_values, panel, sums + row * stride, stride, k0 == 0);
         }
       }
       const int64_t first = block * kBlock, last = std::min(out_features, (block + tile_blocks) * kBlock);
@@ -228,9 +234,9 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
                      int64_t out_features, Path path) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 1,
               "x must be a float32 CPU tensor (..., K)");
-  TORCH_CHECK(packed.dim() == 3 && (packed.scalar_type() == at::kBFloat16 || packed.scalar_type() == at::kHalf) &&
-                  packed.size(2) == kBlock && packed.is_contiguous(),
-              "packed must be contiguous bfloat16 or float16 (N/16, K, 16)");
+  TORCH_CHECK(packed.dim() == 3 && is_storage_type(packed.scalar_type()) && packed.size(2) == kBlock &&
+                  packed.is_contiguous(),
+              "packed must be contiguous bfloat16, float16 or float32 (N/16, K, 16)");
   const int64_t blocks = packed.size(0), k = x.size(-1);
   TORCH_CHECK(packed.size(1) == k, "x's last dimension does not match the packed weight");
   TORCH_CHECK(out_features > 0 && out_features <= blocks * kBlock && out_features > (blocks - 1) * kBlock,
@@ -244,13 +250,11 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
   auto sizes = x.sizes().vec();
   sizes.back() = out_features;
   auto out = torch::empty(sizes, x.options());
-  const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   const float* b = bias ? bias->data_ptr<float>() : nullptr;
-  if (packed.scalar_type() == at::kBFloat16) {
-    multiply<true>(input.data_ptr<float>(), rows, k, w, blocks, b, out_features, out.data_ptr<float>(), path);
-  } else {
-    multiply<false>(input.data_ptr<float>(), rows, k, w, blocks, b, out_features, out.data_ptr<float>(), path);
-  }
+  ZOO_DISPATCH_FLOATS(packed.scalar_type(), "half_linear", [&] {
+    multiply<scalar_t>(input.data_ptr<float>(), rows, k, packed.data_ptr<scalar_t>(), blocks, b, out_features,
+                       out.data_ptr<float>(), path);
+  });
   return out;
 }
 
@@ -277,15 +281,15 @@ torch::Tensor half_linear(const torch::Tensor& x, const torch::Tensor& packed, c
 namespace {
 
 void check_half_weight(const torch::Tensor& weight) {
-  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 &&
-                  (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kHalf),
-              "weight must be a bfloat16 or float16 CPU tensor (N, K)");
+  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 && is_storage_type(weight.scalar_type()),
+              "weight must be a bfloat16, float16 or float32 CPU tensor (N, K)");
 }
 
 // One block: `rows` (<= 16) rows of k values -> (k, 16), zero rows padding it.
-void pack_block(const uint16_t* in, int64_t rows, int64_t k, uint16_t* out) {
+template <typename E>
+void pack_block(const E* in, int64_t rows, int64_t k, E* out) {
   if (rows < kBlock) {
-    std::memset(out, 0, k * kBlock * sizeof(uint16_t));
+    std::memset(out, 0, k * kBlock * sizeof(E));
     for (int64_t i = 0; i < k; ++i)
       for (int64_t r = 0; r < rows; ++r) out[i * kBlock + r] = in[r * k + i];
     return;
@@ -301,11 +305,13 @@ torch::Tensor pack_half_weight(const torch::Tensor& weight) {
   const auto w = weight.contiguous();
   const int64_t n = w.size(0), k = w.size(1), blocks = (n + kBlock - 1) / kBlock;
   auto packed = torch::empty({blocks, k, kBlock}, w.options());
-  const auto* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
-  auto* dst = reinterpret_cast<uint16_t*>(packed.data_ptr());
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b)
-      pack_block(src + b * kBlock * k, std::min(kBlock, n - b * kBlock), k, dst + b * k * kBlock);
+  ZOO_DISPATCH_FLOATS(w.scalar_type(), "pack_half_weight", [&] {
+    const auto* src = w.data_ptr<scalar_t>();
+    auto* dst = packed.data_ptr<scalar_t>();
+    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b)
+        pack_block(src + b * kBlock * k, std::min(kBlock, n - b * kBlock), k, dst + b * k * kBlock);
+    });
   });
   return packed;
 }
@@ -315,14 +321,16 @@ torch::Tensor pack_half_weight_in_place(torch::Tensor& weight) {
   TORCH_CHECK(weight.is_contiguous() && weight.size(0) % kBlock == 0,
               "packing in place needs a contiguous weight of whole blocks of 16 rows");
   const int64_t n = weight.size(0), k = weight.size(1), blocks = n / kBlock;
-  auto* values = reinterpret_cast<uint16_t*>(weight.data_ptr());
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint16_t> rows(kBlock * k);
-    for (int64_t b = begin; b < end; ++b) {  // block b's rows and its packed values share one place
-      uint16_t* block = values + b * kBlock * k;
-      std::memcpy(rows.data(), block, rows.size() * sizeof(uint16_t));
-      pack_block(rows.data(), kBlock, k, block);
-    }
+  ZOO_DISPATCH_FLOATS(weight.scalar_type(), "pack_half_weight_in_place", [&] {
+    auto* values = weight.data_ptr<scalar_t>();
+    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+      std::vector<scalar_t> rows(kBlock * k);
+      for (int64_t b = begin; b < end; ++b) {  // block b's rows and its packed values share one place
+        scalar_t* block = values + b * kBlock * k;
+        std::memcpy(rows.data(), block, rows.size() * sizeof(scalar_t));
+        pack_block(rows.data(), kBlock, k, block);
+      }
+    });
   });
   return weight.view({blocks, k, kBlock});
 }

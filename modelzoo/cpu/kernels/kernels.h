@@ -34,11 +34,12 @@ torch::Tensor bf16_silu_gate(const torch::Tensor& x, const torch::Tensor& packed
 // How the two GEMMs broadcast each input pair, "embedded" or "register": the faster on this CPU, timed at the first
 // call; `use` ("embedded" or "register") sets it instead. Either gives the same bits.
 std::string bf16_gemm_broadcast(const std::string& use);
-// half_gemm.cpp: bfloat16 or float16 weights widened to float32 as they are read, times float32 activations, float32
-// sums and outputs (AVX2, or AVX-512 where built).
+// half_gemm.cpp: bfloat16 or float16 weights widened to float32 as they are read (float32 weights read as they are),
+// times float32 activations, float32 sums and outputs (AVX2, or AVX-512 where built).
 torch::Tensor half_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                           int64_t out_features);
-// W (N, K) bfloat16 or float16 -> (N/16 rounded up, K, 16) in its dtype, zero rows padding N: half_linear's layout.
+// W (N, K) bfloat16, float16 or float32 -> (N/16 rounded up, K, 16) in its dtype, zero rows padding N: half_linear's
+// layout.
 torch::Tensor pack_half_weight(const torch::Tensor& weight);
 // The same layout written into the weight's own memory (contiguous, N a multiple of 16), returned as a view of it.
 torch::Tensor pack_half_weight_in_place(torch::Tensor& weight);
