@@ -120,6 +120,7 @@ def test_cpu_gemm_paths(capsys: pytest.CaptureFixture) -> None:
     """benchmarks/cpu_gemm_paths.py on a tiny shape: a rate for every candidate this build has, at each row count
     (its own check that each kernel's paths agree passes); a malformed --shapes is refused."""
     from modelzoo.cpu.facts import cpu_flags
+    from modelzoo.cpu.gemm import BACKENDS
     from modelzoo.cpu.kernels import cpu_kernels
 
     gemm_paths = load_script("benchmarks/cpu_gemm_paths.py")
@@ -138,7 +139,8 @@ def test_cpu_gemm_paths(capsys: pytest.CaptureFixture) -> None:
     for line in lines:
         for name in expected:
             assert re.search(re.escape(name) + r" +\d+\.\d ", line + " "), (name, line)
-        assert re.search(r"float32 weights \((onednn|mkl|torch|onednn_blocks|torch_blocks)\) +\d+\.\d", line), line
+        backends = "|".join(BACKENDS)
+        assert re.search(rf"float32 weights \(({backends})\) +\d+\.\d", line), line
 
 
 def test_kernel_builds(capsys: pytest.CaptureFixture) -> None:

@@ -55,7 +55,7 @@ def test_valid_params_and_defaults():
     (changed("runconfig", "decode_step", "graphs"),
      "runconfig.decode_step must be one of auto, eager, compiled, cuda_graph, got 'graphs'"),
     (changed("runconfig", "gemm_backend", "blas"),
-     "runconfig.gemm_backend must be one of auto, mkl, onednn, torch, onednn_blocks, torch_blocks, got 'blas'"),
+     "runconfig.gemm_backend must be one of auto, mkl, onednn, packed, torch, onednn_blocks, torch_blocks, got 'blas'"),
     ({"model": VALID["model"], "runconfig": {}}, "params is missing required key inference_input.data_dir"),
     ({**VALID, "model": {"checkpoint_path": "c"}}, "params is missing required key model.start_token"),
     ([1, 2], "params must be a YAML mapping"),

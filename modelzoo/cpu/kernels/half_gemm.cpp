@@ -57,7 +57,7 @@ inline void with_count(int64_t n, F&& f) {
   }
 }
 
-// 8 packed 16-bit weights -> 8 float32 (AVX2), bfloat16 or float16 bits (storage.h's load8).
+// 8 packed weights -> 8 float32 (AVX2): bfloat16 or float16 bits widened, float32 as they are (storage.h's load8).
 template <typename T>
 inline __m256 widen8(const T* p) {
   return load8(p);
