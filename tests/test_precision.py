@@ -241,7 +241,8 @@ def half_gemm_paths() -> list[str]:
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [BF16, F16, F32])
-@pytest.mark.parametrize("rows, in_features, out_features", [(1, 64, 48), (7, 575, 1531), (40, 96, 33), (100, 300, 70)])
+@pytest.mark.parametrize("rows, in_features, out_features",
+                         [(1, 64, 48), (7, 575, 1531), (40, 96, 33), (100, 300, 70)])
 def test_half_linear_is_float32_arithmetic_over_16_bit_weights_and_batch_invariant(dtype, rows, in_features,
                                                                                     out_features):
     """Every code path: float32 sums of float32 inputs times the 16-bit (or float32: the GEMM candidate `packed`)
