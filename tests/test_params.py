@@ -108,3 +108,14 @@ def test_every_option_declared_as_a_params_key_is_one_checked_by_its_declared_ra
         inside = min(inside, bound.high)
         assert getattr(parse_params(changed("model", name, inside if bound.integer else float(inside))).model,
                        name) == inside
+
+
+def test_backend_choices_are_the_engines_own():
+    """params.py names the GEMM and int8 backends without importing torch: the same names as the modules that run
+    them, so a backend added there cannot be refused here."""
+    from modelzoo.cpu.gemm import BACKENDS
+    from modelzoo.cpu.int8_compute import INT8_BACKENDS
+    from modelzoo.job import params
+
+    assert params.GEMM_BACKENDS == ("auto", *BACKENDS)
+    assert params.INT8_BACKENDS == ("auto", *INT8_BACKENDS)
