@@ -28,7 +28,7 @@ GGUF_OUTTYPE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int8": 
 COLUMNS = ("engine", "dtype", "status", "generated_tokens", "generation_seconds", "tokens_per_s", "decode_seconds",
            "process_seconds", "setup_seconds", "peak_rss_mib", "rss_bound_mib", "ratio_vs_hf_fp32",
            "ratio_vs_hf_same_dtype", "ratio_vs_vllm", "ratio_vs_llamacpp", "of_ceiling", "of_roofline",
-           "decode_of_roofline", "equal_to_hf_fp32", "note")
+           "decode_of_roofline", "equal_to_hf_fp32", "tokens_per_s_rounds", "note")
 
 run_measured = functools.partial(measure.run_measured, cwd=REPO_ROOT)  # every engine runs from the repo root
 

@@ -32,6 +32,10 @@ What is measured, and why:
   - seconds / tokens/s: the generation part only, as each engine times it itself (zoo-infer:
     `generation_seconds` of artifacts/summary.json; the others: around their generate call),
     excluding interpreter start-up, imports and model loading, which a long batch job pays once.
+  - --repeats N: the zoo-infer and peer runs in N rounds, one after another (transformers' reference once); a
+    row is its median round (every round's tokens/s in results.csv's tokens_per_s_rounds), a ratio to a peer the
+    median of the rounds' ratios: on a machine whose speed moves between runs (a VM), runs side by side in a round
+    move together.
   - process s: wall time of the whole process (start-up, load, generation, writing), measured
     here; what a short job costs.
   - setup s: zoo-infer's `setup_seconds` (loading, GEMM choice, kernel builds, warm-up: before generation);
@@ -95,8 +99,8 @@ from benchmarks.engines import (PEERS, PEERS_DIR, Prepared, add_run_options, che
                                 run_child, run_peer, run_zoo, select_peers, start_run)
 from benchmarks.prompts import PYPI_NAME, load_prompts  # noqa: E402
 from benchmarks.random_model import RANDOM_PREFIX, SHAPES, ensure_random_model, is_random  # noqa: E402
-from benchmarks.throughput_report import (fill_comparisons, format_table, print_machine, print_target,  # noqa: E402
-                                          workload_of, write_outputs)
+from benchmarks.throughput_report import (combine_rounds, fill_comparisons, format_table, print_machine,  # noqa: E402
+                                          print_target, round_ratios, workload_of, write_outputs)
 from data_tools.create_inference_h5 import build_rows, write_h5  # noqa: E402
 from data_tools.prompts import load_tokenizer, tokenize_prompts  # noqa: E402
 
@@ -247,6 +251,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--baseline_label", default="baseline", help="its name in the table (default: baseline)")
     parser.add_argument("--peers", default="auto", help="auto (every installed peer), none, or a list of "
                         f"{', '.join(PEERS)} (default: auto)")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of the zoo-infer and peer runs, one after "
+                        "another (transformers' reference runs once): each row then gives the median round's tokens/s "
+                        "and each ratio to a peer the median of the rounds' ratios, on a machine whose speed moves "
+                        "between runs (default: 1)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="output folder "
                         "(default: benchmarks/results/)")
     parser.add_argument("--seed", type=int, default=0, help="prompt order seed (default: 0)")
@@ -290,8 +298,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(f"error: --peer_dtypes takes {', '.join(FLOAT_DTYPES)}; got {args.peer_dtypes!r}")
     if args.baseline_repo is not None and not (args.baseline_repo / "run_inference.py").is_file():
         sys.exit(f"error: --baseline_repo {args.baseline_repo} holds no run_inference.py")
-    if min(args.num_prompts, args.max_tokens, args.batch_size) < 1:
-        sys.exit("error: --num_prompts, --max_tokens and --batch_size must be >= 1")
+    if min(args.num_prompts, args.max_tokens, args.batch_size, args.repeats) < 1:
+        sys.exit("error: --num_prompts, --max_tokens, --batch_size and --repeats must be >= 1")
     check_gguf_options(args.gguf)
     if os.sep in args.vllm_python:  # a path: absolute, since the engines run from the repo root (no
         args.vllm_python = os.path.abspath(args.vllm_python)  # symlink resolving: a venv's python is a link)
@@ -314,23 +322,29 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     tokens: dict[tuple[str, str], list | None] = {}
 
-    def record(row: dict, generated: list | None) -> None:
-        rows.append(row)
-        tokens[(row["engine"], row["dtype"])] = generated
+    def ran(row: dict, generated: list | None) -> tuple[dict, list | None]:
         rate = f"{row['tokens_per_s']:.1f} tokens/s" if row["tokens_per_s"] else row["status"]
         print(f"  {row['engine']:<13} {row['dtype']:<9} {rate}", flush=True)
+        return row, generated
 
     print("running (one process at a time):", flush=True)
-    for dtype in hf_dtypes:
-        record(*run_child("transformers", PEERS_DIR / "hf_generate.py", args, prep, out, dtype, threads))
-    for dtype in dtypes:
-        record(*run_zoo_dtype(args, prep, out, dtype, threads))
-    if args.baseline_repo is not None:
-        for dtype in dtypes:
-            record(*run_zoo_dtype(args, prep, out, dtype, threads, args.baseline_repo.resolve(), args.baseline_label))
-    for name in peers:
-        for dtype in peer_dtypes + (["int8"] if name == "llamacpp" and "int8" in dtypes else []):
-            record(*run_peer(name, args, prep, out, dtype, threads))
+    runs = [ran(*run_child("transformers", PEERS_DIR / "hf_generate.py", args, prep, out, dtype, threads))
+            for dtype in hf_dtypes]  # the reference: once
+    rounds: list[list[tuple[dict, list | None]]] = []
+    for round_index in range(args.repeats):
+        if args.repeats > 1:
+            print(f" round {round_index + 1} of {args.repeats}:", flush=True)
+        rounds.append([ran(*run_zoo_dtype(args, prep, out, dtype, threads)) for dtype in dtypes])
+        if args.baseline_repo is not None:
+            rounds[-1] += [ran(*run_zoo_dtype(args, prep, out, dtype, threads, args.baseline_repo.resolve(),
+                                              args.baseline_label)) for dtype in dtypes]
+        for name in peers:
+            for dtype in peer_dtypes + (["int8"] if name == "llamacpp" and "int8" in dtypes else []):
+                rounds[-1].append(ran(*run_peer(name, args, prep, out, dtype, threads)))
+    chosen, round_rates = combine_rounds(rounds)
+    for row, generated in runs + chosen:
+        rows.append(row)
+        tokens[(row["engine"], row["dtype"])] = generated
 
     probe.measure()  # again, keeping the best of both: a dip in the machine's speed does not lower the limits
     print("\nthe machine again, best of before and after the engines:")
@@ -338,12 +352,14 @@ def main(argv: list[str] | None = None) -> int:
     fill_comparisons(rows, tokens, lambda dtype, generated: (probe.limits(dtype, workload(generated))
                                                              if dtype in probe.dtypes else (None, None)),
                      lambda dtype, generated: probe.decode_bound(dtype, workload(generated)).seconds)
+    ratio_lines = round_ratios(rows, round_rates) if args.repeats > 1 else []
     order = {"zoo-infer": 0, "transformers": 1, "vllm": 2, "ctranslate2": 3, "llama.cpp": 4}
     rows.sort(key=lambda row: (order.get(row["engine"].split()[0], 9), DTYPES.index(row["dtype"])))
     config = {
         "model": str(args.model), "prompt_set": f"{PYPI_NAME} (HumanEval), seed {args.seed}, chat template",
         "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "batch_size": args.batch_size,
-        "dtypes": dtypes, "transformers_dtypes": hf_dtypes, "peers": peers, "peer_dtypes": peer_dtypes, "threads": threads, "eos_id": prep.eos_id,
+        "dtypes": dtypes, "repeats": args.repeats, "transformers_dtypes": hf_dtypes, "peers": peers,
+        "peer_dtypes": peer_dtypes, "threads": threads, "eos_id": prep.eos_id,
         **({"baseline_repo": str(args.baseline_repo.resolve()), "baseline_label": args.baseline_label}
            if args.baseline_repo is not None else {}),
         **({"vllm_python": args.vllm_python} if "vllm" in peers else {}),
@@ -359,6 +375,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.num_prompts} prompts, max_tokens {args.max_tokens}, batch_size {args.batch_size}, "
           f"{threads} threads; seconds = generation only, process s = whole process")
     print(format_table(rows))
+    if args.repeats > 1:
+        print(f"\ntokens/s: the median of {args.repeats} rounds; vs vLLM and vs llama.cpp: the median of the rounds' "
+              "ratios. Round by round:")
+        print("\n".join([f"{row['engine']} {row['dtype']}: {row['tokens_per_s_rounds']} tokens/s" for row in rows
+                         if row["tokens_per_s_rounds"]] + ratio_lines))
     print_target(rows)
     print(f"\nwrote {csv_path} and {json_path}")
     return 0 if all(row["status"] in ("ok", "skipped") for row in rows) else 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import statistics
 from pathlib import Path
 from typing import Any, Callable
 
@@ -13,6 +14,9 @@ from benchmarks import machine
 from benchmarks.engines import COLUMNS, Prepared
 
 REFERENCE = ("transformers", "float32")  # the reference of the ratio and equality columns
+PEER_COLUMNS = (("vllm", "ratio_vs_vllm"), ("llama.cpp", "ratio_vs_llamacpp"))  # the peers a row is compared with
+Key = tuple[str, str]  # (engine, dtype)
+Run = tuple[dict, list | None]  # one run's table row and its generated ids
 Limits = Callable[[str, int], tuple[float | None, float | None]]  # (dtype, generated) -> (ceiling, roofline) tokens/s
 DecodeLimit = Callable[[str, int], float | None]  # (dtype, generated) -> the decode's bound in seconds
 
@@ -62,7 +66,7 @@ def fill_comparisons(rows: list[dict], tokens: dict[tuple[str, str], list | None
         same = by_key.get(("transformers", row["dtype"]))
         if same and same["tokens_per_s"]:
             row["ratio_vs_hf_same_dtype"] = rate / same["tokens_per_s"]
-        for peer, column in (("vllm", "ratio_vs_vllm"), ("llama.cpp", "ratio_vs_llamacpp")):
+        for peer, column in PEER_COLUMNS:
             same_peer = by_key.get((peer, row["dtype"]))
             if same_peer and same_peer["tokens_per_s"]:
                 row[column] = rate / same_peer["tokens_per_s"]
@@ -78,6 +82,43 @@ def fill_comparisons(rows: list[dict], tokens: dict[tuple[str, str], list | None
         if ref_tokens is not None and mine is not None:
             equal = sum(1 for a, b in zip(mine, ref_tokens) if a is not None and list(a) == list(b))
             row["equal_to_hf_fp32"] = equal / len(ref_tokens)
+
+
+def combine_rounds(rounds: list[list[Run]]) -> tuple[list[Run], dict[Key, list[float | None]]]:
+    """One run per engine and dtype out of several rounds of the same runs: the round of median tokens/s (the
+    lower middle one of an even count; a failed round counts only if every round failed), with every round's
+    tokens/s in its `tokens_per_s_rounds` column; and those rates by (engine, dtype), in round order."""
+    runs: dict[Key, list[Run]] = {}
+    for round_runs in rounds:
+        for row, generated in round_runs:
+            runs.setdefault((row["engine"], row["dtype"]), []).append((row, generated))
+    chosen: list[Run] = []
+    rates: dict[Key, list[float | None]] = {}
+    for key, key_runs in runs.items():
+        rates[key] = [row["tokens_per_s"] for row, _ in key_runs]
+        measured = sorted((run for run in key_runs if run[0]["tokens_per_s"]), key=lambda run: run[0]["tokens_per_s"])
+        row, generated = measured[(len(measured) - 1) // 2] if measured else key_runs[0]
+        row = {**row, "tokens_per_s_rounds": "/".join(fmt(rate, 1) for rate in rates[key])}
+        chosen.append((row, generated))
+    return chosen, rates
+
+
+def round_ratios(rows: list[dict], rates: dict[Key, list[float | None]]) -> list[str]:
+    """Each row's ratio to a peer of its dtype round by round (the rounds both ran in): the median of them replaces
+    the row's ratio column (a ratio of runs side by side, not of medians taken apart); returns a line per pair."""
+    lines = []
+    for row in rows:
+        key = (row["engine"], row["dtype"])
+        for peer, column in PEER_COLUMNS:
+            if row["engine"] == peer or (peer, row["dtype"]) not in rates:
+                continue
+            ratios = [mine / theirs for mine, theirs in zip(rates.get(key, []), rates[(peer, row["dtype"])])
+                      if mine and theirs]
+            if ratios:
+                row[column] = statistics.median(ratios)
+                lines.append(f"{row['engine']} {row['dtype']} over {peer} {row['dtype']}, round by round: "
+                             f"{', '.join(f'{ratio:.2f}' for ratio in ratios)} (median {row[column]:.2f})")
+    return lines
 
 
 def fmt(value: Any, digits: int = 2) -> str:

@@ -32,7 +32,8 @@ def test_throughput_table(tmp_path: Path, capsys: pytest.CaptureFixture) -> None
     throughput = load_script("benchmarks/throughput.py")
     for bad, message in ((["--transformers_dtypes", "int8"], "--transformers_dtypes takes float32, bfloat16, float16"),
                          (["--peer_dtypes", "int8"], "--peer_dtypes takes float32, bfloat16, float16"),
-                         (["--baseline_repo", str(tmp_path)], "holds no run_inference.py")):
+                         (["--baseline_repo", str(tmp_path)], "holds no run_inference.py"),
+                         (["--repeats", "0"], "--repeats must be >= 1")):
         with pytest.raises(SystemExit, match=message):
             throughput.main(["--dtypes", "float32", "--peers", "none", "--out", str(out), *bad])
     code = throughput.main(["--model", str(SMOLLM2_DIR), "--num_prompts", "4", "--max_tokens", "4",
@@ -315,3 +316,36 @@ def test_int8_is_compared_with_llama_cpp_q8_0(tmp_path: Path) -> None:
     assert all(row["ratio_vs_vllm"] is None for row in rows)
     table = throughput.format_table(rows).splitlines()
     assert "vs llama.cpp" in table[0] and "1.50" in table[2].split() and "0.90" in table[4].split()
+
+
+def test_repeated_rounds_keep_the_median_run_and_the_median_ratio() -> None:
+    """--repeats: each engine's median round is its row (a failed round never chosen while one ran, the lower middle
+    of an even count), every round's tokens/s beside it, and each ratio to a peer the median of the rounds' ratios,
+    taken round by round (not the ratio of the medians), over the rounds both ran in."""
+    throughput = load_script("benchmarks/throughput.py")
+    engines = sys.modules["benchmarks.engines"]
+
+    def run(engine: str, dtype: str, rate: float | None, tag: str) -> tuple[dict, list]:
+        status = "ok" if rate else "failed (exit 1)"
+        return engines.result_row(engine, dtype, tokens_per_s=rate, generated_tokens=48, status=status), [[tag]]
+
+    rounds = [[run("zoo-infer", "float32", 150.0, "a"), run("vllm", "float32", 100.0, "a")],
+              [run("zoo-infer", "float32", 120.0, "b"), run("vllm", "float32", 110.0, "b")],
+              [run("zoo-infer", "float32", 130.0, "c"), run("vllm", "float32", None, "c")],
+              [run("zoo-infer", "float32", 160.0, "d"), run("vllm", "float32", 125.0, "d")]]
+    chosen, rates = throughput.combine_rounds(rounds)
+    by_key = {(row["engine"], row["dtype"]): (row, generated) for row, generated in chosen}
+    zoo, zoo_tokens = by_key["zoo-infer", "float32"]
+    vllm, vllm_tokens = by_key["vllm", "float32"]
+    assert (zoo["tokens_per_s"], zoo_tokens) == (130.0, [["c"]])  # 120 130 150 160: the lower middle
+    assert (vllm["tokens_per_s"], vllm_tokens) == (110.0, [["b"]])  # the failed round left out: 100 110 125
+    assert zoo["tokens_per_s_rounds"] == "150.0/120.0/130.0/160.0"
+    assert vllm["tokens_per_s_rounds"] == "100.0/110.0/-/125.0"
+    rows = [zoo, vllm]
+    throughput.fill_comparisons(rows, {})
+    lines = throughput.round_ratios(rows, rates)
+    assert zoo["ratio_vs_vllm"] == pytest.approx(1.28)  # rounds 1, 2 and 4: 1.5, 1.0909, 1.28
+    assert vllm["ratio_vs_vllm"] == 1.0  # vLLM is not compared with itself round by round
+    assert lines == ["zoo-infer float32 over vllm float32, round by round: 1.50, 1.09, 1.28 (median 1.28)"]
+    failed, _ = throughput.combine_rounds([[run("vllm", "bfloat16", None, "x")], [run("vllm", "bfloat16", None, "y")]])
+    assert failed[0][0]["status"] == "failed (exit 1)" and failed[0][0]["tokens_per_s_rounds"] == "-/-"
