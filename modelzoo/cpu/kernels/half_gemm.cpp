@@ -57,12 +57,6 @@ inline void with_count(int64_t n, F&& f) {
   }
 }
 
-// 8 packed weights -> 8 float32 (AVX2): bfloat16 or float16 bits widened, float32 as they are (storage.h's load8).
-template <typename T>
-inline __m256 widen8(const T* p) {
-  return load8(p);
-}
-
 // AVX2 tile: Rows rows x one block of 16 outputs (two 8-wide halves), inputs [0, kc) of x (the first row; rows k
 // apart). weights(i, h): half h of input i's 16 weights as float32. sums: Rows x 16 floats at `stride`, the running
 // sums, loaded unless `first` and stored back.
@@ -155,7 +149,7 @@ void tile(Path path, int64_t rows, int64_t blocks, const float* x, int64_t k, in
     for (int64_t b = 0; b < blocks; ++b) {  // the tile's rows of x stay in the L1 cache from block to block
       if (packed) {
         tile_avx2<decltype(r)::value>(x, k, kc, [=](int64_t i, int64_t h) {
-          return widen8<T>(packed + b * block_values + i * kBlock + 8 * h);
+          return load8(packed + b * block_values + i * kBlock + 8 * h);  // widened to float32
         }, sums + b * kBlock, stride, first);
       } else {
         tile_avx2<decltype(r)::value>(x, k, kc, [=](int64_t i, int64_t h) {
@@ -174,7 +168,7 @@ void widen_panel(const T* w, int64_t blocks, int64_t block_values, int64_t k0, i
     for (int64_t b = 0; b < blocks; ++b)
       for (int64_t half = 0; half < 2; ++half)
         _mm256_storeu_ps(panel + (i * blocks + b) * kBlock + half * 8,
-                         widen8<T>(w + b * block_values + (k0 + i) * kBlock + half * 8));
+                         load8(w + b * block_values + (k0 + i) * kBlock + half * 8));
 }
 
 // y (rows, out_features) = x (rows, k) @ W^T (+ bias) over the packed weight. Tasks: a column tile (4 blocks; 1 on
@@ -207,10 +201,10 @@ void multiply(const float* x, int64_t rows, int64_t k, const T* w, int64_t block
       if (run_rows <= kRowsTile) {
         tile<T>(path, run_rows, tile_blocks, xr, k, k, wb, block_values, nullptr, sums, stride, true);
       } else {
+        constexpr bool widen = !std::is_same_v<T, float>;  // float32 weights are read in place
         for (int64_t k0 = 0; k0 < k; k0 += kPanelInputs) {
           const int64_t kc = std::min(kPanelInputs, k - k0);
-          const bool widen = !std::is_same_v<T, float>;  // float32 weights are read in place
-          if (widen) widen_panel<T>(wb, tile_blocks, block_values, k0, kc, panel);
+          if constexpr (widen) widen_panel<T>(wb, tile_blocks, block_values, k0, kc, panel);
           for (int64_t row = 0; row < run_rows; row += kRowsTile)
             tile<T>(path, std::min(kRowsTile, run_rows - row), tile_blocks, xr + row * k + k0, k, kc,
                     widen ? nullptr : wb + k0 * kBlock, block_values, panel, sums + row * stride, stride, k0 == 0);
