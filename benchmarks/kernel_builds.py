@@ -10,9 +10,9 @@ come from memory, as in a job, and not from a CPU cache a loop over one tensor k
 Each round runs every build in turn, in this one process, on the same inputs (the first round is a warm-up);
 printed per build: the median over the rounds of each GEMM's GFLOP/s (a decode step's rows, then a prefill
 chunk's tokens) and of the attention's milliseconds per layer (a decode step; a packed prefill chunk), and whether
-every output equals the first build's bit for bit. The GEMMs are the ones a bfloat16 job runs on this CPU:
-bf16_linear where every build has it (AVX512-BF16; the SwiGLU gate | up with its SiLU gate applied, as
-bf16_silu_gate runs it), else half_linear (bfloat16 weights widened to float32 as they are read: every AVX2 CPU, and
+every output equals the first build's bit for bit. The GEMMs are ones a bfloat16 job runs on this CPU:
+amx_bf16_linear where every build has it (AMX-BF16), else bf16_linear (AVX512-BF16; the SwiGLU gate | up with its
+SiLU gate applied, as amx_bf16_silu_gate or bf16_silu_gate runs it), else half_linear (bfloat16 weights widened to float32 as they are read: every AVX2 CPU, and
 AVX-512 ones without AVX512-BF16). The attention runs on any CPU.
 """
 from __future__ import annotations
@@ -33,6 +33,8 @@ if str(REPO_ROOT) not in sys.path:
 from modelzoo.models.kv_cache import zeroed_cache_tensor  # noqa: E402
 from modelzoo.cpu.kernels import _built_library, _load_library, kernel_build_dir  # noqa: E402
 from modelzoo.cpu.precision import SILU_GATE_TILE, pack_bf16_weight, pack_half_weight  # noqa: E402
+
+BF16_GATES = {"bf16_linear": "bf16_silu_gate", "amx_bf16_linear": "amx_bf16_silu_gate"}  # each GEMM's SiLU-gated one
 
 
 def load_builds(specs: list[str]) -> dict[str, ModuleType]:
@@ -59,7 +61,7 @@ class Workload:
         g = torch.Generator().manual_seed(0)
         hidden, inter, heads, kv, dim = args.hidden, args.intermediate, args.heads, args.kv_heads, args.head_dim
         bf16 = lambda *shape: torch.randn(*shape, generator=g).bfloat16()
-        pack = pack_bf16_weight if gemm == "bf16_linear" else pack_half_weight
+        pack = pack_bf16_weight if gemm in BF16_GATES else pack_half_weight
         self.shapes = {"qkv": (hidden, (heads + 2 * kv) * dim), "o": (heads * dim, hidden),
                        "gate_up": (hidden, 2 * inter), "down": (inter, hidden)}
         self.weights = [{name: pack(bf16(n, k)) for name, (k, n) in self.shapes.items()}
@@ -104,8 +106,8 @@ def run_gemms(kernels: ModuleType, gemm: str, work: Workload, rows: int, lm_head
         for name, (k, n) in work.shapes.items():
             x = work.inputs[rows][name]
             start = time.perf_counter()
-            if name == "gate_up" and gemm == "bf16_linear":
-                outputs.append(kernels.bf16_silu_gate(x, weights[name], n // 2))
+            if name == "gate_up" and gemm in BF16_GATES:
+                outputs.append(getattr(kernels, BF16_GATES[gemm])(x, weights[name], n // 2))
             else:
                 outputs.append(linear(x, weights[name], None, n))
             seconds[name] += time.perf_counter() - start
@@ -130,7 +132,10 @@ def run_attention(kernels: ModuleType, work: Workload, inputs: tuple, scale: flo
 
 
 def gemm_kernel(builds: dict[str, ModuleType]) -> str | None:
-    """The GEMM a bfloat16 job runs here that every build has: bf16_linear (AVX512-BF16), else half_linear; None."""
+    """A GEMM a bfloat16 job runs here that every build has: amx_bf16_linear (AMX-BF16), else bf16_linear
+    (AVX512-BF16), else half_linear; None."""
+    if all(hasattr(kernels, "amx_bf16_available") and kernels.amx_bf16_available() for kernels in builds.values()):
+        return "amx_bf16_linear"
     if all(kernels.bf16_dot_available() for kernels in builds.values()):
         return "bf16_linear"
     if all(hasattr(kernels, "half_linear") for kernels in builds.values()):

@@ -17,10 +17,10 @@ from typing import Callable, Sequence
 
 import torch
 
-from modelzoo.cpu.gemm import GemmPlan, apply_gemm_backend, weight_bytes
+from modelzoo.cpu.gemm import GemmPlan, apply_bf16_kernels, apply_gemm_backend, weight_bytes
 from modelzoo.cpu.int8_compute import apply_int8_backend
 from modelzoo.cpu.kernels import cpu_kernels, kernel_build_dir, machine_dir
-from modelzoo.cpu.precision import (PrecisionPolicy, apply_bf16_gemm, apply_half_gemm, keep_gemm_weights,
+from modelzoo.cpu.precision import (PrecisionPolicy, apply_half_gemm, keep_gemm_weights,
                                     precision_policy)
 from modelzoo.cpu.quantization import int8_summary
 from modelzoo.cuda.attention_backends import choose_attention_backends
@@ -389,13 +389,9 @@ class Runtime:
         backend = "torch" if self.plan.decode_step_mode == "compiled" else self.spec.gemm_backend
         if self.policy.bf16_gemm:
             if backend != "auto":
-                log.warning("runconfig.gemm_backend %s ignored: bfloat16 multiplies with bf16_linear here (float32 "
-                            "outputs; see modelzoo/cpu/precision.py)", backend)
-            self.gemm = GemmPlan(backend, layers=apply_bf16_gemm(model))
-            log.info("GEMMs: bf16_linear (bfloat16 weights and inputs, float32 sums and outputs; input pairs broadcast "
-                     "%s, the faster here as timed) for %s", cpu_kernels().bf16_gemm_broadcast(),
-                     ", ".join(key if kernel == "bf16_linear" else f"{key} (SiLU gate fused: {kernel})"
-                               for key, kernel in self.gemm.layers.items()))
+                log.warning("runconfig.gemm_backend %s ignored: bfloat16 multiplies with bf16_linear or amx_bf16_linear "
+                            "here, as measured (float32 outputs; see modelzoo/cpu/precision.py)", backend)
+            self.gemm = apply_bf16_kernels(model, backend)
             return
         if self.policy.half_gemm:
             if backend != "auto":
@@ -438,7 +434,7 @@ class Runtime:
             return PromptLookupDrafter(spec.num_tokens, spec.max_ngram)
         draft = self.load(spec.checkpoint_path)
         if self.policy.bf16_gemm:
-            apply_bf16_gemm(draft)
+            apply_bf16_kernels(draft)
         elif self.policy.half_gemm:
             apply_half_gemm(draft)
         if draft.config.vocab_size != self.vocab_size:

@@ -12,6 +12,11 @@ BF16, F32, F16 = torch.bfloat16, torch.float32, torch.float16
 MIXED = precision.PrecisionPolicy(BF16, F32, F16, bf16_gemm=True)
 needs_bf16 = pytest.mark.skipif(not precision.bf16_kernel_available(),
                                 reason="bf16_linear needs an AVX512-BF16 CPU and the C++ kernels")
+amx_tiles = cpu_kernels() is not None and cpu_kernels().amx_bf16_available()
+# The bfloat16 policy's two GEMMs, as BF16Linear's `amx` argument: bf16_linear, amx_bf16_linear (an AMX-BF16 CPU).
+BF16_GEMMS = [pytest.param(False, id="bf16_linear"),
+              pytest.param(True, id="amx_bf16_linear", marks=pytest.mark.skipif(
+                  not amx_tiles, reason="amx_bf16_linear needs an AMX-BF16 CPU, Linux granting its tiles, the kernels"))]
 needs_kernels = pytest.mark.skipif(cpu_kernels() is None, reason="the C++ kernels could not be built here")
 
 

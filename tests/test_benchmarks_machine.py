@@ -160,8 +160,10 @@ def test_kernel_builds(capsys: pytest.CaptureFixture) -> None:
     printed = capsys.readouterr().out
     lines = {line.split(":")[0]: line for line in printed.splitlines() if line.startswith(("a:", "b:"))}
     assert set(lines) == {"a", "b"}, printed
-    # The GEMMs a bfloat16 job runs here: bf16_linear with AVX512-BF16, else half_linear (every AVX2 CPU).
-    assert f"GEMMs: {'bf16_linear' if kernels.bf16_dot_available() else 'half_linear'}" in printed
+    # A GEMM a bfloat16 job runs here: amx_bf16_linear with AMX, bf16_linear with AVX512-BF16, else half_linear.
+    gemm = ("amx_bf16_linear" if kernels.amx_bf16_available() else
+            "bf16_linear" if kernels.bf16_dot_available() else "half_linear")
+    assert f"GEMMs: {gemm}" in printed
     expected = ["decode attention ms/layer", "prefill attention ms/layer", "decode lm_head GFLOP/s"]
     expected += [f"{phase} {name} GFLOP/s" for phase in ("decode", "prefill")
                  for name in ("qkv", "o", "gate_up", "down")]

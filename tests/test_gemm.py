@@ -11,6 +11,7 @@ from torch import nn
 import modelzoo.cpu.gemm as gemm
 import modelzoo.cpu.kernels
 from modelzoo.cpu.precision import HalfLinear
+from precision_policies import amx_tiles
 from modelzoo.errors import UserError
 from modelzoo.cpu.gemm import (INVARIANCE_ROWS, MKLPackedLinear, OneDNNLinear, RowBlockLinear, apply_gemm_backend,
                            available_backends, linear_layers, measure_shape, weight_bytes, wrap)
@@ -203,3 +204,49 @@ def test_row_blocks_give_every_row_the_same_bits_wherever_it_sits(backend, dtype
         assert torch.equal(layer(x[:130].view(10, 13, 96)), full[:130].view(10, 13, 200))
         torch.testing.assert_close(full.float(), linear(x).float(), rtol=2e-2, atol=2e-2)
     assert not linear_layers(nn.Sequential(layer))  # no plain nn.Linear inside to be swapped again
+
+
+def test_bfloat16_policy_gemm_follows_the_measured_choice_per_shape(monkeypatch):
+    """Where both the AVX512-BF16 and the AMX GEMM are offered, each shape's layers take its measured choice."""
+    monkeypatch.setattr(gemm, "available_bf16_kernels", lambda: ["bf16_linear", "amx_bf16_linear"])
+    measured = {"bfloat16 64x96": "amx_bf16_linear", "bfloat16 96x64": "bf16_linear"}
+
+    def measured_shapes(shapes, dtype, backends, build, choices):
+        assert shapes == {"bfloat16 64x96": (64, 96), "bfloat16 96x64": (96, 64)} and dtype == torch.float32
+        assert backends == ["bf16_linear", "amx_bf16_linear"] and choices == "bf16_gemm_choices.json"
+        assert build(nn.Linear(64, 96), "amx_bf16_linear").amx and not build(nn.Linear(64, 96), "bf16_linear").amx
+        return {key: {"backend": kernel, "gflops": {}, "invariant": {kernel: True}, "rejected": {}}
+                for key, kernel in measured.items()}
+
+    monkeypatch.setattr(gemm, "measured_shapes", measured_shapes)
+    model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 64), nn.Linear(64, 96)).to(torch.bfloat16)
+    plan = gemm.apply_bf16_kernels(model)
+    assert plan.layers == {"bfloat16 64x96": "amx_bf16_linear", "bfloat16 96x64": "bf16_linear"}
+    assert [layer.amx for layer in model] == [True, False, True] and plan.batch_invariant
+
+
+def test_bfloat16_policy_gemm_without_amx_is_bf16_linear_unmeasured(monkeypatch):
+    monkeypatch.setattr(gemm, "available_bf16_kernels", lambda: ["bf16_linear"])
+    monkeypatch.setattr(gemm, "measure_shape", lambda *args, **kwargs: pytest.fail("nothing to choose from"))
+    model = nn.Sequential(nn.Linear(64, 96)).to(torch.bfloat16)
+    plan = gemm.apply_bf16_kernels(model)
+    assert plan.layers == {"bfloat16 64x96": "bf16_linear"} and plan.measured == {} and not model[0].amx
+
+
+@pytest.mark.skipif(not amx_tiles, reason="needs an AMX-BF16 CPU and the C++ kernels")
+def test_amx_and_avx512_bf16_gemms_are_measured_checked_and_cached(tmp_path, monkeypatch):
+    model = nn.Sequential(nn.Linear(64, 96, bias=False), nn.Linear(96, 64)).to(torch.bfloat16)
+    x = torch.randn(5, 64)
+    plan = gemm.apply_bf16_kernels(model)
+    for key in ("bfloat16 64x96", "bfloat16 96x64"):
+        assert set(plan.measured[key]["gflops"]) == {"bf16_linear", "amx_bf16_linear"}
+        assert plan.measured[key]["invariant"] == {"bf16_linear": True, "amx_bf16_linear": True}
+        assert plan.layers[key] == plan.measured[key]["backend"] == gemm.fastest(plan.measured[key])
+    assert [layer.kernel for layer in model] == [plan.layers["bfloat16 64x96"], plan.layers["bfloat16 96x64"]]
+    assert model(x).dtype == torch.float32
+    folder = modelzoo.cpu.kernels.machine_dir(tmp_path / "build")
+    cached = json.loads((folder / "bf16_gemm_choices.json").read_text())
+    assert set(cached["shapes"]) == set(plan.layers) and not (folder / "gemm_choices.json").exists()
+    monkeypatch.setattr(gemm, "measure_shape", lambda *args, **kwargs: pytest.fail("measured again"))
+    again = gemm.apply_bf16_kernels(nn.Sequential(nn.Linear(64, 96, bias=False)).to(torch.bfloat16))
+    assert again.layers == {"bfloat16 64x96": plan.layers["bfloat16 64x96"]}

@@ -9,7 +9,7 @@ from torch import nn
 
 from modelzoo.cpu import precision
 from modelzoo.cpu.kernels import cpu_kernels
-from precision_policies import BF16, F16, F32, HALF, MIXED, WIDENED, needs_bf16, needs_kernels
+from precision_policies import BF16, BF16_GEMMS, F16, F32, HALF, MIXED, WIDENED, needs_bf16, needs_kernels
 
 
 def assert_rows_do_not_depend_on_the_batch(layer: nn.Module, x: torch.Tensor, got: torch.Tensor,
@@ -61,13 +61,17 @@ def test_packed_bf16_weight_layout():
 
 
 @needs_bf16
-@pytest.mark.parametrize("rows, in_features, out_features", [(1, 64, 48), (7, 575, 1531), (40, 96, 33)])
-def test_bf16_linear_sums_bf16_inputs_in_float32_and_is_batch_invariant(rows, in_features, out_features):
+@pytest.mark.parametrize("amx", BF16_GEMMS)
+@pytest.mark.parametrize("rows, in_features, out_features", [(1, 64, 48), (7, 575, 1531), (40, 96, 33),
+                                                             (17, 40, 80), (33, 1000, 16)])
+def test_bf16_linear_sums_bf16_inputs_in_float32_and_is_batch_invariant(rows, in_features, out_features, amx):
+    """Both GEMMs, on every tile shape: 1-6 rows of a register tile or 1-32 of AMX tiles (17 and 33: 16 and 32 and one
+    more), 1-4 blocks, input pairs in whole AMX tiles of 16 or not (40 inputs: 20 pairs; 1000: 500)."""
     generator = torch.Generator().manual_seed(rows)
     linear = nn.Linear(in_features, out_features, dtype=BF16)
     with torch.no_grad():
         linear.bias.normal_(generator=generator)
-    layer = precision.BF16Linear(linear)
+    layer = precision.BF16Linear(linear, amx)
     x = torch.randn(rows, in_features, generator=generator)
     got = layer(x)
     assert got.dtype == F32 and got.shape == (rows, out_features)
@@ -104,7 +108,8 @@ def test_both_broadcasts_of_the_bf16_gemms_give_the_same_bits():
 
 
 @needs_bf16
-def test_bf16_linear_of_a_conv1d_layer_takes_its_in_out_weight():
+@pytest.mark.parametrize("amx", BF16_GEMMS)
+def test_bf16_linear_of_a_conv1d_layer_takes_its_in_out_weight(amx):
     from modelzoo.models.gpt2 import Conv1D
 
     layer = Conv1D(48, 80).to(BF16)
@@ -113,29 +118,36 @@ def test_bf16_linear_of_a_conv1d_layer_takes_its_in_out_weight():
         layer.bias.normal_()
     x = torch.randn(3, 5, 48)
     want = x.to(BF16).double() @ layer.weight.double() + layer.bias.double()
-    torch.testing.assert_close(precision.BF16Linear(layer)(x).double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(precision.BF16Linear(layer, amx)(x).double(), want, rtol=1e-5, atol=1e-5)
 
 
 @needs_bf16
-def test_bf16_linear_rejects_bad_inputs():
-    layer = precision.BF16Linear(nn.Linear(32, 16, dtype=BF16))
+@pytest.mark.parametrize("amx", BF16_GEMMS)
+def test_bf16_linear_rejects_bad_inputs(amx):
+    from modelzoo.cpu.kernels import cpu_kernels
+
+    layer = precision.BF16Linear(nn.Linear(32, 16, dtype=BF16), amx)
     with pytest.raises(RuntimeError, match="does not match the packed weight"):
         layer(torch.randn(2, 30))
     with pytest.raises(RuntimeError, match="bias must be contiguous float32"):
-        from modelzoo.cpu.kernels import cpu_kernels
-        cpu_kernels().bf16_linear(torch.randn(2, 32), layer.packed, torch.zeros(16, dtype=BF16), 16)
+        getattr(cpu_kernels(), layer.kernel)(torch.randn(2, 32), layer.packed, torch.zeros(16, dtype=BF16), 16)
+    with pytest.raises(RuntimeError, match="out_features does not match the packed weight"):
+        getattr(cpu_kernels(), layer.kernel)(torch.randn(2, 32), layer.packed, None, 17)
+    with pytest.raises(RuntimeError, match=r"packed must be contiguous bfloat16 \(N/16, K/2, 16, 2\)"):
+        getattr(cpu_kernels(), layer.kernel)(torch.randn(2, 32), layer.packed.float(), None, 16)
 
 
 @needs_bf16
-@pytest.mark.parametrize("rows, in_features, intermediate", [(1, 64, 32), (7, 575, 96), (40, 96, 64)])
-def test_silu_gated_bf16_linear_has_silu_muls_bits_and_is_batch_invariant(rows, in_features, intermediate):
+@pytest.mark.parametrize("amx", BF16_GEMMS)
+@pytest.mark.parametrize("rows, in_features, intermediate", [(1, 64, 32), (7, 575, 96), (40, 96, 64), (17, 40, 128)])
+def test_silu_gated_bf16_linear_has_silu_muls_bits_and_is_batch_invariant(rows, in_features, intermediate, amx):
     from modelzoo.cpu.kernels import cpu_kernels
 
     generator = torch.Generator().manual_seed(rows)
     linear = nn.Linear(in_features, 2 * intermediate, bias=False, dtype=BF16)
     with torch.no_grad():
         linear.weight.normal_(generator=generator)
-    gated, plain = precision.SiluGatedBF16Linear(linear), precision.BF16Linear(linear)
+    gated, plain = precision.SiluGatedBF16Linear(linear, amx), precision.BF16Linear(linear, amx)
     assert gated.packed.shape == plain.packed.shape
     assert torch.equal(gated.packed, plain.packed) == (intermediate == 32)  # one tile: gate | up as it was
     x = torch.randn(rows, in_features, generator=generator) * 3
@@ -146,7 +158,8 @@ def test_silu_gated_bf16_linear_has_silu_muls_bits_and_is_batch_invariant(rows, 
 
 
 @needs_bf16
-def test_only_a_silu_gated_mlps_gate_up_projection_is_fused():
+@pytest.mark.parametrize("amx", BF16_GEMMS)
+def test_only_a_silu_gated_mlps_gate_up_projection_is_fused(amx):
     from modelzoo.models.layers import GatedMLP
 
     model = nn.ModuleDict({"silu": GatedMLP(64, 96, "silu", bias=False), "gelu": GatedMLP(64, 96, "gelu", bias=False),
@@ -154,23 +167,29 @@ def test_only_a_silu_gated_mlps_gate_up_projection_is_fused():
     model.to(BF16)
     x = torch.randn(5, 64)
     want = {name: mlp(x.to(BF16)).float() for name, mlp in model.items()}
-    shapes = precision.apply_bf16_gemm(model)
+    on_tiles = {"bfloat16 64x192", "bfloat16 64x96"} if amx else set()  # AMX for gate | up layers, not down ones
+    shapes = precision.apply_bf16_gemm(model, on_tiles)
     assert isinstance(model["silu"].gate_up_proj, precision.SiluGatedBF16Linear)
     for name in ("gelu", "bias", "narrow"):  # another activation, a bias, 48 features (not whole 32-feature tiles)
         assert type(model[name].gate_up_proj) is precision.BF16Linear
-    assert "bf16_silu_gate" in shapes.values() and shapes["bfloat16 64x96"] == "bf16_linear"  # the narrow one
+    prefix = "amx_" if amx else ""
+    assert f"{prefix}bf16_silu_gate" in shapes.values() and shapes["bfloat16 64x96"] == f"{prefix}bf16_linear"
+    assert shapes["bfloat16 96x64"] == shapes["bfloat16 48x64"] == "bf16_linear"
+    assert all(mlp.down_proj.amx is False and mlp.gate_up_proj.amx is amx for mlp in model.values())
     for name, mlp in model.items():
         torch.testing.assert_close(mlp(x), want[name], rtol=0.05, atol=0.05)
 
 
 @needs_bf16
-def test_bf16_silu_gate_rejects_a_weight_not_in_gated_tiles():
+@pytest.mark.parametrize("amx", BF16_GEMMS)
+def test_bf16_silu_gate_rejects_a_weight_not_in_gated_tiles(amx):
     from modelzoo.cpu.kernels import cpu_kernels
 
     layer = precision.BF16Linear(nn.Linear(32, 48, bias=False, dtype=BF16))  # 3 blocks: no whole tile of 2 + 2
+    gate = "amx_bf16_silu_gate" if amx else "bf16_silu_gate"
     with pytest.raises(RuntimeError, match="packs gate | up of out_features each"):
-        cpu_kernels().bf16_silu_gate(torch.randn(2, 32), layer.packed, 24)
-    gated = precision.SiluGatedBF16Linear(nn.Linear(32, 64, bias=False, dtype=BF16))
+        getattr(cpu_kernels(), gate)(torch.randn(2, 32), layer.packed, 24)
+    gated = precision.SiluGatedBF16Linear(nn.Linear(32, 64, bias=False, dtype=BF16), amx)
     with pytest.raises(RuntimeError, match="does not match the packed weight"):
         gated(torch.randn(2, 30))
 

@@ -44,7 +44,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from modelzoo.cpu.memory import release_freed_memory, release_mapped
-from modelzoo.cpu.precision import HalfLinear
+from modelzoo.cpu.precision import (BF16Linear, HalfLinear, apply_bf16_gemm, linear_like, linear_shape,
+                                    linear_shape_key)
 from modelzoo.errors import UserError
 from modelzoo.cpu.kernels import cpu_kernels, read_machine_choices, write_machine_choices
 
@@ -267,9 +268,10 @@ class GemmPlan:
     def to_dict(self) -> dict:
         return asdict(self)
 
-    def check_invariance(self) -> None:
-        """Sets batch_invariant, with one warning naming the layers whose rows depend on the batch."""
-        varying = [f"{key} ({backend})" for key, backend in self.layers.items()
+    def check_invariance(self, backends: dict[str, str] | None = None) -> None:
+        """Sets batch_invariant, with one warning naming the layers whose rows depend on the batch; `backends`:
+        {shape key: measured backend} where `layers` names other kernels."""
+        varying = [f"{key} ({backend})" for key, backend in (backends or self.layers).items()
                    if not self.measured[key]["invariant"].get(backend, False)]
         self.batch_invariant = not varying
         if varying:
@@ -286,19 +288,19 @@ class GemmPlan:
 
 def measured_shapes(shapes: dict[str, tuple[int, int]], dtype: torch.dtype, backends: list[str],
                     build: Callable[[nn.Linear, str], nn.Module] = wrap,
-                    opt_in: tuple[str, ...] = ()) -> dict[str, dict]:
+                    opt_in: tuple[str, ...] = (), choices: str = GEMM_CHOICES) -> dict[str, dict]:
     """{key: ShapeChoice as a dict} for each {key: (in_features, out_features)}: this machine's cached
-    choice where it covers `backends`, else measured now with `build` (logged, and cached). Each one's
-    `backend` is auto's choice: the fastest batch-invariant backend, never one of `opt_in` (measured and
-    shown, used only when asked for)."""
-    cache, measured = read_machine_choices(GEMM_CHOICES, CACHE_VERSION), {}
+    choice (in its file `choices`) where it covers `backends`, else measured now with `build` (logged, and
+    cached). Each one's `backend` is auto's choice: the fastest batch-invariant backend, never one of `opt_in`
+    (measured and shown, used only when asked for)."""
+    cache, measured = read_machine_choices(choices, CACHE_VERSION), {}
     for key, (in_features, out_features) in shapes.items():
         if key not in cache or set(cache[key]["gflops"]) | set(cache[key]["rejected"]) != set(backends):
             start = time.perf_counter()
             cache[key] = asdict(measure_shape(in_features, out_features, dtype, backends, build=build))
             log.info("%s measured in %.1fs: %s", key, time.perf_counter() - start, rates_text(cache[key]))
             measured[key] = cache[key]
-    error = write_machine_choices(GEMM_CHOICES, CACHE_VERSION, cache) if measured else None
+    error = write_machine_choices(choices, CACHE_VERSION, cache) if measured else None
     if error is not None:
         log.warning("GEMM choices not cached (%s); the next job measures again", error)
     return {key: {**cache[key], "backend": fastest(cache[key], exclude=opt_in)} for key in shapes}
@@ -350,6 +352,36 @@ def apply_gemm_backend(model: nn.Module, dtype: torch.dtype, device: torch.devic
     release_freed_memory()  # the checkpoint-layout weights just dropped
     log.info("GEMM backends (%s): %s", requested, "; ".join(
         f"{key} {backend} ({rates_text(plan.measured[key], backend)})" for key, backend in plan.layers.items()))
+    return plan
+
+
+BF16_GEMM_CHOICES = "bf16_gemm_choices.json"  # apart from GEMM_CHOICES: the same shape keys, other candidates
+
+
+def available_bf16_kernels() -> list[str]:
+    """The bfloat16-policy GEMMs this build offers: bf16_linear (AVX512-BF16), and amx_bf16_linear where the CPU has
+    AMX-BF16 and Linux grants its tiles."""
+    return ["bf16_linear", *(["amx_bf16_linear"] if cpu_kernels().amx_bf16_available() else [])]
+
+
+def apply_bf16_kernels(model: nn.Module, requested: str = "auto") -> GemmPlan:
+    """Packs every linear layer of `model` for the bfloat16 policy's GEMM (bfloat16 weights and inputs, float32 sums
+    and outputs): per shape, the faster batch-invariant of bf16_linear and amx_bf16_linear as measured (and cached)
+    on this machine where both are built, else bf16_linear."""
+    kernels = available_bf16_kernels()
+    plan = GemmPlan(requested)
+    if len(kernels) > 1:
+        shapes = {linear_shape_key(module, torch.bfloat16): linear_shape(module) for module in model.modules()
+                  if linear_like(module)}
+        plan.measured = measured_shapes(shapes, torch.float32, kernels, choices=BF16_GEMM_CHOICES,
+                                        build=lambda linear, kernel: BF16Linear(linear, kernel == "amx_bf16_linear"))
+        plan.check_invariance({key: measured["backend"] for key, measured in plan.measured.items()})
+    amx = {key for key, measured in plan.measured.items() if measured["backend"] == "amx_bf16_linear"}
+    plan.layers = apply_bf16_gemm(model, amx)
+    broadcast = f"input pairs broadcast {cpu_kernels().bf16_gemm_broadcast()}, the faster here as timed"
+    log.info("GEMMs: bfloat16 weights and inputs, float32 sums and outputs (%s): %s", broadcast, "; ".join(
+        f"{key} {kernel}" + (f" ({rates_text(plan.measured[key], plan.measured[key]['backend'])})"
+                             if key in plan.measured else "") for key, kernel in plan.layers.items()))
     return plan
 
 

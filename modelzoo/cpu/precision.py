@@ -22,7 +22,7 @@
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
@@ -145,7 +145,7 @@ class PackedLinear(nn.Module):
             weight = weight.t()  # (in, out) -> (out, in)
         self.out_features, self.in_features = weight.shape
         self.packed = self.pack(weight)
-        self.shape_key = f"{str(self.packed.dtype).replace('torch.', '')} {self.in_features}x{self.out_features}"
+        self.shape_key = linear_shape_key(layer, self.packed.dtype)
         self.bias = None if layer.bias is None else nn.Parameter(layer.bias.detach().float(), requires_grad=False)
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
@@ -157,8 +157,18 @@ class PackedLinear(nn.Module):
 
 
 class BF16Linear(PackedLinear):
-    """A linear layer multiplied by bf16_linear: its weight packed into (N/16, K/2, 16, 2) bfloat16, a float32 bias,
-    float32 (or 16-bit) inputs, float32 outputs."""
+    """A linear layer multiplied by bf16_linear (AVX512-BF16 dot products) or, with `amx`, by amx_bf16_linear (AMX
+    tiles: the same packed weight and inputs, sums in another order): its weight packed into (N/16, K/2, 16, 2)
+    bfloat16, a float32 bias, float32 (or 16-bit) inputs, float32 outputs."""
+
+    def __init__(self, layer: nn.Module, amx: bool = False) -> None:
+        self.amx = amx
+        super().__init__(layer)
+
+    @property
+    def kernel(self) -> str:
+        """The C++ function this layer calls."""
+        return "amx_bf16_linear" if self.amx else "bf16_linear"
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         return pack_bf16_weight(self.arrange(weight))
@@ -166,7 +176,8 @@ class BF16Linear(PackedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from modelzoo.cpu.kernels import cpu_kernels
 
-        return cpu_kernels().bf16_linear(x, self.packed, self.bias, self.out_features)  # (..., N) float32
+        multiply = getattr(cpu_kernels(), self.kernel)
+        return multiply(x, self.packed, self.bias, self.out_features)  # (..., N) float32
 
     def arrange(self, weight: torch.Tensor) -> torch.Tensor:
         """The weight's rows (N, K) in the order the kernel reads them: as they are."""
@@ -174,15 +185,19 @@ class BF16Linear(PackedLinear):
 
 
 class SiluGatedBF16Linear(BF16Linear):
-    """The gate | up projection of a SwiGLU MLP multiplied by bf16_silu_gate: returns silu(gate) * up (..., N/2)
-    float32, with silu_mul's bits, without writing gate | up. Its weight's blocks of 16 rows are reordered so that
-    each register tile of 4 blocks holds 32 features' gate rows, then their up rows."""
+    """The gate | up projection of a SwiGLU MLP multiplied by bf16_silu_gate (amx_bf16_silu_gate with `amx`): returns
+    silu(gate) * up (..., N/2) float32, with silu_mul's bits, without writing gate | up. Its weight's blocks of 16 rows
+    are reordered so that each tile of 4 blocks holds 32 features' gate rows, then their up rows."""
 
     applies_silu_gate = True  # GatedMLP feeds its output straight to down_proj
 
-    def __init__(self, layer: nn.Module) -> None:
-        super().__init__(layer)
+    def __init__(self, layer: nn.Module, amx: bool = False) -> None:
+        super().__init__(layer, amx)
         self.out_features //= 2  # silu(gate) * up: one output per gate | up pair
+
+    @property
+    def kernel(self) -> str:
+        return "amx_bf16_silu_gate" if self.amx else "bf16_silu_gate"
 
     def arrange(self, weight: torch.Tensor) -> torch.Tensor:
         """gate | up rows (2I, K) tile by tile: each tile's 32 gate rows, then the same features' up rows."""
@@ -193,7 +208,7 @@ class SiluGatedBF16Linear(BF16Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from modelzoo.cpu.kernels import cpu_kernels
 
-        return cpu_kernels().bf16_silu_gate(x, self.packed, self.out_features)  # (..., N/2) float32
+        return getattr(cpu_kernels(), self.kernel)(x, self.packed, self.out_features)  # (..., N/2) float32
 
 
 def silu_gate_fusable(parent: nn.Module, name: str, layer: nn.Module) -> bool:
@@ -229,13 +244,25 @@ def replace_linear_layers(model: nn.Module, pack: Callable[[nn.Module, str, nn.M
     return shapes
 
 
-def apply_bf16_gemm(model: nn.Module) -> dict[str, str]:
-    """Replaces every linear layer of `model` by a BF16Linear (a SiluGatedBF16Linear for a SiLU GatedMLP's gate | up);
-    returns {shape key: kernel} for the GEMM plan."""
+def linear_shape(layer: nn.Module) -> tuple[int, int]:
+    """(in_features, out_features) of a linear layer (linear_like)."""
+    out_features, in_features = layer.weight.shape
+    return (out_features, in_features) if getattr(layer, "weight_is_in_out", False) else (in_features, out_features)
+
+
+def linear_shape_key(layer: nn.Module, dtype: torch.dtype) -> str:
+    """A linear layer's weight as the GEMM plan names it: 'bfloat16 576x1536' (dtype, in_features x out_features)."""
+    in_features, out_features = linear_shape(layer)
+    return f"{str(dtype).replace('torch.', '')} {in_features}x{out_features}"
+
+
+def apply_bf16_gemm(model: nn.Module, amx: Collection[str] = ()) -> dict[str, str]:
+    """Replaces every linear layer of `model` by a BF16Linear (a SiluGatedBF16Linear for a SiLU GatedMLP's gate | up),
+    multiplying on AMX tiles the layers whose shape key is in `amx`; returns {shape key: kernel} for the GEMM plan."""
     def pack(parent: nn.Module, name: str, layer: nn.Module) -> tuple[PackedLinear, str]:
-        if silu_gate_fusable(parent, name, layer):
-            return SiluGatedBF16Linear(layer), "bf16_silu_gate"
-        return BF16Linear(layer), "bf16_linear"
+        tiles = linear_shape_key(layer, torch.bfloat16) in amx
+        packed = SiluGatedBF16Linear(layer, tiles) if silu_gate_fusable(parent, name, layer) else BF16Linear(layer, tiles)
+        return packed, packed.kernel
 
     return replace_linear_layers(model, pack)
 

@@ -31,6 +31,28 @@
 
 namespace zoo {
 
+void check_bf16_gemm(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
+                     int64_t out_features, bool silu_gate) {
+  constexpr int64_t kBlock = 16, kBlocksTile = 4;  // outputs per packed block; blocks per SiLU-gated tile
+  TORCH_CHECK(x.device().is_cpu() && is_storage_type(x.scalar_type()) && x.dim() >= 1,
+              "x must be a float32, bfloat16 or float16 CPU tensor (..., K)");
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.size(2) == kBlock &&
+                  packed.size(3) == 2 && packed.is_contiguous(), "packed must be contiguous bfloat16 (N/16, K/2, 16, 2)");
+  const int64_t blocks = packed.size(0), pairs = packed.size(1), k = x.size(-1);
+  TORCH_CHECK(k == 2 * pairs || k == 2 * pairs - 1, "x's last dimension does not match the packed weight");
+  if (silu_gate) {
+    TORCH_CHECK(blocks % kBlocksTile == 0 && out_features * 2 == blocks * kBlock,
+                "a SiLU-gated weight packs gate | up of out_features each, in tiles of 2 + 2 blocks");
+  } else {
+    TORCH_CHECK(out_features > 0 && out_features <= blocks * kBlock && out_features > (blocks - 1) * kBlock,
+                "out_features does not match the packed weight");
+  }
+  if (bias) {
+    TORCH_CHECK(!silu_gate && bias->dim() == 1 && bias->size(0) == out_features && bias->scalar_type() == at::kFloat &&
+                    bias->is_contiguous(), "bias must be contiguous float32 (out_features,), and none with a SiLU gate");
+  }
+}
+
 bool bf16_dot_available() {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   return true;
@@ -96,16 +118,6 @@ void tile_any(int64_t rows, int64_t blocks, const uint32_t* xb, int64_t pairs, c
   }
 }
 
-// A row of x (k values of T) as bfloat16 pairs, rounded to nearest even, a zero appended for an odd k.
-template <typename T>
-void round_row(const T* x, int64_t k, int64_t pairs, uint32_t* out) {
-  auto* halves = reinterpret_cast<c10::BFloat16*>(out);
-  int64_t i = 0;
-  for (; i + W <= k; i += W) store16(halves + i, load16(x + i));
-  for (; i < k; ++i) halves[i] = c10::BFloat16(to_float(x[i]));
-  if (k < 2 * pairs) halves[k] = c10::BFloat16(0.f);
-}
-
 }  // namespace
 
 namespace {
@@ -114,23 +126,8 @@ namespace {
 // modelzoo/precision.py with each tile's 4 blocks 2 gate blocks then the same 2 features' up blocks: (..., out_features).
 torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                        int64_t out_features, bool silu_gate, Broadcast mode) {
-  TORCH_CHECK(x.device().is_cpu() && is_storage_type(x.scalar_type()) && x.dim() >= 1,
-              "x must be a float32, bfloat16 or float16 CPU tensor (..., K)");
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.size(2) == kBlock &&
-                  packed.size(3) == 2 && packed.is_contiguous(), "packed must be contiguous bfloat16 (N/16, K/2, 16, 2)");
+  check_bf16_gemm(x, packed, bias, out_features, silu_gate);
   const int64_t blocks = packed.size(0), pairs = packed.size(1), k = x.size(-1);
-  TORCH_CHECK(k == 2 * pairs || k == 2 * pairs - 1, "x's last dimension does not match the packed weight");
-  if (silu_gate) {
-    TORCH_CHECK(blocks % kBlocksTile == 0 && out_features * 2 == blocks * kBlock,
-                "a SiLU-gated weight packs gate | up of out_features each, in tiles of 2 + 2 blocks");
-  } else {
-    TORCH_CHECK(out_features > 0 && out_features <= blocks * kBlock && out_features > (blocks - 1) * kBlock,
-                "out_features does not match the packed weight");
-  }
-  if (bias) {
-    TORCH_CHECK(!silu_gate && bias->dim() == 1 && bias->size(0) == out_features && bias->scalar_type() == at::kFloat &&
-                    bias->is_contiguous(), "bias must be contiguous float32 (out_features,), and none with a SiLU gate");
-  }
   const auto input = x.contiguous();
   const int64_t rows = k ? input.numel() / k : 0;
   auto sizes = x.sizes().vec();

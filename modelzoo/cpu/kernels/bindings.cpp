@@ -35,6 +35,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "product) or 'register' (broadcast once), the faster of the two timed at the first call; `use` sets it "
         "instead. The outputs are the same bits either way.",
         py::arg("use") = "");
+  m.def("amx_bf16_available", &zoo::amx_bf16_available,
+        "Whether amx_bf16_linear was built (AMX-BF16) and Linux grants this process the AMX tiles");
+  m.def("amx_bf16_linear", &zoo::amx_bf16_linear,
+        "bf16_linear on AMX tiles: x (..., K) rounded to bfloat16 @ W^T (+ bias) for bf16_linear's packed W, summed "
+        "and returned in float32 (..., out_features)",
+        py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(), py::arg("out_features"));
+  m.def("amx_bf16_silu_gate", &zoo::amx_bf16_silu_gate,
+        "bf16_silu_gate on AMX tiles: silu(gate) * up for the gate | up weight packed as bf16_silu_gate's; float32 "
+        "(..., out_features), silu_mul's bits",
+        py::arg("x"), py::arg("packed"), py::arg("out_features"));
   m.def("half_linear", &zoo::half_linear,
         "x (..., K) float32 @ W^T (+ bias) for a bfloat16, float16 or float32 W packed (N/16, K, 16) by "
         "modelzoo/precision.py, widened to float32 as it is read: one fused multiply-add per input in ascending order, "

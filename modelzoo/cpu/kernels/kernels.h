@@ -27,6 +27,9 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, c
 std::string int8_gemm_path(const std::string& use);
 // bf16_gemm.cpp: bfloat16 weights times activations rounded to bfloat16, float32 sums and outputs, on AVX512-BF16.
 bool bf16_dot_available();
+// The checks of both bfloat16 GEMMs' arguments (bf16_linear's and amx_bf16_linear's): a TORCH_CHECK error if one fails.
+void check_bf16_gemm(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
+                     int64_t out_features, bool silu_gate);
 torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                           int64_t out_features);
 // The same for a gate | up projection packed in tiles of 2 gate + 2 up blocks: silu(gate) * up (..., out_features).
@@ -34,6 +37,11 @@ torch::Tensor bf16_silu_gate(const torch::Tensor& x, const torch::Tensor& packed
 // How the two GEMMs broadcast each input pair, "embedded" or "register": the faster on this CPU, timed at the first
 // call; `use` ("embedded" or "register") sets it instead. Either gives the same bits.
 std::string bf16_gemm_broadcast(const std::string& use);
+// amx_gemm.cpp: bf16_linear and bf16_silu_gate on AMX tiles (the same packed weights, inputs and float32 outputs).
+bool amx_bf16_available();
+torch::Tensor amx_bf16_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                              const c10::optional<torch::Tensor>& bias, int64_t out_features);
+torch::Tensor amx_bf16_silu_gate(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features);
 // half_gemm.cpp: bfloat16 or float16 weights widened to float32 as they are read (float32 weights read as they are),
 // times float32 activations, float32 sums and outputs (AVX2, or AVX-512 where built).
 torch::Tensor half_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,

@@ -122,6 +122,16 @@ inline void narrow(const float* in, T* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = from_float<T>(in[i]);
 }
 
+// A row of x (k values of T) as bfloat16 pairs, rounded to nearest even, a zero appended for an odd k.
+template <typename T>
+inline void round_row(const T* x, int64_t k, int64_t pairs, uint32_t* out) {
+  auto* halves = reinterpret_cast<c10::BFloat16*>(out);
+  int64_t i = 0;
+  for (; i + W <= k; i += W) store16(halves + i, load16(x + i));
+  for (; i < k; ++i) halves[i] = c10::BFloat16(to_float(x[i]));
+  if (k < 2 * pairs) halves[k] = c10::BFloat16(0.f);
+}
+
 }  // namespace zoo
 
 // Calls the lambda with `scalar_t` bound to the C++ storage type of a float32, bfloat16 or float16 tensor.

@@ -1,0 +1,245 @@
+// bf16_linear's GEMM on Intel AMX tiles: the same packed bfloat16 weights, the same inputs rounded to bfloat16,
+// float32 sums and outputs; tdpbf16ps on 16 x 16 output tiles instead of vdpbf16ps on 16-wide registers.
+//
+// Weights: bf16_linear's packed (N/16, K/2, 16, 2) bfloat16 (modelzoo/cpu/precision.py), read as it is: 16 input
+// pairs of one block of 16 outputs are 16 consecutive rows of 64 bytes, one AMX B tile in the layout tdpbf16ps takes.
+// Inputs: each row rounded to bfloat16 into a buffer padded with zeros to whole tiles (16 rows, 16 pairs): an A tile
+// is 16 rows x 16 pairs. A weight whose K/2 is not a multiple of 16 has its last B tile copied, zero-padded.
+//
+// Each output is one float32 accumulator summing its row's input pairs in ascending order (tile by tile, and within
+// a tile as tdpbf16ps does), whatever the other rows of the call: the result does not depend on the batch. The zero
+// pairs padding K add nothing.
+//
+// Tiles (palette 1, every tile 16 rows x 64 bytes): C tiles 0-3 (output rows half r, block b -> 2r + b), A tiles 4-5
+// (the two halves of 32 rows), B tiles 6-7 (two blocks): each step loads 4 tiles for 4 tile products, and prefetches
+// the weights a few steps on (a prefetch past a tensor's end is harmless: it never faults).
+//
+// amx_bf16_silu_gate is bf16_silu_gate's counterpart: the gate | up weight packed in tiles of 2 gate + 2 up blocks,
+// silu(gate) * up written with silu_mul's bits.
+#include "kernels.h"
+#include "storage.h"
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+
+namespace zoo {
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)
+namespace {
+
+constexpr int64_t kBlock = 16;     // outputs per packed block: the columns of a C tile
+constexpr int64_t kHalfRows = 16;  // rows of an A or C tile
+constexpr int64_t kChunk = 16;     // input pairs per A or B tile (64 bytes a row)
+constexpr int64_t kTileRows = 2 * kHalfRows;  // rows per task
+constexpr int64_t kTileBlocks = 4;  // blocks per task: 2 tile products of 2 blocks (a SiLU gate's 2 gate + 2 up)
+constexpr int64_t kAhead = 4;       // weight tiles prefetched ahead of the one multiplied
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux (5.16 and later) hands out the tiles' state only to a process that asks for it once.
+bool tiles_granted() {
+  static const bool granted = [] {
+    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return granted;
+}
+
+// The L2 cache's size per core, in bytes (1 MiB where Linux does not say).
+int64_t l2_cache_bytes() {
+  static const int64_t bytes = [] {
+    const long reported = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    return reported > 0 ? static_cast<int64_t>(reported) : int64_t{1} << 20;
+  }();
+  return bytes;
+}
+
+// Every thread configures its own tiles before using them.
+void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = kHalfRows;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// C (Halves * 16 rows, Blocks * 16 outputs) of the rows at `a` (stride a_stride bytes, `chunks` tiles of pairs) times
+// the blocks at b[0], b[1] (the last chunk from tail[] where the weight's pairs end mid-tile) -> out (stride 32 floats).
+template <int Halves, int Blocks>
+void tile_product(const uint16_t* a, int64_t a_stride, int64_t chunks, const uint16_t* const* b, const uint16_t* const* tail,
+                  float* out) {
+  _tile_zero(0);
+  if constexpr (Blocks == 2) _tile_zero(1);
+  if constexpr (Halves == 2) _tile_zero(2);
+  if constexpr (Halves == 2 && Blocks == 2) _tile_zero(3);
+  const auto* second_half = reinterpret_cast<const char*>(a) + kHalfRows * a_stride;
+  const auto step = [&](int64_t c, const uint16_t* b0, const uint16_t* b1) {  // input pairs [16 c, 16 c + 16)
+    _tile_loadd(4, a + c * 2 * kChunk, a_stride);
+    if constexpr (Halves == 2) _tile_loadd(5, second_half + c * 4 * kChunk, a_stride);
+    for (int line = 0; line < 16; ++line) {  // the weights kAhead tiles on (from memory for a group's first rows)
+      _mm_prefetch(reinterpret_cast<const char*>(b0 + kAhead * kChunk * 2 * kBlock) + 64 * line, _MM_HINT_T0);
+      if constexpr (Blocks == 2)
+        _mm_prefetch(reinterpret_cast<const char*>(b1 + kAhead * kChunk * 2 * kBlock) + 64 * line, _MM_HINT_T0);
+    }
+    _tile_loadd(6, b0, 64);
+    if constexpr (Blocks == 2) _tile_loadd(7, b1, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (Blocks == 2) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (Halves == 2) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (Halves == 2 && Blocks == 2) _tile_dpbf16ps(3, 5, 7);
+  };
+  const int64_t whole = tail ? chunks - 1 : chunks;
+  for (int64_t c = 0; c < whole; ++c) step(c, b[0] + c * kChunk * 2 * kBlock, b[1] + c * kChunk * 2 * kBlock);
+  if (tail) step(whole, tail[0], tail[1]);
+  constexpr int64_t stride = 2 * kBlock * sizeof(float);
+  _tile_stored(0, out, stride);
+  if constexpr (Blocks == 2) _tile_stored(1, out + kBlock, stride);
+  if constexpr (Halves == 2) _tile_stored(2, out + kHalfRows * 2 * kBlock, stride);
+  if constexpr (Halves == 2 && Blocks == 2) _tile_stored(3, out + kHalfRows * 2 * kBlock + kBlock, stride);
+}
+
+void tile_any(int64_t halves, int64_t blocks, const uint16_t* a, int64_t a_stride, int64_t chunks,
+              const uint16_t* const* b, const uint16_t* const* tail, float* out) {
+  if (halves == 2) {
+    return blocks == 2 ? tile_product<2, 2>(a, a_stride, chunks, b, tail, out)
+                       : tile_product<2, 1>(a, a_stride, chunks, b, tail, out);
+  }
+  return blocks == 2 ? tile_product<1, 2>(a, a_stride, chunks, b, tail, out)
+                     : tile_product<1, 1>(a, a_stride, chunks, b, tail, out);
+}
+
+torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
+                       int64_t out_features, bool silu_gate) {
+  TORCH_CHECK(tiles_granted(), "Linux did not grant this process the AMX tiles (arch_prctl)");
+  check_bf16_gemm(x, packed, bias, out_features, silu_gate);
+  const int64_t blocks = packed.size(0), pairs = packed.size(1), k = x.size(-1);
+  const auto input = x.contiguous();
+  const int64_t rows = k ? input.numel() / k : 0;
+  auto sizes = x.sizes().vec();
+  sizes.back() = out_features;
+  auto out = torch::empty(sizes, x.options().dtype(at::kFloat));
+  if (rows == 0) return out;
+  // The rows as bfloat16, zero-padded to whole tiles: (row_tiles * 32, chunks * 16 pairs).
+  const int64_t chunks = (pairs + kChunk - 1) / kChunk, padded_pairs = chunks * kChunk;
+  const int64_t row_tiles = (rows + kTileRows - 1) / kTileRows;
+  std::unique_ptr<uint32_t[]> xb(new uint32_t[row_tiles * kTileRows * padded_pairs]);
+  ZOO_DISPATCH_FLOATS(x.scalar_type(), "amx_bf16_linear", [&] {
+    const scalar_t* xp = input.data_ptr<scalar_t>();
+    at::parallel_for(0, row_tiles * kTileRows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        uint32_t* row = xb.get() + r * padded_pairs;
+        if (r < rows) {
+          round_row(xp + r * k, k, pairs, row);
+          std::fill(row + pairs, row + padded_pairs, 0u);
+        } else {
+          std::fill(row, row + padded_pairs, 0u);
+        }
+      }
+    });
+  });
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  float* yp = out.data_ptr<float>();
+  const int64_t column_tiles = (blocks + kTileBlocks - 1) / kTileBlocks;
+  const int64_t tail_pairs = pairs % kChunk;
+  const int64_t a_stride = padded_pairs * 4;  // bytes per row of xb
+  constexpr int64_t kGated = kTileBlocks / 2 * kBlock;  // a gated tile's output features
+  // Rows in groups whose inputs fill half the L2 cache (as Linux reports it), then output columns, then the group's
+  // rows: each thread streams its share of the weights once per group, the group's inputs staying in its L2 cache.
+  const int64_t group_tiles = std::max<int64_t>(1, l2_cache_bytes() / 2 / (kTileRows * a_stride));
+  const int64_t whole_groups = row_tiles / group_tiles;
+  at::parallel_for(0, column_tiles * row_tiles, 1, [&](int64_t begin, int64_t end) {
+    configure_tiles();
+    alignas(64) float result[2][kTileRows * 2 * kBlock];  // two tile products of 32 rows x 32 outputs
+    alignas(64) uint16_t tail_copy[kTileBlocks][kChunk * 2 * kBlock];  // the blocks' last pairs, zero-padded
+    float silu[kGated];
+    int64_t tail_for = -1;  // the column tile whose tails tail_copy holds
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t group = std::min(task / (group_tiles * column_tiles), whole_groups);
+      const int64_t in_group = task - group * group_tiles * column_tiles;  // the task's place in its group
+      const int64_t group_size = std::min(group_tiles, row_tiles - group * group_tiles);  // row tiles in the group
+      const int64_t block = in_group / group_size * kTileBlocks;
+      const int64_t row = (group * group_tiles + in_group % group_size) * kTileRows;
+      const int64_t tile_rows_count = std::min(kTileRows, rows - row);
+      const int64_t tile_blocks = std::min(kTileBlocks, blocks - block);
+      const int64_t halves = tile_rows_count > kHalfRows ? 2 : 1;
+      if (tail_pairs && tail_for != block) {
+        for (int64_t b = 0; b < tile_blocks; ++b) {
+          const uint16_t* last = wp + ((block + b) * pairs + pairs - tail_pairs) * 2 * kBlock;
+          std::memcpy(tail_copy[b], last, tail_pairs * 2 * kBlock * sizeof(uint16_t));
+          std::memset(tail_copy[b] + tail_pairs * 2 * kBlock, 0, (kChunk - tail_pairs) * 2 * kBlock * sizeof(uint16_t));
+        }
+        tail_for = block;
+      }
+      const uint16_t* a = reinterpret_cast<const uint16_t*>(xb.get() + row * padded_pairs);
+      for (int64_t half = 0; half * 2 < tile_blocks; ++half) {
+        const int64_t first = block + 2 * half, count = std::min<int64_t>(2, tile_blocks - 2 * half);
+        const uint16_t* b[2] = {wp + first * pairs * 2 * kBlock, wp + (first + count - 1) * pairs * 2 * kBlock};
+        const uint16_t* tail[2] = {tail_copy[2 * half], tail_copy[2 * half + count - 1]};
+        tile_any(halves, count, a, a_stride, chunks, b, tail_pairs ? tail : nullptr, result[half]);
+      }
+      for (int64_t r = 0; r < tile_rows_count; ++r) {
+        float* y = yp + (row + r) * out_features;
+        const float* gate = result[0] + r * 2 * kBlock;
+        if (silu_gate) {  // silu(gate) * up, as silu_mul computes it from the full output
+          const float* up = result[1] + r * 2 * kBlock;
+          const int64_t first = block / 2 * kBlock;
+          silu_row(gate, silu, kGated);
+          for (int64_t n = 0; n < kGated; ++n) y[first + n] = silu[n] * up[n];
+          continue;
+        }
+        for (int64_t half = 0; half * 2 < tile_blocks; ++half) {
+          const float* values = result[half] + r * 2 * kBlock;
+          const int64_t first = (block + 2 * half) * kBlock;
+          const int64_t last = std::min(out_features, first + 2 * kBlock);
+          if (bp) {
+            for (int64_t n = first; n < last; ++n) y[n] = values[n - first] + bp[n];
+          } else {
+            std::memcpy(y + first, values, (last - first) * sizeof(float));
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+  return out;
+}
+
+}  // namespace
+
+bool amx_bf16_available() { return tiles_granted(); }
+
+torch::Tensor amx_bf16_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                              const c10::optional<torch::Tensor>& bias, int64_t out_features) {
+  return multiply(x, packed, bias, out_features, false);
+}
+
+torch::Tensor amx_bf16_silu_gate(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features) {
+  return multiply(x, packed, c10::nullopt, out_features, true);
+}
+#else
+bool amx_bf16_available() { return false; }
+
+torch::Tensor amx_bf16_linear(const torch::Tensor&, const torch::Tensor&, const c10::optional<torch::Tensor>&, int64_t) {
+  TORCH_CHECK(false, "amx_bf16_linear needs AMX-BF16, which this build's CPU lacks");
+}
+
+torch::Tensor amx_bf16_silu_gate(const torch::Tensor&, const torch::Tensor&, int64_t) {
+  TORCH_CHECK(false, "amx_bf16_silu_gate needs AMX-BF16, which this build's CPU lacks");
+}
+#endif
+
+}  // namespace zoo
