@@ -32,7 +32,7 @@ from torch import nn
 
 from benchmarks import peak_rate
 from modelzoo.cpu.facts import cpu_flags, cpu_model, held_to_avx2
-from modelzoo.cpu.gemm import ShapeChoice, available_backends, measure_shape, wrap
+from modelzoo.cpu.gemm import ShapeChoice, available_backends, available_bf16_kernels, measure_shape, wrap
 from modelzoo.cpu.precision import BF16Linear, HalfLinear, precision_policy
 
 INT8_GROUP = 32  # model.int8_group_size's default: a float32 scale per 32 int8 weights
@@ -96,11 +96,14 @@ def timed_rows(decode_rows: int) -> tuple[int, ...]:
 def gemm_rates(shapes: LinearShapes, dtype: torch.dtype, decode_rows: int) -> dict[tuple[int, int], ShapeChoice]:
     """Each weight shape's measurement by the job's own probe (modelzoo/cpu/gemm.py), at timed_rows():
     every backend's GFLOP/s (gflops[backend]["M=32"], ...) and whether it is batch-invariant. Where this CPU's
-    precision policy multiplies the dtype with a C++ kernel of its own (bf16_linear, half_linear), that kernel."""
+    precision policy multiplies the dtype with C++ kernels of its own (bf16_linear and, with AMX, amx_bf16_linear;
+    half_linear), those kernels."""
     policy = precision_policy(dtype, torch.device("cpu"))
-    if policy.packed_gemm:
-        kernel, layer = ("bf16_linear", BF16Linear) if policy.bf16_gemm else ("half_linear", HalfLinear)
-        backends, build = [kernel], lambda linear, backend: layer(linear)
+    if policy.bf16_gemm:
+        backends = available_bf16_kernels()
+        build = lambda linear, backend: BF16Linear(linear, backend == "amx_bf16_linear")
+    elif policy.half_gemm:
+        backends, build = ["half_linear"], lambda linear, backend: HalfLinear(linear)
     else:
         backends, build = available_backends(torch.device("cpu"), dtype), wrap
     return {shape: measure_shape(*shape, dtype, backends, timed_rows=timed_rows(decode_rows), build=build)

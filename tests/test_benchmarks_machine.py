@@ -13,7 +13,7 @@ from repo_scripts import load_script
 
 def test_gemm_rates_measure_the_kernel_the_precision_policy_multiplies_with(monkeypatch: pytest.MonkeyPatch) -> None:
     """The benchmark's GEMM ceiling for a 16-bit dtype without native multiplies is half_linear's rate (what the job
-    runs), and for float32 the library candidates'."""
+    runs), for float32 the library candidates', and for bfloat16 with AVX512-BF16 the bfloat16 policy's kernels'."""
     from collections import Counter
 
     import torch
@@ -33,6 +33,12 @@ def test_gemm_rates_measure_the_kernel_the_precision_policy_multiplies_with(monk
         assert set(choice.gflops["half_linear"]) == {"M=4", "M=32", "M=1024"}
     float32 = machine.gemm_rates(shapes, torch.float32, decode_rows=4)
     assert "half_linear" not in float32[(64, 48)].gflops and "torch" in float32[(64, 48)].gflops
+    if precision.bf16_kernel_available():  # the bfloat16 policy's GEMMs: bf16_linear, and amx_bf16_linear with AMX
+        monkeypatch.undo()
+        from modelzoo.cpu.gemm import available_bf16_kernels
+
+        bfloat16 = machine.gemm_rates(shapes, torch.bfloat16, decode_rows=4)
+        assert all(set(choice.gflops) == set(available_bf16_kernels()) for choice in bfloat16.values())
 
 
 def test_peak_rate_instructions_and_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
