@@ -413,7 +413,7 @@ class Runtime:
 
         Every decode forward has one row per row in flight (times K + 1 when verifying K drafted tokens); with
         fewer rows in flight, steps run fewer rows, which keeps each row's bits only where every chosen backend is
-        batch-invariant (bf16_linear and half_linear are).
+        batch-invariant (bf16_linear, amx_bf16_linear and half_linear are).
         """
         if self.spec.speculative:
             return ()

@@ -80,12 +80,19 @@ def test_throughput_table(tmp_path: Path, capsys: pytest.CaptureFixture) -> None
     int8_bound = 134_515_008 * 1.125 / 2**20 + kv_mib + 1024  # a byte and a quarter of a float32 scale
     assert float(rows["zoo-infer", "int8"]["rss_bound_mib"]) == pytest.approx(int8_bound)
     assert float(zoo["setup_seconds"]) > 0 and float(hf["setup_seconds"]) > 0 and hf["rss_bound_mib"] == ""
-    # --weight_cache: an untimed --compile_only run before each zoo-infer row fills it (int8: written once, then
-    # mapped by the baseline's fill run, the same checkout); float32's oneDNN layout is not cached.
-    assert "weight cache: not written" in zoo["note"] and "opaque" in zoo["note"]
+    # --weight_cache: an untimed --compile_only run before each zoo-infer row fills it (written once, then mapped by
+    # the baseline's fill run, the same checkout); float32's oneDNN layout is not cached, and whether a layer takes it
+    # is measured on this machine (the job's summary.json says).
+    float32_layers = json.loads((out / "zoo_float32" / "artifacts" / "summary.json").read_text())["gemm"]["layers"]
+    opaque = "onednn" in float32_layers.values()
+    if opaque:
+        assert "weight cache: not written" in zoo["note"] and "opaque" in zoo["note"]
+    else:
+        assert "weight cache: wrote" in zoo["note"]
+        assert "weight cache: mapped" in rows["zoo-infer again", "float32"]["note"]
     assert "weight cache: wrote" in rows["zoo-infer", "int8"]["note"]
     assert "weight cache: mapped" in rows["zoo-infer again", "int8"]["note"]
-    assert len(list((tmp_path / "weight_cache").glob("*.pt"))) == 1
+    assert len(list((tmp_path / "weight_cache").glob("*.pt"))) == (1 if opaque else 2)
     for row in (zoo, hf):
         assert row["status"] == "ok"
         assert int(row["generated_tokens"]) == 16  # 4 prompts x 4 tokens: no EOS that early on these prompts

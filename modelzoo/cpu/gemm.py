@@ -30,6 +30,10 @@ prompt tokens as generated ones) is kept, logged with its rates, and cached per 
 and torch version beside the C++ kernels' builds (<root>/<machine>/gemm_choices.json: read from every
 kernel root of modelzoo/cpu/kernels, the first root's entry winning, written to its writable root), so that
 every job on this machine type makes the same choice and produces the same bits.
+
+The bfloat16 precision policy's GEMMs (float32 outputs, modelzoo/cpu/precision.py) are chosen the same way
+(`apply_bf16_kernels`): bf16_linear against amx_bf16_linear where the CPU has AMX-BF16, cached apart in
+bf16_gemm_choices.json.
 """
 from __future__ import annotations
 

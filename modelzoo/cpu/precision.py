@@ -3,8 +3,9 @@
 - float32: everything in float32.
 - bfloat16 on a CPU with AVX512-BF16 (AMX-BF16 CPUs have it too) and the C++ kernels built: **bfloat16
   GEMMs, float32 everywhere else.** The linear layers keep bfloat16 weights and multiply with bf16_linear
-  (modelzoo/cpu/kernels/bf16_gemm.cpp): inputs rounded to bfloat16, products summed and returned in float32 (a SiLU
-  GatedMLP's gate | up with bf16_silu_gate, which returns silu(gate) * up with silu_mul's bits). The
+  (modelzoo/cpu/kernels/bf16_gemm.cpp), or on AMX CPUs amx_bf16_linear (amx_gemm.cpp) where it measures faster
+  (modelzoo/cpu/gemm.py): inputs rounded to bfloat16, products summed and returned in float32 (a SiLU GatedMLP's
+  gate | up with bf16_silu_gate, which returns silu(gate) * up with silu_mul's bits). The
   residual stream, norms, rotary, attention's softmax, biases and embeddings' outputs are float32; the KV cache
   stores float16 (values beyond its range saturate at its largest). Chosen by benchmarks/precision_study.py,
   which adds one rounding at a time to the float32 path (figures in benchmarks/README.md): rounding the GEMM
