@@ -3,8 +3,8 @@
 //
 // Weights: bf16_linear's packed (N/16, K/2, 16, 2) bfloat16 (modelzoo/cpu/precision.py), read as it is: 16 input
 // pairs of one block of 16 outputs are 16 consecutive rows of 64 bytes, one AMX B tile in the layout tdpbf16ps takes.
-// Inputs: each row rounded to bfloat16 into a buffer padded with zeros to whole tiles (16 rows, 16 pairs): an A tile
-// is 16 rows x 16 pairs. A weight whose K/2 is not a multiple of 16 has its last B tile copied, zero-padded.
+// Inputs: each row rounded to bfloat16 into a buffer padded with zeros to whole tasks of 32 rows and whole tiles of
+// 16 pairs: an A tile is 16 rows x 16 pairs. A weight whose K/2 is not a multiple of 16 has its last B tile copied, zero-padded.
 //
 // Each output is one float32 accumulator summing its row's input pairs in ascending order (tile by tile, and within
 // a tile as tdpbf16ps does), whatever the other rows of the call: the result does not depend on the batch. The zero
