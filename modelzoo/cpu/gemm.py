@@ -382,8 +382,10 @@ def apply_bf16_kernels(model: nn.Module, requested: str = "auto") -> GemmPlan:
         plan.check_invariance({key: measured["backend"] for key, measured in plan.measured.items()})
     amx = {key for key, measured in plan.measured.items() if measured["backend"] == "amx_bf16_linear"}
     plan.layers = apply_bf16_gemm(model, amx)
-    broadcast = f"input pairs broadcast {cpu_kernels().bf16_gemm_broadcast()}, the faster here as timed"
-    log.info("GEMMs: bfloat16 weights and inputs, float32 sums and outputs (%s): %s", broadcast, "; ".join(
+    vector_dots = any(not kernel.startswith("amx_") for kernel in plan.layers.values())
+    broadcast = (f" (bf16_linear's input pairs broadcast {cpu_kernels().bf16_gemm_broadcast()}, the faster here as "
+                 "timed)" if vector_dots else "")
+    log.info("GEMMs: bfloat16 weights and inputs, float32 sums and outputs%s: %s", broadcast, "; ".join(
         f"{key} {kernel}" + (f" ({rates_text(plan.measured[key], plan.measured[key]['backend'])})"
                              if key in plan.measured else "") for key, kernel in plan.layers.items()))
     return plan

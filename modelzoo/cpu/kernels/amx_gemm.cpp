@@ -124,13 +124,10 @@ void tile_any(int64_t halves, int64_t blocks, const uint16_t* a, int64_t a_strid
 torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                        int64_t out_features, bool silu_gate) {
   TORCH_CHECK(tiles_granted(), "Linux did not grant this process the AMX tiles (arch_prctl)");
-  check_bf16_gemm(x, packed, bias, out_features, silu_gate);
+  auto out = bf16_gemm_output(x, packed, bias, out_features, silu_gate);
   const int64_t blocks = packed.size(0), pairs = packed.size(1), k = x.size(-1);
   const auto input = x.contiguous();
   const int64_t rows = k ? input.numel() / k : 0;
-  auto sizes = x.sizes().vec();
-  sizes.back() = out_features;
-  auto out = torch::empty(sizes, x.options().dtype(at::kFloat));
   if (rows == 0) return out;
   // The rows as bfloat16, zero-padded to whole tiles: (row_tiles * 32, chunks * 16 pairs).
   const int64_t chunks = (pairs + kChunk - 1) / kChunk, padded_pairs = chunks * kChunk;

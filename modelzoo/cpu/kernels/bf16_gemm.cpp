@@ -31,8 +31,8 @@
 
 namespace zoo {
 
-void check_bf16_gemm(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
-                     int64_t out_features, bool silu_gate) {
+torch::Tensor bf16_gemm_output(const torch::Tensor& x, const torch::Tensor& packed,
+                               const c10::optional<torch::Tensor>& bias, int64_t out_features, bool silu_gate) {
   constexpr int64_t kBlock = 16, kBlocksTile = 4;  // outputs per packed block; blocks per SiLU-gated tile
   TORCH_CHECK(x.device().is_cpu() && is_storage_type(x.scalar_type()) && x.dim() >= 1,
               "x must be a float32, bfloat16 or float16 CPU tensor (..., K)");
@@ -51,6 +51,9 @@ void check_bf16_gemm(const torch::Tensor& x, const torch::Tensor& packed, const 
     TORCH_CHECK(!silu_gate && bias->dim() == 1 && bias->size(0) == out_features && bias->scalar_type() == at::kFloat &&
                     bias->is_contiguous(), "bias must be contiguous float32 (out_features,), and none with a SiLU gate");
   }
+  auto sizes = x.sizes().vec();
+  sizes.back() = out_features;
+  return torch::empty(sizes, x.options().dtype(at::kFloat));
 }
 
 bool bf16_dot_available() {
@@ -126,13 +129,10 @@ namespace {
 // modelzoo/precision.py with each tile's 4 blocks 2 gate blocks then the same 2 features' up blocks: (..., out_features).
 torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                        int64_t out_features, bool silu_gate, Broadcast mode) {
-  check_bf16_gemm(x, packed, bias, out_features, silu_gate);
+  auto out = bf16_gemm_output(x, packed, bias, out_features, silu_gate);
   const int64_t blocks = packed.size(0), pairs = packed.size(1), k = x.size(-1);
   const auto input = x.contiguous();
   const int64_t rows = k ? input.numel() / k : 0;
-  auto sizes = x.sizes().vec();
-  sizes.back() = out_features;
-  auto out = torch::empty(sizes, x.options().dtype(at::kFloat));
   std::unique_ptr<uint32_t[]> xb(new uint32_t[rows * pairs]);  // every value written below
   ZOO_DISPATCH_FLOATS(x.scalar_type(), "bf16_linear", [&] {
     const scalar_t* xp = input.data_ptr<scalar_t>();

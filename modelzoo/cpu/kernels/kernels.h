@@ -27,9 +27,10 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, c
 std::string int8_gemm_path(const std::string& use);
 // bf16_gemm.cpp: bfloat16 weights times activations rounded to bfloat16, float32 sums and outputs, on AVX512-BF16.
 bool bf16_dot_available();
-// The checks of both bfloat16 GEMMs' arguments (bf16_linear's and amx_bf16_linear's): a TORCH_CHECK error if one fails.
-void check_bf16_gemm(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
-                     int64_t out_features, bool silu_gate);
+// Both bfloat16 GEMMs' (bf16_linear's and amx_bf16_linear's) arguments checked (a TORCH_CHECK error if one fails) and
+// their uninitialised float32 output (..., out_features).
+torch::Tensor bf16_gemm_output(const torch::Tensor& x, const torch::Tensor& packed,
+                               const c10::optional<torch::Tensor>& bias, int64_t out_features, bool silu_gate);
 torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                           int64_t out_features);
 // The same for a gate | up projection packed in tiles of 2 gate + 2 up blocks: silu(gate) * up (..., out_features).
