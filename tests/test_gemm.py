@@ -185,17 +185,19 @@ def test_every_offered_backend_runs_its_dtype_here(dtype):
             apply_gemm_backend(nn.Sequential(nn.Linear(32, 48).to(dtype)), dtype, CPU, backend)
 
 
+@pytest.mark.parametrize("block_rows", gemm.BLOCK_ROWS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("backend", [b for b in FLOAT32_BACKENDS if b.endswith("_blocks")])
-def test_row_blocks_give_every_row_the_same_bits_wherever_it_sits(backend, dtype):
-    """The *_blocks backends call the library on fixed 64-row blocks: a row's bits do not depend on how many
+def test_row_blocks_give_every_row_the_same_bits_wherever_it_sits(backend, dtype, block_rows):
+    """The *_blocks backends call the library on fixed blocks of rows: a row's bits do not depend on how many
     rows share the call or where it sits among them, whatever the library does with the row count (on this
     CPU or an AMX one), and the values are the plain layer's."""
     if backend not in available_backends(CPU, dtype):
         pytest.skip(f"{backend} has no {dtype} path on this CPU")
     torch.manual_seed(0)
     linear = nn.Linear(96, 200).to(dtype)
-    layer = wrap(linear, backend)
+    layer = wrap(linear, backend, block_rows=block_rows)
+    assert layer.block_rows == block_rows
     x = torch.randn(300, 96, dtype=dtype)
     with torch.inference_mode():
         full = layer(x)
@@ -204,6 +206,35 @@ def test_row_blocks_give_every_row_the_same_bits_wherever_it_sits(backend, dtype
         assert torch.equal(layer(x[:130].view(10, 13, 96)), full[:130].view(10, 13, 200))
         torch.testing.assert_close(full.float(), linear(x).float(), rtol=2e-2, atol=2e-2)
     assert not linear_layers(nn.Sequential(layer))  # no plain nn.Linear inside to be swapped again
+
+
+@pytest.mark.parametrize("backend", [b for b in FLOAT32_BACKENDS if b.endswith("_blocks")])
+def test_row_block_size_is_measured_and_the_fastest_kept(backend, monkeypatch):
+    """measure_shape times a *_blocks backend with every block size and keeps the fastest batch-invariant one (here
+    32 rows, made fastest), its rates those of that size; the job's layers then multiply on blocks of that size,
+    and the log names it."""
+    def timed(fn):
+        fn()
+        return {16: 2.0, 32: 1.0, 64: 3.0}[timing_block[0]]
+    timing_block = [0]
+    built = gemm.wrap
+
+    def wrap_noting_block(linear, name, decode_rows=gemm.DECODE_ROWS, block_rows=gemm.BLOCK_ROWS[-1]):
+        timing_block[0] = block_rows
+        return built(linear, name, decode_rows, block_rows)
+
+    monkeypatch.setattr(gemm, "_seconds_per_call", timed)
+    monkeypatch.setattr(gemm, "wrap", wrap_noting_block)
+    choice = measure_shape(32, 48, torch.float32, [backend])
+    assert choice.block_rows == {backend: 32} and choice.invariant == {backend: True}
+    rates = {f"M={rows}": float(f"{2 * rows * 32 * 48 / 1.0 / 1e9:.3g}") for rows in (gemm.PREFILL_ROWS, gemm.DECODE_ROWS)}
+    assert choice.gflops == {backend: rates}
+    monkeypatch.setattr(gemm, "wrap", built)
+    monkeypatch.setattr(gemm, "measure_shape", lambda *args, **kwargs: choice)
+    model = nn.Sequential(nn.Linear(32, 48))
+    plan = apply_gemm_backend(model, torch.float32, CPU, backend)
+    assert type(model[0]) is RowBlockLinear and model[0].block_rows == 32
+    assert "(32-row blocks)" in gemm.rates_text(plan.measured["float32 32x48"], backend)
 
 
 def test_bfloat16_policy_gemm_follows_the_measured_choice_per_shape(monkeypatch):

@@ -14,11 +14,12 @@ job multiplies, the candidates are timed on this machine at a prefill-sized and 
             in blocks of 16 outputs, each output one float32 fused multiply-add chain in ascending k: batch-invariant
             by construction, its work split in tasks small enough to keep every thread busy; the packed copy
             replaces the checkpoint's. float32, where the C++ kernels are built.
-- `onednn_blocks`, `torch_blocks`: `onednn` and `torch` called on fixed blocks of BLOCK_ROWS rows, the
-            last one zero-padded: every call the library sees has the same shape, so its blocking (AMX
-            tiles included) cannot follow the number of rows, and neither can a row's bits. They cost
-            the padding and a copy of the output; auto takes them where the plain call is not
-            batch-invariant (on Intel AMX CPUs, in bfloat16, neither oneDNN nor torch is).
+- `onednn_blocks`, `torch_blocks`: `onednn` and `torch` called on fixed blocks of rows, the last one
+            zero-padded: every call the library sees has the same shape, so its blocking (AMX tiles included)
+            cannot follow the number of rows, and neither can a row's bits. They cost the padding and a copy
+            of the output; auto takes them where the plain call is not batch-invariant (on Intel AMX CPUs, in
+            bfloat16, neither oneDNN nor torch is). The block (16, 32 or 64 rows: BLOCK_ROWS) is measured
+            too, per shape: small blocks pad a decode step less, large ones let the library block a prefill.
 
 A candidate must also be batch-invariant here: each row of its output must not depend on how many
 rows share the call or where it sits among them (checked bit for bit at M = 1, 7 and 32 against the same
@@ -58,10 +59,11 @@ log = logging.getLogger("zoo-infer")
 BACKENDS = ("mkl", "onednn", "packed", "torch", "onednn_blocks", "torch_blocks")
 PREFILL_ROWS, DECODE_ROWS = 256, 32  # the row counts timed (fixed, so the choice does not depend on the job)
 INVARIANCE_ROWS = (1, 7, DECODE_ROWS)  # row counts whose rows must equal the same rows in a larger call
-INVARIANCE_OFFSETS = (0, 5, 70)  # where those rows sit in the larger call (70: past a block of BLOCK_ROWS)
-BLOCK_ROWS = 64  # the rows of every call of the *_blocks backends
+INVARIANCE_OFFSETS = (0, 5, 70)  # where those rows sit in the larger call (70: past a block of any BLOCK_ROWS)
+BLOCK_ROWS = (16, 32, 64)  # the row blocks a *_blocks backend is timed with; each shape keeps its fastest
+BLOCK_BACKENDS = ("onednn_blocks", "torch_blocks")
 MEASURED_WEIGHT_BYTES = 64 * 2**20  # a wider weight (a vocabulary head) is timed on as many outputs as fit
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: the *_blocks backends' measured block rows
 
 
 class OneDNNLinear(nn.Module):
@@ -105,12 +107,12 @@ class MKLPackedLinear(nn.Module):
 
 
 class RowBlockLinear(nn.Module):
-    """A linear layer multiplied by `backend` (torch or onednn) on fixed blocks of BLOCK_ROWS rows, the last one
+    """A linear layer multiplied by `backend` (torch or onednn) on fixed blocks of `block_rows` rows, the last one
     zero-padded. With torch it holds the weight itself (no plain nn.Linear left inside to be swapped again)."""
 
-    def __init__(self, linear: nn.Linear, backend: str) -> None:
+    def __init__(self, linear: nn.Linear, backend: str, block_rows: int) -> None:
         super().__init__()
-        self.out_features = linear.out_features
+        self.out_features, self.block_rows = linear.out_features, block_rows
         if backend == "torch":
             self.weight, self.bias = linear.weight, linear.bias
             self.packed: OneDNNLinear | None = None
@@ -118,18 +120,19 @@ class RowBlockLinear(nn.Module):
             self.packed = OneDNNLinear(linear)
 
     def inner(self, x: torch.Tensor) -> torch.Tensor:
-        """One block (BLOCK_ROWS, K) -> (BLOCK_ROWS, N)."""
+        """One block (block_rows, K) -> (block_rows, N)."""
         return F.linear(x, self.weight, self.bias) if self.packed is None else self.packed(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])  # (M, K)
         rows = flat.shape[0]
         out = flat.new_empty(rows, self.out_features)  # (M, N)
-        whole = rows - rows % BLOCK_ROWS
-        for start in range(0, whole, BLOCK_ROWS):
-            out[start: start + BLOCK_ROWS] = self.inner(flat[start: start + BLOCK_ROWS])
+        block = self.block_rows
+        whole = rows - rows % block
+        for start in range(0, whole, block):
+            out[start: start + block] = self.inner(flat[start: start + block])
         if whole < rows:
-            padded = flat.new_zeros(BLOCK_ROWS, flat.shape[1])  # (BLOCK_ROWS, K)
+            padded = flat.new_zeros(block, flat.shape[1])  # (block_rows, K)
             padded[: rows - whole] = flat[whole:]
             out[whole:] = self.inner(padded)[: rows - whole]
         return out.view(*x.shape[:-1], self.out_features)
@@ -162,8 +165,9 @@ def available_backends(device: torch.device, dtype: torch.dtype) -> list[str]:
     return names
 
 
-def wrap(linear: nn.Linear, backend: str, decode_rows: int = DECODE_ROWS) -> nn.Module:
-    """`linear` multiplied by `backend` (the module that replaces it)."""
+def wrap(linear: nn.Linear, backend: str, decode_rows: int = DECODE_ROWS,
+         block_rows: int = BLOCK_ROWS[-1]) -> nn.Module:
+    """`linear` multiplied by `backend` (the module that replaces it); block_rows: a *_blocks backend's block."""
     if backend == "onednn":
         return OneDNNLinear(linear)
     if backend == "mkl":
@@ -172,8 +176,8 @@ def wrap(linear: nn.Linear, backend: str, decode_rows: int = DECODE_ROWS) -> nn.
         return linear
     if backend == "packed":
         return HalfLinear(linear)
-    if backend in ("onednn_blocks", "torch_blocks"):
-        return RowBlockLinear(linear, backend.removesuffix("_blocks"))
+    if backend in BLOCK_BACKENDS:
+        return RowBlockLinear(linear, backend.removesuffix("_blocks"), block_rows)
     raise ValueError(f"unknown GEMM backend {backend!r}; one of {', '.join(BACKENDS)}")
 
 
@@ -185,6 +189,7 @@ class ShapeChoice:
     gflops: dict[str, dict[str, float]] = field(default_factory=dict)  # backend -> {"M=256": rate, "M=32": rate}
     invariant: dict[str, bool] = field(default_factory=dict)  # backend -> rows independent of M
     rejected: dict[str, str] = field(default_factory=dict)  # backend -> why it could not run
+    block_rows: dict[str, int] = field(default_factory=dict)  # a *_blocks backend -> its fastest block, as measured
 
 
 def _seconds_per_call(fn: Callable[[], torch.Tensor], budget_s: float = 0.15) -> float:
@@ -215,21 +220,33 @@ def measure_shape(in_features: int, out_features: int, dtype: torch.dtype, backe
     x = torch.randn(max(PREFILL_ROWS, *timed_rows), in_features, generator=generator, dtype=dtype)
     rows_at = [(rows, offset) for rows in INVARIANCE_ROWS for offset in INVARIANCE_OFFSETS]
     choice = ShapeChoice(backend="torch")
+
+    def measure(module: nn.Module) -> dict:
+        """{"gflops": {"M=256": rate, ...}, "invariant": {"-": bool}} of one module, as `fastest` reads them."""
+        full = module(x)  # (rows, N)
+        invariant = all(torch.equal(module(x[offset: offset + rows].contiguous()), full[offset: offset + rows])
+                        for rows, offset in rows_at)
+        rates = {}
+        for rows in timed_rows:
+            part = x[:rows].contiguous()
+            seconds = _seconds_per_call(lambda: module(part))
+            rate = 2 * rows * in_features * out_features / seconds / 1e9
+            rates[f"M={rows}"] = float(f"{rate:.3g}")  # 3 significant digits: never 0, tiny shapes too
+        return {"gflops": {"-": rates}, "invariant": {"-": invariant}}
+
     with torch.inference_mode():
         for backend in backends:
             try:
-                module = build(linear, backend)
-                full = module(x)  # (rows, N)
-                choice.invariant[backend] = all(
-                    torch.equal(module(x[offset: offset + rows].contiguous()), full[offset: offset + rows])
-                    for rows, offset in rows_at)
-                rates = {}
-                for rows in timed_rows:
-                    part = x[:rows].contiguous()
-                    seconds = _seconds_per_call(lambda: module(part))
-                    rate = 2 * rows * in_features * out_features / seconds / 1e9
-                    rates[f"M={rows}"] = float(f"{rate:.3g}")  # 3 significant digits: never 0, tiny shapes too
-                choice.gflops[backend] = rates
+                if backend in BLOCK_BACKENDS:  # wrap's row blocks: each size timed, the fastest kept
+                    trials = {rows: measure(wrap(linear, backend, block_rows=rows)) for rows in BLOCK_ROWS}
+                    by_rows = {"gflops": {str(rows): trial["gflops"]["-"] for rows, trial in trials.items()},
+                               "invariant": {str(rows): trial["invariant"]["-"] for rows, trial in trials.items()}}
+                    choice.block_rows[backend] = int(fastest(by_rows, fallback=str(BLOCK_ROWS[-1])))
+                    measured = trials[choice.block_rows[backend]]
+                else:
+                    measured = measure(build(linear, backend))
+                choice.gflops[backend] = measured["gflops"]["-"]
+                choice.invariant[backend] = measured["invariant"]["-"]
             except (RuntimeError, NotImplementedError) as error:  # e.g. a dtype this CPU's oneDNN lacks
                 choice.rejected[backend] = str(error).strip().splitlines()[0][:200]
     choice.backend = fastest(asdict(choice))
@@ -243,14 +260,14 @@ def measured_out_features(in_features: int, out_features: int, dtype: torch.dtyp
     return min(out_features, max(64, fit))
 
 
-def fastest(measured: dict, exclude: tuple[str, ...] = ()) -> str:
+def fastest(measured: dict, exclude: tuple[str, ...] = (), fallback: str = "torch") -> str:
     """The backend of least time per row summed over the row counts timed (M = 256 and M = 32 in a job:
     as many prompt tokens as generated ones) among the batch-invariant ones measured (all measured if
-    none is), `exclude` left out."""
+    none is), `exclude` left out; `fallback` where none was measured."""
     cost = {backend: sum(1 / rate for rate in rates.values())  # time per row is proportional to 1 / rate
             for backend, rates in measured["gflops"].items() if backend not in exclude}
     usable = [backend for backend in cost if measured["invariant"][backend]] or list(cost)
-    return min(usable, key=cost.__getitem__) if usable else "torch"
+    return min(usable, key=cost.__getitem__) if usable else fallback
 
 
 GEMM_CHOICES = "gemm_choices.json"
@@ -350,7 +367,9 @@ def apply_gemm_backend(model: nn.Module, dtype: torch.dtype, device: torch.devic
     plan.check_invariance()
     while layers:  # one layer at a time, dropping each old layer at once: at most one weight is held twice
         parent, name, layer = layers.pop()
-        setattr(parent, name, wrap(layer, plan.layers[_shape_key(layer, dtype)], decode_rows))
+        key = _shape_key(layer, dtype)
+        block_rows = plan.measured[key].get("block_rows", {}).get(plan.layers[key], BLOCK_ROWS[-1])
+        setattr(parent, name, wrap(layer, plan.layers[key], decode_rows, block_rows))
         release_mapped(layer.weight)  # re-laid out: its checkpoint pages go (kept as is: read again when used)
         del layer
     release_freed_memory()  # the checkpoint-layout weights just dropped
@@ -392,12 +411,15 @@ def apply_bf16_kernels(model: nn.Module, requested: str = "auto") -> GemmPlan:
 
 
 def rates_text(measured: dict, only: str | None = None) -> str:
-    """'onednn 205/190 GFLOP/s, torch 114/93 (not batch-invariant)' (M=256 / M=32)."""
+    """'onednn 205/190 GFLOP/s, torch_blocks 114/93 (32-row blocks), torch 120/90 (not batch-invariant)'
+    (M=256 / M=32)."""
     parts = []
     for backend, rates in measured["gflops"].items():
         if only and backend != only:
             continue
-        note = "" if measured["invariant"].get(backend) else " (not batch-invariant)"
+        block = measured.get("block_rows", {}).get(backend)
+        note = (f" ({block}-row blocks)" if block else "") + ("" if measured["invariant"].get(backend)
+                                                              else " (not batch-invariant)")
         parts.append(f"{backend} {rates[f'M={PREFILL_ROWS}']:.0f}/{rates[f'M={DECODE_ROWS}']:.0f} GFLOP/s{note}")
     return ", ".join(parts) + ("" if only else f" at M={PREFILL_ROWS}/{DECODE_ROWS}")
 
