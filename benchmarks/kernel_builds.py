@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """C++ kernel builds side by side, on data laid out as in a job: the bfloat16-weight GEMMs over every layer's own
-weights and the attention over every layer's own KV cache (SmolLM2-135M's shapes by default), so weights and cache
-come from memory, as in a job, and not from a CPU cache a loop over one tensor keeps warm.
+weights (packed side by side on huge pages, as a job gathers them) and the attention over every layer's own KV
+cache (SmolLM2-135M's shapes by default), so weights and cache come from memory, as in a job, and not from a CPU
+cache a loop over one tensor keeps warm.
 
     python -m modelzoo.cpu.kernels        # prints this checkout's build folder; edit a kernel, run it again
     python benchmarks/kernel_builds.py before=<build folder> after=<build folder>
@@ -31,6 +32,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from modelzoo.models.kv_cache import zeroed_cache_tensor  # noqa: E402
+from modelzoo.cpu.memory import huge_page_slices  # noqa: E402
 from modelzoo.cpu.kernels import _built_library, _load_library, kernel_build_dir  # noqa: E402
 from modelzoo.cpu.precision import SILU_GATE_TILE, pack_bf16_weight, pack_half_weight  # noqa: E402
 
@@ -68,6 +70,14 @@ class Workload:
                         for _ in range(args.layers)] if gemm else []
         self.vocab = args.vocab
         self.lm_head = pack(bf16(args.vocab, hidden)) if gemm else None
+        if gemm:  # side by side on huge pages, as a job gathers its packed weights (gather_packed_weights)
+            names = [(layer, name) for layer, weights in enumerate(self.weights) for name in weights]
+            tensors = [self.weights[layer][name] for layer, name in names] + [self.lm_head]
+            places = huge_page_slices([t.numel() * t.element_size() for t in tensors])
+            moved = [place.view(t.dtype).view(t.shape).copy_(t) for place, t in zip(places, tensors)]
+            for (layer, name), tensor in zip(names, moved):
+                self.weights[layer][name] = tensor
+            self.lm_head = moved[-1]
         lengths = torch.randint(args.min_context, args.max_context + 1, (args.rows,), generator=g)
         max_len = args.max_context + 1
         def cache() -> torch.Tensor:  # allocated as a job's KV cache is (huge pages where Linux gives them)

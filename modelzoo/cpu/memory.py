@@ -87,6 +87,36 @@ def owns_its_memory(tensor: torch.Tensor) -> bool:
             and _mapping_of(tensor) is None)
 
 
+HUGE_PAGE_BYTES = 2 * 2**20
+
+
+def huge_page_bytes(nbytes: int) -> torch.Tensor:
+    """nbytes of fresh anonymous memory (uint8, untouched, so reading zero) aligned to 2 MiB, its whole 2 MiB pages
+    advised to transparent huge pages where the kernel has them (on Linux). For tensors read whole, streamed
+    once per step (the KV cache, the weights a decode step reads): over 4 KiB pages every 4 KiB is a TLB miss and a
+    restart of the hardware prefetcher. (Memory the allocator hands back may already be backed by small pages,
+    which advice cannot change: hence a mapping of its own, kept by the tensor.)"""
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)
+    offset = -raw.data_ptr() % HUGE_PAGE_BYTES
+    whole_pages = nbytes // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+    if whole_pages and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE, offset, whole_pages)
+        except OSError:  # a kernel without transparent huge pages
+            pass
+    return raw[offset: offset + nbytes]
+
+
+def huge_page_slices(sizes: list[int]) -> list[torch.Tensor]:
+    """Byte views of one huge_page_bytes mapping, one per size, side by side at 64-byte boundaries."""
+    starts = [0]
+    for size in sizes:
+        starts.append(starts[-1] + -(-size // 64) * 64)
+    arena = huge_page_bytes(starts[-1])
+    return [arena[start: start + size] for start, size in zip(starts, sizes)]
+
+
 @functools.cache
 def _malloc_trim() -> Callable[[int], int] | None:
     libc = ctypes.CDLL(None)  # the C library this process already uses

@@ -2,33 +2,21 @@
 from __future__ import annotations
 
 import math
-import mmap
 import sys
 
 import torch
 
-HUGE_PAGE_BYTES = 2 * 2**20
+from modelzoo.cpu.memory import huge_page_bytes
 
 
 def zeroed_cache_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed tensor for the cache. On a Linux CPU: fresh anonymous memory aligned to 2 MiB, advised to
-    transparent huge pages (where the kernel has them), then touched (zeroed) so that the job holds it from the
-    start. Attention reads every row's keys and values once per decode step, a few KiB per row and head: over
-    4 KiB pages that is a TLB miss, and a restart of the hardware prefetcher, every 4 KiB. (Memory the allocator
-    hands back may already be backed by small pages, which advice cannot change: hence a mapping of its own.)"""
+    """A zeroed tensor for the cache. On a Linux CPU: fresh memory on transparent huge pages (huge_page_bytes: attention
+    reads every row's keys and values once per decode step, a few KiB per row and head), then touched (zeroed) so that
+    the job holds it from the start."""
     if device.type != "cpu" or not sys.platform.startswith("linux"):
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # kept by the tensor
-    raw = torch.frombuffer(mapping, dtype=torch.uint8)
-    offset = -raw.data_ptr() % HUGE_PAGE_BYTES
-    whole_pages = nbytes // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
-    if whole_pages and hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            mapping.madvise(mmap.MADV_HUGEPAGE, offset, whole_pages)
-        except OSError:  # a kernel without transparent huge pages
-            pass
-    return raw[offset: offset + nbytes].view(dtype).view(shape).zero_()
+    return huge_page_bytes(nbytes).view(dtype).view(shape).zero_()
 
 
 def to_cache_storage(x: torch.Tensor, storage: torch.dtype) -> torch.Tensor:
