@@ -221,8 +221,8 @@ def measure_shape(in_features: int, out_features: int, dtype: torch.dtype, backe
     rows_at = [(rows, offset) for rows in INVARIANCE_ROWS for offset in INVARIANCE_OFFSETS]
     choice = ShapeChoice(backend="torch")
 
-    def measure(module: nn.Module) -> dict:
-        """{"gflops": {"M=256": rate, ...}, "invariant": {"-": bool}} of one module, as `fastest` reads them."""
+    def measure(module: nn.Module) -> tuple[dict[str, float], bool]:
+        """({"M=256": GFLOP/s, ...}, whether its rows are batch-invariant) of one module."""
         full = module(x)  # (rows, N)
         invariant = all(torch.equal(module(x[offset: offset + rows].contiguous()), full[offset: offset + rows])
                         for rows, offset in rows_at)
@@ -232,21 +232,20 @@ def measure_shape(in_features: int, out_features: int, dtype: torch.dtype, backe
             seconds = _seconds_per_call(lambda: module(part))
             rate = 2 * rows * in_features * out_features / seconds / 1e9
             rates[f"M={rows}"] = float(f"{rate:.3g}")  # 3 significant digits: never 0, tiny shapes too
-        return {"gflops": {"-": rates}, "invariant": {"-": invariant}}
+        return rates, invariant
 
     with torch.inference_mode():
         for backend in backends:
             try:
                 if backend in BLOCK_BACKENDS:  # wrap's row blocks: each size timed, the fastest kept
-                    trials = {rows: measure(wrap(linear, backend, block_rows=rows)) for rows in BLOCK_ROWS}
-                    by_rows = {"gflops": {str(rows): trial["gflops"]["-"] for rows, trial in trials.items()},
-                               "invariant": {str(rows): trial["invariant"]["-"] for rows, trial in trials.items()}}
-                    choice.block_rows[backend] = int(fastest(by_rows, fallback=str(BLOCK_ROWS[-1])))
-                    measured = trials[choice.block_rows[backend]]
+                    trials = {str(rows): measure(wrap(linear, backend, block_rows=rows)) for rows in BLOCK_ROWS}
+                    best = fastest({"gflops": {rows: rates for rows, (rates, _) in trials.items()},
+                                    "invariant": {rows: invariant for rows, (_, invariant) in trials.items()}})
+                    choice.block_rows[backend] = int(best)
+                    rates, invariant = trials[best]
                 else:
-                    measured = measure(build(linear, backend))
-                choice.gflops[backend] = measured["gflops"]["-"]
-                choice.invariant[backend] = measured["invariant"]["-"]
+                    rates, invariant = measure(build(linear, backend))
+                choice.gflops[backend], choice.invariant[backend] = rates, invariant
             except (RuntimeError, NotImplementedError) as error:  # e.g. a dtype this CPU's oneDNN lacks
                 choice.rejected[backend] = str(error).strip().splitlines()[0][:200]
     choice.backend = fastest(asdict(choice))
@@ -260,14 +259,14 @@ def measured_out_features(in_features: int, out_features: int, dtype: torch.dtyp
     return min(out_features, max(64, fit))
 
 
-def fastest(measured: dict, exclude: tuple[str, ...] = (), fallback: str = "torch") -> str:
+def fastest(measured: dict, exclude: tuple[str, ...] = ()) -> str:
     """The backend of least time per row summed over the row counts timed (M = 256 and M = 32 in a job:
     as many prompt tokens as generated ones) among the batch-invariant ones measured (all measured if
-    none is), `exclude` left out; `fallback` where none was measured."""
+    none is), `exclude` left out."""
     cost = {backend: sum(1 / rate for rate in rates.values())  # time per row is proportional to 1 / rate
             for backend, rates in measured["gflops"].items() if backend not in exclude}
     usable = [backend for backend in cost if measured["invariant"][backend]] or list(cost)
-    return min(usable, key=cost.__getitem__) if usable else fallback
+    return min(usable, key=cost.__getitem__) if usable else "torch"
 
 
 GEMM_CHOICES = "gemm_choices.json"

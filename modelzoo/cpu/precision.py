@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from modelzoo.cpu.memory import huge_page_slices, owns_its_memory, release_mapped
+from modelzoo.cpu.memory import huge_page_slices, owns_its_memory, release_freed_memory, release_mapped
 from modelzoo.cpu.facts import cpu_flags
 
 
@@ -172,6 +172,7 @@ def gather_packed_weights(model: nn.Module) -> int:
         layer.packed = place.view(old.dtype).view(old.shape).copy_(old)
         release_mapped(old)
         del old
+        release_freed_memory()  # the old copy's pages, or the allocator keeps them and the peak doubles
     return sum(sizes)
 
 
