@@ -12,7 +12,7 @@ For each weight shape (K inputs x N outputs) and row count M, GFLOP/s of:
     (modelzoo/cpu/gemm.py, as `auto` picks): what a 16-bit job ran on before on a CPU without native 16-bit multiplies,
     at twice the bytes of weights;
   - `vnni16` (modelzoo/cpu/kernels/int8_gemm.cpp): int8 weights in groups of 32 inputs, 16-bit activations, on its AVX2
-    path and, where the CPU has AVX512-VNNI, its VNNI one;
+    path and, where the CPU has them, its AVX512-VNNI and AMX-INT8 ones;
   - `int8 float`: the same int8 weights dequantized per call, the only int8 backend an AVX2 CPU had before.
 Forcing the AVX2 paths on an AVX-512 CPU shows how that code runs (on this CPU's clock and caches; an AVX2 CPU's
 own figures need that CPU). Each figure is the best of --repeats timed calls after a warm-up, the candidates
@@ -81,7 +81,7 @@ def candidates(in_features: int, out_features: int, x: torch.Tensor) -> dict[str
     calls[f"float32 weights ({choice})"] = lambda: float32(x)
     int8 = _candidate(widened, "vnni16", 32)
     calls.update({f"vnni16 {path}": on_path(kernels.int8_gemm_path, path, int8, x)
-                  for path in ("avx2", "vnni") if path == "avx2" or kernels.int8_vnni_available()})
+                  for path in kernels.int8_gemm_paths()})
     dequantized = _candidate(widened, "float", 32)
     calls["int8 float"] = lambda: dequantized(x)
     return calls

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,7 @@ from harness import (family_prompts, last_logits, prompt_rows, relative_error, r
 from modelzoo.models.checkpoint import load_model
 from modelzoo.errors import UserError
 from modelzoo.cpu.int8_compute import TiedInt8Embedding, VnniInt8Linear, apply_int8_backend, available_int8_backends
+from modelzoo.cpu.kernels import cpu_kernels
 from modelzoo.cpu.quantization import Int8Embedding, Int8Linear, dequantize_rows, quantize_rows
 from tiny_configs import INT8_FAMILIES, INT8_LOGITS_REL_TOL, VOCAB
 
@@ -32,7 +34,8 @@ CPU = torch.device("cpu")
 HAS_VNNI = "vnni8" in available_int8_backends(CPU)
 needs_vnni = pytest.mark.skipif(not HAS_VNNI, reason="no AVX512-VNNI int8 kernel on this CPU / build")
 needs_kernel = pytest.mark.skipif("vnni16" not in available_int8_backends(CPU), reason="the C++ kernels are not built")
-INT16_PATHS = ["avx2", "vnni"] if HAS_VNNI else ["avx2"]  # int8_linear's code paths for 16-bit activations
+# int8_linear's code paths ("avx2", then "vnni" and "amx" where the CPU and build have them)
+CODE_PATHS = cpu_kernels().int8_gemm_paths() if "vnni16" in available_int8_backends(CPU) else ["avx2"]
 
 
 def int8_layer(out_features: int, in_features: int, group_size: int, bias: bool = True,
@@ -121,9 +124,7 @@ def test_group_wise_embedding_gathers_dequantized_rows():
 
 @contextlib.contextmanager
 def int16_path(path: str):
-    """int8_linear's 16-bit activations on code path `path` (the one chosen before restored after)."""
-    from modelzoo.cpu.kernels import cpu_kernels
-
+    """int8_linear on code path `path` (the one chosen before restored after)."""
     kernels = cpu_kernels()
     chosen = kernels.int8_gemm_path()
     assert kernels.int8_gemm_path(path) == path
@@ -133,9 +134,9 @@ def int16_path(path: str):
         kernels.int8_gemm_path(chosen)
 
 
-# (activation bits, 16-bit code path): 8 bits on VNNI; 16 bits on each path
-KERNEL_PATHS = [pytest.param(8, "vnni", marks=needs_vnni)] + [pytest.param(16, path, marks=needs_kernel)
-                                                               for path in INT16_PATHS]
+# (activation bits, code path): 8 bits on VNNI and AMX; 16 bits on every path
+KERNEL_PATHS = ([(8, path) for path in CODE_PATHS if path != "avx2"]
+                + [pytest.param(16, path, marks=needs_kernel) for path in CODE_PATHS])
 
 
 @pytest.mark.parametrize("out_features, in_features, group_size", [
@@ -153,7 +154,7 @@ def test_kernel_computes_its_documented_arithmetic(out_features, in_features, gr
     layer, _ = int8_layer(out_features, in_features, group_size, dtype=dtype)
     x = torch.randn(2, 5, in_features).to(dtype)
     x[0, 1, :16] = 0  # an all-zero group of activations
-    with int16_path(path if bits == 16 else "avx2"):
+    with int16_path(path):
         got = VnniInt8Linear(layer, bits)(x)
     want = kernel_reference(x, layer, bits)
     assert got.dtype == dtype and got.shape == (2, 5, out_features)
@@ -162,27 +163,41 @@ def test_kernel_computes_its_documented_arithmetic(out_features, in_features, gr
 
 
 @needs_kernel
-@pytest.mark.parametrize("group_size", [0, 32])
-def test_both_16_bit_paths_give_the_same_bits(group_size):
-    """vpdpwssd (VNNI) and vpmaddwd + vpaddd (AVX2) make the same integer sums: the same outputs, whichever is timed
-    faster (on every tile shape: 1-4 rows and 1-2 blocks on VNNI, a partial last block)."""
-    from modelzoo.cpu.kernels import cpu_kernels
-
+@pytest.mark.parametrize("group_size", [0, 32, 48, 128])
+def test_every_16_bit_path_gives_the_same_bits(group_size):
+    """AMX tile products, vpdpwssd (VNNI) and vpmaddwd + vpaddd (AVX2) make the same integer sums: the same outputs,
+    whichever is timed fastest (on every tile shape: 1-4 rows and 1-2 blocks on VNNI, 1-16 rows of a 16-row AMX tile,
+    a partial last block; AMX windows of 16 (group 48), 32 (600 inputs per channel: chunks of 32) and 64 inputs)."""
     kernels = cpu_kernels()
     layer, _ = int8_layer(72, 600, group_size)
     vnni = VnniInt8Linear(layer, 16)
-    x = torch.randn(11, 600) * torch.logspace(-1, 1, 600)
+    x = torch.randn(37, 600) * torch.logspace(-1, 1, 600)
     chosen = kernels.int8_gemm_path()
     try:
         outputs = []
-        for path in INT16_PATHS:
+        for path in CODE_PATHS:
             kernels.int8_gemm_path(path)
-            outputs.append([vnni(x[:rows]) for rows in (1, 2, 3, 4, 11)])
+            outputs.append([vnni(x[:rows]) for rows in (1, 2, 3, 4, 11, 16, 17, 37)])
     finally:
         kernels.int8_gemm_path(chosen)
     assert all(torch.equal(a, b) for other in outputs[1:] for a, b in zip(outputs[0], other))
     with pytest.raises(RuntimeError, match="path is avx2"):
         kernels.int8_gemm_path("sse4")
+    with pytest.raises(RuntimeError, match="group must be a positive multiple of 16, not 20"):
+        kernels.int8_gemm_path("", 20)
+
+
+@pytest.mark.skipif("amx" not in CODE_PATHS, reason="no AMX-INT8 on this CPU / build")
+@pytest.mark.parametrize("group_size", [0, 32, 128])
+def test_8_bit_activations_give_the_same_bits_on_amx_and_vnni(group_size):
+    layer, _ = int8_layer(72, 600, group_size)
+    vnni8 = VnniInt8Linear(layer, 8)
+    x = torch.randn(37, 600) * torch.logspace(-1, 1, 600)
+    outputs = {}
+    for path in ("vnni", "amx"):
+        with int16_path(path):
+            outputs[path] = [vnni8(x[:rows]) for rows in (1, 5, 16, 17, 37)]
+    assert all(torch.equal(a, b) for a, b in zip(outputs["vnni"], outputs["amx"]))
 
 
 @pytest.mark.parametrize("group_size", [0, 32])
@@ -191,7 +206,7 @@ def test_kernel_rows_do_not_depend_on_the_batch(group_size, bits, path):
     layer, _ = int8_layer(200, 576, group_size)
     vnni = VnniInt8Linear(layer, bits)
     x = torch.randn(64, 576)
-    with int16_path(path if bits == 16 else "avx2"):
+    with int16_path(path):
         full = vnni(x)
         for rows in (1, 2, 3, 5, 7, 32):
             assert torch.equal(vnni(x[:rows]), full[:rows]), rows
@@ -339,6 +354,9 @@ def test_runner_records_the_int8_choice(backend, checkpoints, tmp_path, caplog):
     assert summary["gemm"]["requested"].endswith(f"; int8 {backend}")
     assert "quantized in groups of 32 inputs" in caplog.text
     assert f"int8 backends ({backend}): int8 g32 float32 64x" in caplog.text
+    if backend != "float":  # the C++ kernel's code paths, timed on the model's group
+        assert re.search(rf"; kernel path ({'|'.join(CODE_PATHS)}) \(((avx2|vnni|amx) at 4 rows or fewer; )?"
+                         rf"fastest of {', '.join(CODE_PATHS)}\)", caplog.text)
 
 
 @pytest.mark.parametrize("backend", [pytest.param("vnni16", marks=needs_kernel),

@@ -4,10 +4,12 @@ quantized to 16 or 8 bits, or the weight in floats.
 - `vnni16`: the weight repacked once for the C++ kernel (modelzoo/cpu/kernels/int8_gemm.cpp); activations
             quantized per row and chunk of the weight's group to 16 bits on the fly (error about 2^-16 of
             the chunk's absmax), integer dot products, both scales applied after: the weight-only int8
-            answers. The packed weight replaces the plain one. On AVX512-VNNI the dot products are
-            vpdpwssd; on any other AVX2 CPU vpmaddwd + vpaddd, the same integer sums (the kernel times
-            both where it has both and keeps the faster; `int8_gemm_path`).
-- `vnni8`:  the same packed weight, activations quantized to 8 bits (absmax / 127), AVX512-VNNI only:
+            answers. The packed weight replaces the plain one. On AMX-INT8 the dot products are tile
+            products, on AVX512-VNNI vpdpwssd, on any other AVX2 CPU vpmaddwd + vpaddd: the same integer
+            sums (the kernel times every path it has on the model's group size once and keeps the fastest;
+            `int8_gemm_path`, logged).
+- `vnni8`:  the same packed weight, activations quantized to 8 bits (absmax / 127), AVX512-VNNI (or AMX-INT8
+            where that path is the one chosen) only:
             faster than `vnni16`, but 8-bit activations change noticeably more answers (README "int8
             weights"), so `auto` never picks it: it must be asked for.
 - `float`:  Int8Linear as loaded (modelzoo/cpu/quantization.py): the weight cast (per-channel) or dequantized
@@ -135,6 +137,15 @@ def _shape_key(layer: Int8Linear, dtype: torch.dtype) -> str:
     return f"int8 {grouping} {str(dtype).replace('torch.', '')} {layer.in_features}x{layer.out_features}"
 
 
+def kernel_path_text(group: int) -> str:
+    """'; kernel path amx (vnni at 4 rows or fewer; fastest of avx2, vnni, amx)': the C++ kernel's code paths, timed
+    here on weights in groups of `group` inputs (before the shapes are measured, which then run on them)."""
+    kernels = cpu_kernels()
+    many, few = kernels.int8_gemm_path("", group, 64), kernels.int8_gemm_path("", group, 1)
+    return (f"; kernel path {many} ({'' if few == many else f'{few} at 4 rows or fewer; '}"
+            f"fastest of {', '.join(kernels.int8_gemm_paths())})")
+
+
 def apply_int8_backend(model: nn.Module, dtype: torch.dtype, device: torch.device, requested: str = "auto") -> GemmPlan:
     """Replaces every Int8Linear of `model` by the chosen backend's layer (`requested`: auto or an INT8_BACKENDS)."""
     if requested not in ("auto", *INT8_BACKENDS):
@@ -149,6 +160,7 @@ def apply_int8_backend(model: nn.Module, dtype: torch.dtype, device: torch.devic
     if not layers:
         return plan
     group_size = layers[0][2].group_size  # one model.int8_group_size for the whole model
+    path = kernel_path_text(kernel_group_size(layers[0][2].in_features, group_size)) if "vnni16" in backends else ""
     plan.measured = measured_shapes({_shape_key(layer, dtype): (layer.in_features, layer.out_features)
                                      for _, _, layer in layers}, dtype, backends,
                                     build=lambda linear, backend: _candidate(linear, backend, group_size),
@@ -170,6 +182,6 @@ def apply_int8_backend(model: nn.Module, dtype: torch.dtype, device: torch.devic
                 del embedding
         del layer
     release_freed_memory()  # the plain int8 weights just repacked
-    log.info("int8 backends (%s): %s", requested, "; ".join(
-        f"{key} {backend} ({rates_text(plan.measured[key], backend)})" for key, backend in plan.layers.items()))
+    log.info("int8 backends (%s): %s%s", requested, "; ".join(
+        f"{key} {backend} ({rates_text(plan.measured[key], backend)})" for key, backend in plan.layers.items()), path)
     return plan

@@ -16,6 +16,7 @@
 //
 // amx_bf16_silu_gate is bf16_silu_gate's counterpart: the gate | up weight packed in tiles of 2 gate + 2 up blocks,
 // silu(gate) * up written with silu_mul's bits.
+#include "amx_tiles.h"
 #include "kernels.h"
 #include "storage.h"
 
@@ -30,6 +31,19 @@
 
 namespace zoo {
 
+#if defined(__AMX_TILE__)
+// Linux (5.16 and later) hands out the tiles' state only to a process that asks for it once.
+bool amx_tiles_granted() {
+  static const bool granted = [] {
+    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return granted;
+}
+#else
+bool amx_tiles_granted() { return false; }
+#endif
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)
 namespace {
 
@@ -39,23 +53,6 @@ constexpr int64_t kChunk = 16;     // input pairs per A or B tile (64 bytes a ro
 constexpr int64_t kTileRows = 2 * kHalfRows;  // rows per task
 constexpr int64_t kTileBlocks = 4;  // blocks per task: 2 tile products of 2 blocks (a SiLU gate's 2 gate + 2 up)
 constexpr int64_t kAhead = 4;       // weight tiles prefetched ahead of the one multiplied
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Linux (5.16 and later) hands out the tiles' state only to a process that asks for it once.
-bool tiles_granted() {
-  static const bool granted = [] {
-    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
-    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
-  }();
-  return granted;
-}
 
 // The L2 cache's size per core, in bytes (1 MiB where Linux does not say).
 int64_t l2_cache_bytes() {
@@ -68,12 +65,7 @@ int64_t l2_cache_bytes() {
 
 // Every thread configures its own tiles before using them.
 void configure_tiles() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.rows[t] = kHalfRows;
-    config.colsb[t] = 64;
-  }
-  _tile_loadconfig(&config);
+  load_tile_config({16, 16, 16, 16, 16, 16, 16, 16}, {64, 64, 64, 64, 64, 64, 64, 64});
 }
 
 // C (Halves * 16 rows, Blocks * 16 outputs) of the rows at `a` (stride a_stride bytes, `chunks` tiles of pairs) times
@@ -123,7 +115,7 @@ void tile_any(int64_t halves, int64_t blocks, const uint16_t* a, int64_t a_strid
 
 torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                        int64_t out_features, bool silu_gate) {
-  TORCH_CHECK(tiles_granted(), "Linux did not grant this process the AMX tiles (arch_prctl)");
+  TORCH_CHECK(amx_tiles_granted(), "Linux did not grant this process the AMX tiles (arch_prctl)");
   auto out = bf16_gemm_output(x, packed, bias, out_features, silu_gate);
   const int64_t blocks = packed.size(0), pairs = packed.size(1), k = x.size(-1);
   const auto input = x.contiguous();
@@ -217,7 +209,7 @@ torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, cons
 
 }  // namespace
 
-bool amx_bf16_available() { return tiles_granted(); }
+bool amx_bf16_available() { return amx_tiles_granted(); }
 
 torch::Tensor amx_bf16_linear(const torch::Tensor& x, const torch::Tensor& packed,
                               const c10::optional<torch::Tensor>& bias, int64_t out_features) {

@@ -194,7 +194,7 @@ Broadcast broadcast_mode() {
     return std::function<void(int)>([=](int mode) {
       multiply(x, packed, c10::nullopt, kOut, false, static_cast<Broadcast>(mode));
     });
-  }, true));
+  }, 2));
 }
 
 }  // namespace

@@ -17,10 +17,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "and chunk to activation_bits (8 or 16) on the fly; (..., out_features) in x's dtype",
         py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("bias") = py::none(),
         py::arg("out_features"), py::arg("activation_bits"));
+  m.def("int8_gemm_paths", &zoo::int8_gemm_paths,
+        "int8_linear's code paths here: 'avx2', then 'vnni' (AVX512-VNNI) and 'amx' (AMX-INT8) where built and usable");
   m.def("int8_gemm_path", &zoo::int8_gemm_path,
-        "The code path of int8_linear's 16-bit activations on this CPU: 'avx2' or 'vnni' (where built), the faster of "
-        "the two timed at the first call; `use` sets it instead. The outputs are the same bits either way.",
-        py::arg("use") = "");
+        "The code path int8_linear takes on this CPU for a call of `rows` rows, one of int8_gemm_paths(): the fastest, "
+        "timed once for calls of up to 4 rows and once for longer ones, with 16-bit activations on weights in groups "
+        "of `group` inputs (where no call has chosen it yet); 8-bit activations take AMX where it is chosen, else "
+        "VNNI. `use` sets it for every call instead. The outputs are the same bits on every path.",
+        py::arg("use") = "", py::arg("group") = 32, py::arg("rows") = 64);
   m.def("bf16_dot_available", &zoo::bf16_dot_available, "Whether bf16_linear was built (AVX512-BF16)");
   m.def("bf16_linear", &zoo::bf16_linear,
         "x (..., K) rounded to bfloat16 @ W^T (+ bias) for a bfloat16 W packed by modelzoo/precision.py, summed and "

@@ -262,7 +262,7 @@ Path path_in_use() {
     const auto x = torch::full({kRows, kIn}, 0.5f);
     const auto packed = torch::full({kOut / kBlock, kIn, kBlock}, 0.25f, torch::dtype(at::kBFloat16));
     return std::function<void(int)>([=](int path) { linear(x, packed, c10::nullopt, kOut, static_cast<Path>(path)); });
-  }, avx512_built()));
+  }, avx512_built() ? 2 : 1));
 }
 
 }  // namespace

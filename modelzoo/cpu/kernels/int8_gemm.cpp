@@ -19,9 +19,15 @@
 //            stored in the order x0 x2 x1 x3 within each 4 inputs to match. The activations' error is about
 //            2^-16 of the chunk's absmax: the result is the weight-only int8 product to float32 rounding.
 //            Without VNNI, AVX2's vpmaddwd + vpaddd do the same integer sums on 8 rows at a time (half a
-//            packed block): the same bits as vpdpwssd. Where both paths are built, the faster is timed once per
-//            process (`int8_gemm_path`).
+//            packed block): the same bits as vpdpwssd.
+//   AMX:     the same integer sums on AMX-INT8 tiles (Amx below): 16 rows x 2 packed blocks per tile product, a
+//            packed block's 16 rows of 4 input bytes being an AMX B tile's rows as they lie. 8 bits: tdpbsud (signed
+//            activations, unsigned weights). 16 bits: each xq split into a signed high and an unsigned low byte
+//            (xq = 256 hi + lo), tdpbsud on the high bytes and tdpbuud on the low ones, then 256 hi_sum + lo_sum.
+//            Integer sums are exact in any order, so every path gives the same bits.
+// Where more than one path is built, the fastest is timed once per process (`int8_gemm_path`).
 // A row's arithmetic is the same whatever the other rows of the call, so the result does not depend on the batch.
+#include "amx_tiles.h"
 #include "kernels.h"
 #include "storage.h"
 #include "timed_choice.h"
@@ -32,10 +38,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <numeric>
 #include <vector>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define ZOO_INT8_VNNI 1
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define ZOO_INT8_AMX 1
+#endif
 #endif
 
 namespace zoo {
@@ -70,8 +80,9 @@ constexpr int64_t kBlocksTile = 2;  // packed blocks per register tile: 4 x 2 in
 struct Int8Activations {
   using type = int8_t;
   static constexpr int32_t kMax = 127;
-  static void store(const __m512i& q, type* out) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtsepi32_epi8(q));
+  // 16 quantized inputs i.. of a row of k_padded.
+  static void store(const __m512i& q, type* row, int64_t i, int64_t) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(row + i), _mm512_cvtsepi32_epi8(q));
   }
   // dots[r] += the 4 inputs at k of row r times `weights` (16 rows' 4 bytes), for Rows rows.
   template <int64_t Rows>
@@ -89,8 +100,8 @@ struct Int8Activations {
 struct Int16Activations {
   using type = int16_t;
   static constexpr int32_t kMax = 32767;
-  static void store(const __m512i& q, type* out) {  // x0 x1 x2 x3 -> x0 x2 x1 x3 in each 4
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+  static void store(const __m512i& q, type* row, int64_t i, int64_t) {  // x0 x1 x2 x3 -> x0 x2 x1 x3 in each 4
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + i),
                         _mm512_cvtsepi32_epi16(_mm512_shuffle_epi32(q, static_cast<_MM_PERM_ENUM>(0xD8))));
   }
   template <int64_t Rows>
@@ -124,7 +135,7 @@ void quantize_row(const float* x, int64_t k_padded, int64_t chunk, typename Poli
       const __m512i q = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i),
                                                                                            multiplier)), low), high);
       sum = _mm512_add_epi32(sum, q);
-      Policy::store(q, out + i);
+      Policy::store(q, out, i, k_padded);
     }
     corrections[start / chunk] = -128 * _mm512_reduce_add_epi32(sum);  // takes the weights' +128 back out
   }
@@ -179,6 +190,8 @@ struct Vnni {
   using type = typename Policy::type;
   static constexpr int64_t kRowsTile = zoo::kRowsTile, kBlocksTile = zoo::kBlocksTile;
   static constexpr int64_t kRunBlocks = kBlocksTile, kRunTiles = 1, kSpanInputs = 0;  // measured: longer runs slower
+  static void start_thread(const Shape&) {}
+  static void end_thread() {}
   static void quantize_row(const float* x, int64_t k_padded, int64_t chunk, type* out, float* scales,
                            int32_t* corrections) {
     zoo::quantize_row<Policy>(x, k_padded, chunk, out, scales, corrections);
@@ -194,12 +207,118 @@ struct Vnni {
 };
 #endif
 
+#if defined(ZOO_INT8_AMX)
+// AMX-INT8 tiles: one tile product is 16 activation rows x 2 packed blocks, over windows of the chunk's inputs
+// (gcd(chunk, 64): a chunk's integer sums are its own). Tiles: C 0-1 (the blocks' sums of the activations' only or
+// high bytes), C 2-3 (of the low bytes, 16 bits), A 4 (only or high bytes), A 5 (low bytes), B 6-7 (the blocks).
+// Activation rows are padded with zero rows to a whole tile (the driver allocates them so); the sums of those rows
+// are never read.
+// The input bytes per tile product: the largest power of two up to 64 dividing the chunk (a multiple of 16).
+int64_t amx_window(const Shape& shape) { return std::gcd(shape.chunk, int64_t{64}); }
+
+// 16-bit activations as AMX multiplies them: a row's k_padded int16 slots hold its inputs' high bytes (int8), then
+// their low bytes (uint8): xq = 256 high + low.
+struct Int16Planes {
+  using type = int16_t;
+  static constexpr int32_t kMax = 32767;
+  static void store(const __m512i& q, type* row, int64_t i, int64_t k_padded) {
+    auto* bytes = reinterpret_cast<uint8_t*>(row);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(bytes + i), _mm512_cvtepi32_epi8(_mm512_srai_epi32(q, 8)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(bytes + k_padded + i), _mm512_cvtepi32_epi8(q));  // the low bytes
+  }
+};
+
+template <typename Policy>
+struct Amx {
+  static constexpr bool kSplit = std::is_same_v<Policy, Int16Planes>;  // 16 bits: high and low bytes
+  using type = typename Policy::type;
+  static constexpr int64_t kRowsTile = 16, kBlocksTile = 2, kRunBlocks = 2, kRunTiles = 1, kSpanInputs = 0;
+
+  static void start_thread(const Shape& shape) {
+    const auto window = static_cast<uint16_t>(amx_window(shape));
+    const auto b_rows = static_cast<uint8_t>(window / 4);  // B: a row per 4 inputs, 16 outputs x 4 bytes
+    load_tile_config({16, 16, 16, 16, 16, 16, b_rows, b_rows}, {64, 64, 64, 64, window, window, 64, 64});  // C, A, B
+  }
+  static void end_thread() { _tile_release(); }
+
+  static void quantize_row(const float* x, int64_t k_padded, int64_t chunk, type* out, float* scales,
+                           int32_t* corrections) {
+    zoo::quantize_row<Policy>(x, k_padded, chunk, out, scales, corrections);
+  }
+
+  template <int64_t Blocks>
+  static void tile_of(int64_t rows, const type* xq, const float* xs, const int32_t* xc, const Shape& shape,
+                      const uint8_t* packed, const float* scales, int64_t c0, int64_t c1, float* out, int64_t stride,
+                      bool first) {
+    const int64_t chunks = shape.k_padded / shape.chunk, block_bytes = shape.k_padded * kBlock;
+    const int64_t block_groups = shape.k_padded / shape.group * kBlock, window = amx_window(shape);
+    const auto* bytes = reinterpret_cast<const uint8_t*>(xq);
+    const int64_t row_bytes = shape.k_padded * static_cast<int64_t>(sizeof(type));
+    alignas(64) int32_t dots[4][16 * kBlock];  // the C tiles, as numbered
+    if (first) {
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t b = 0; b < Blocks; ++b) _mm512_storeu_ps(out + r * stride + b * kBlock, _mm512_setzero_ps());
+    }
+    for (int64_t c = c0; c < c1; ++c) {
+      _tile_zero(0);
+      if constexpr (Blocks == 2) _tile_zero(1);
+      if constexpr (kSplit) {
+        _tile_zero(2);
+        if constexpr (Blocks == 2) _tile_zero(3);
+      }
+      for (int64_t k = c * shape.chunk; k < (c + 1) * shape.chunk; k += window) {
+        _tile_loadd(4, bytes + k, row_bytes);
+        if constexpr (kSplit) _tile_loadd(5, bytes + shape.k_padded + k, row_bytes);
+        _tile_loadd(6, packed + k * kBlock, 64);
+        if constexpr (Blocks == 2) _tile_loadd(7, packed + block_bytes + k * kBlock, 64);
+        _tile_dpbsud(0, 4, 6);
+        if constexpr (Blocks == 2) _tile_dpbsud(1, 4, 7);
+        if constexpr (kSplit) {
+          _tile_dpbuud(2, 5, 6);
+          if constexpr (Blocks == 2) _tile_dpbuud(3, 5, 7);
+        }
+      }
+      _tile_stored(0, dots[0], 64);
+      if constexpr (Blocks == 2) _tile_stored(1, dots[1], 64);
+      if constexpr (kSplit) {
+        _tile_stored(2, dots[2], 64);
+        if constexpr (Blocks == 2) _tile_stored(3, dots[3], 64);
+      }
+      const int64_t g = c * shape.chunk / shape.group;
+      for (int64_t b = 0; b < Blocks; ++b) {
+        const __m512 weight_scales = _mm512_loadu_ps(scales + b * block_groups + g * kBlock);
+        for (int64_t r = 0; r < rows; ++r) {
+          __m512i sum = _mm512_load_si512(dots[b] + r * 16);
+          if constexpr (kSplit)  // 256 hi + lo: integers, exact in any order
+            sum = _mm512_add_epi32(_mm512_slli_epi32(sum, 8), _mm512_load_si512(dots[2 + b] + r * 16));
+          sum = _mm512_add_epi32(sum, _mm512_set1_epi32(xc[r * chunks + c]));
+          const __m512 scale = _mm512_mul_ps(weight_scales, _mm512_set1_ps(xs[r * chunks + c]));
+          float* sums = out + r * stride + b * kBlock;
+          _mm512_storeu_ps(sums, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, _mm512_loadu_ps(sums)));
+        }
+      }
+    }
+  }
+
+  static void tile(int64_t rows, int64_t blocks, const type* xq, const float* xs, const int32_t* xc,
+                   const Shape& shape, const uint8_t* packed, const float* scales, int64_t c0, int64_t c1, float* out,
+                   int64_t stride, bool first) {
+    if (blocks == kBlocksTile)
+      tile_of<kBlocksTile>(rows, xq, xs, xc, shape, packed, scales, c0, c1, out, stride, first);
+    else
+      tile_of<1>(rows, xq, xs, xc, shape, packed, scales, c0, c1, out, stride, first);
+  }
+};
+#endif
+
 // 16-bit activations on AVX2: the same quantization and integer sums as Vnni<Int16Activations>, one packed block (two
 // halves of 8 rows) per tile.
 struct Avx2Int16 {
   using type = int16_t;
   static constexpr int64_t kRowsTile = 4, kBlocksTile = 1, kRunBlocks = 4, kRunTiles = 12, kSpanInputs = 256;
   static constexpr int32_t kMax = 32767;
+  static void start_thread(const Shape&) {}
+  static void end_thread() {}
 
   // As quantize_row<Int16Activations>, a value at a time: the same float32 products, rounding (cvtss2si, like
   // vcvtps2dq, under the current rounding mode) and clamping.
@@ -294,7 +413,8 @@ void multiply(const scalar_t* xp, int64_t rows, int64_t k, const Shape& shape, c
               const scalar_t* bp, int64_t blocks, int64_t out_features, scalar_t* yp) {
   constexpr int64_t kRowsTile = Kernel::kRowsTile, kBlocksTile = Kernel::kBlocksTile;
   const int64_t chunks = shape.k_padded / shape.chunk;
-  std::vector<typename Kernel::type> xq(rows * shape.k_padded);
+  // Zero rows pad the activations to a whole row tile: a kernel may read a tile's rows past the call's.
+  std::vector<typename Kernel::type> xq((rows + kRowsTile - 1) / kRowsTile * kRowsTile * shape.k_padded);
   std::vector<float> xs(rows * chunks);
   std::vector<int32_t> xc(rows * chunks);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
@@ -322,6 +442,7 @@ void multiply(const scalar_t* xp, int64_t rows, int64_t k, const Shape& shape, c
   const int64_t column_tiles = (blocks + run_blocks - 1) / run_blocks, row_runs = (rows + run_rows - 1) / run_rows;
   constexpr int64_t kStride = kRunBlocks * kBlock;  // of sums
   at::parallel_for(0, column_tiles * row_runs, 1, [&](int64_t begin, int64_t end) {
+    Kernel::start_thread(shape);
     std::vector<float> buffer(kRunTiles * kRowsTile * kStride);
     float* sums = buffer.data();
     for (int64_t task = begin; task < end; ++task) {
@@ -346,16 +467,35 @@ void multiply(const scalar_t* xp, int64_t rows, int64_t k, const Shape& shape, c
           y[n] = from_float<scalar_t>(bp ? values[n - first] + to_float(bp[n]) : values[n - first]);
       }
     }
+    Kernel::end_thread();
   });
 }
 
-enum class Path { kAvx2, kVnni };
+enum class Path { kAvx2, kVnni, kAmx };
+constexpr const char* kPathNames[] = {"avx2", "vnni", "amx"};
+
+// The paths built here and usable by this process, in Path order.
+int built_paths() {
+#if defined(ZOO_INT8_AMX)
+  if (amx_tiles_granted()) return 3;
+#endif
+  return int8_vnni_available() ? 2 : 1;
+}
 
 template <typename scalar_t>
-void multiply_int16(Path path, const scalar_t* xp, int64_t rows, int64_t k, const Shape& shape, const uint8_t* wp,
-                    const float* sp, const scalar_t* bp, int64_t blocks, int64_t out_features, scalar_t* yp) {
+void multiply_on(Path path, int64_t activation_bits, const scalar_t* xp, int64_t rows, int64_t k, const Shape& shape,
+                 const uint8_t* wp, const float* sp, const scalar_t* bp, int64_t blocks, int64_t out_features,
+                 scalar_t* yp) {
+#if defined(ZOO_INT8_AMX)
+  if (path == Path::kAmx && activation_bits == 8)
+    return multiply<Amx<Int8Activations>>(xp, rows, k, shape, wp, sp, bp, blocks, out_features, yp);
+  if (path == Path::kAmx)
+    return multiply<Amx<Int16Planes>>(xp, rows, k, shape, wp, sp, bp, blocks, out_features, yp);
+#endif
 #if defined(ZOO_INT8_VNNI)
-  if (path == Path::kVnni)
+  if (activation_bits == 8)
+    return multiply<Vnni<Int8Activations>>(xp, rows, k, shape, wp, sp, bp, blocks, out_features, yp);
+  if (path != Path::kAvx2)
     return multiply<Vnni<Int16Activations>>(xp, rows, k, shape, wp, sp, bp, blocks, out_features, yp);
 #endif
   multiply<Avx2Int16>(xp, rows, k, shape, wp, sp, bp, blocks, out_features, yp);
@@ -365,20 +505,26 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
                      const c10::optional<torch::Tensor>& bias, int64_t out_features, int64_t activation_bits,
                      Path path);
 
-TimedChoice path_choice;
+// Calls of at most kFewRows rows (one VNNI register tile: a decode step of a few rows) and longer ones have a path
+// each: AMX's 16-row tiles are mostly idle on the former.
+constexpr int64_t kFewRows = kBlock / 4;
+TimedChoice few_rows_choice, path_choice;
 
-// The faster 16-bit path on this CPU: the GEMM timed with each on a decode-sized call whose weights stay in the L2
-// cache.
-Path path_in_use() {
-  return static_cast<Path>(path_choice.get([] {
-    constexpr int64_t kRows = 64, kIn = 576, kOut = 256;
-    const auto x = torch::full({kRows, kIn}, 0.5f);
-    const auto packed = torch::full({kOut / kBlock, kIn / 4, kBlock, 4}, 130, torch::dtype(at::kByte));
-    const auto scales = torch::full({kOut / kBlock, kIn / 32, kBlock}, 0.01f);
+// The fastest path on this CPU for a call of `rows` rows: the GEMM timed with each, 16-bit activations, on a call of
+// kFewRows rows or of 64 whose weights stay in the L2 cache, in groups of `group` inputs (the first call's: a model
+// has one group size; AMX's lead over VNNI grows with the group, its per-group sums leaving its tiles for memory).
+Path path_in_use(int64_t group, int64_t rows) {
+  const int64_t timed_rows = rows <= kFewRows ? kFewRows : 64;
+  return static_cast<Path>((rows <= kFewRows ? few_rows_choice : path_choice).get([group, timed_rows] {
+    constexpr int64_t kOut = 256;
+    const int64_t in = group * std::max<int64_t>(1, 576 / group);
+    const auto x = torch::full({timed_rows, in}, 0.5f);
+    const auto packed = torch::full({kOut / kBlock, in / 4, kBlock, 4}, 130, torch::dtype(at::kByte));
+    const auto scales = torch::full({kOut / kBlock, in / group, kBlock}, 0.01f);
     return std::function<void(int)>([=](int path) {
       linear(x, packed, scales, c10::nullopt, kOut, 16, static_cast<Path>(path));
     });
-  }, int8_vnni_available()));
+  }, built_paths()));
 }
 
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
@@ -413,14 +559,8 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
   const Shape shape{k_padded, group, activation_bits == 8 ? group : chunk_size(group)};
   ZOO_DISPATCH_FLOATS(x.scalar_type(), "int8_linear", [&] {
     const scalar_t* bp = bias ? bias->data_ptr<scalar_t>() : nullptr;
-#if defined(ZOO_INT8_VNNI)
-    if (activation_bits == 8)
-      return multiply<Vnni<Int8Activations>>(input.data_ptr<scalar_t>(), rows, k, shape, packed.data_ptr<uint8_t>(),
-                                             scales.data_ptr<float>(), bp, blocks, out_features,
-                                             out.data_ptr<scalar_t>());
-#endif
-    multiply_int16(path, input.data_ptr<scalar_t>(), rows, k, shape, packed.data_ptr<uint8_t>(),
-                   scales.data_ptr<float>(), bp, blocks, out_features, out.data_ptr<scalar_t>());
+    multiply_on(path, activation_bits, input.data_ptr<scalar_t>(), rows, k, shape, packed.data_ptr<uint8_t>(),
+                scales.data_ptr<float>(), bp, blocks, out_features, out.data_ptr<scalar_t>());
   });
   return out;
 }
@@ -429,14 +569,25 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
 
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
                           const c10::optional<torch::Tensor>& bias, int64_t out_features, int64_t activation_bits) {
-  return linear(x, packed, scales, bias, out_features, activation_bits, path_in_use());
+  const int64_t groups = scales.dim() == 3 ? scales.size(1) : 0;
+  const int64_t group = packed.dim() == 4 && groups > 0 ? packed.size(1) * 4 / groups : 0;  // checked by linear
+  const int64_t rows = x.dim() >= 1 && x.size(-1) ? x.numel() / x.size(-1) : 0;
+  return linear(x, packed, scales, bias, out_features, activation_bits,
+                path_in_use(group > 0 && group % kBlock == 0 ? group : 32, rows));
 }
 
-std::string int8_gemm_path(const std::string& use) {
-  TORCH_CHECK(use.empty() || use == "avx2" || (use == "vnni" && int8_vnni_available()), "path is avx2",
-              int8_vnni_available() ? " or vnni" : " (this build has no AVX512-VNNI)", ", not ", use);
-  if (!use.empty()) path_choice.set(static_cast<int>(use == "vnni" ? Path::kVnni : Path::kAvx2));
-  return path_in_use() == Path::kVnni ? "vnni" : "avx2";
+std::vector<std::string> int8_gemm_paths() { return {kPathNames, kPathNames + built_paths()}; }
+
+std::string int8_gemm_path(const std::string& use, int64_t group, int64_t rows) {
+  if (!use.empty()) {
+    const auto paths = int8_gemm_paths();
+    const auto found = std::find(paths.begin(), paths.end(), use);
+    TORCH_CHECK(found != paths.end(), "path is ", c10::Join(", ", paths), " here, not ", use);
+    few_rows_choice.set(static_cast<int>(found - paths.begin()));
+    path_choice.set(static_cast<int>(found - paths.begin()));
+  }
+  TORCH_CHECK(group > 0 && group % kBlock == 0, "group must be a positive multiple of 16, not ", group);
+  return kPathNames[static_cast<int>(path_in_use(group, rows))];
 }
 
 }  // namespace zoo

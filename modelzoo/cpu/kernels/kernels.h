@@ -18,13 +18,16 @@ torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& delta, const 
 torch::Tensor silu_mul(const torch::Tensor& gate_up);
 // out[0, n) = silu(gate[0, n)), as ATen computes it (silu_mul's and bf16_linear's SiLU gate).
 void silu_row(const float* gate, float* out, int64_t n);
-// int8_gemm.cpp: group-wise int8 weights times activations quantized per row and chunk to 8 bits (AVX512-VNNI) or
-// 16 bits (AVX512-VNNI or AVX2).
+// int8_gemm.cpp: group-wise int8 weights times activations quantized per row and chunk to 8 bits (AVX512-VNNI or AMX)
+// or 16 bits (AVX2, AVX512-VNNI or AMX).
 bool int8_vnni_available();
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
                           const c10::optional<torch::Tensor>& bias, int64_t out_features, int64_t activation_bits);
-// Which code path 16-bit activations take, "avx2" or "vnni": the faster here, timed at the first call; `use` sets it.
-std::string int8_gemm_path(const std::string& use);
+// The code paths int8_linear has here ("avx2", then "vnni" and "amx" where built and granted), and which it takes for
+// a call of `rows` rows: the fastest here, timed once for calls of up to 4 rows and once for longer ones (on weights in
+// groups of `group` inputs, or the first call's); `use` sets it for both. Every path gives the same bits.
+std::vector<std::string> int8_gemm_paths();
+std::string int8_gemm_path(const std::string& use, int64_t group, int64_t rows);
 // bf16_gemm.cpp: bfloat16 weights times activations rounded to bfloat16, float32 sums and outputs, on AVX512-BF16.
 bool bf16_dot_available();
 // Both bfloat16 GEMMs' (bf16_linear's and amx_bf16_linear's) arguments checked (a TORCH_CHECK error if one fails) and
@@ -38,7 +41,9 @@ torch::Tensor bf16_silu_gate(const torch::Tensor& x, const torch::Tensor& packed
 // How the two GEMMs broadcast each input pair, "embedded" or "register": the faster on this CPU, timed at the first
 // call; `use` ("embedded" or "register") sets it instead. Either gives the same bits.
 std::string bf16_gemm_broadcast(const std::string& use);
-// amx_gemm.cpp: bf16_linear and bf16_silu_gate on AMX tiles (the same packed weights, inputs and float32 outputs).
+// amx_gemm.cpp: whether this build has AMX tiles and Linux grants them to this process (asked once);
+bool amx_tiles_granted();
+// bf16_linear and bf16_silu_gate on AMX tiles (the same packed weights, inputs and float32 outputs).
 bool amx_bf16_available();
 torch::Tensor amx_bf16_linear(const torch::Tensor& x, const torch::Tensor& packed,
                               const c10::optional<torch::Tensor>& bias, int64_t out_features);
