@@ -8,7 +8,7 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinPLog
                                                     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 from modelzoo.generation.sampling import (TokenChoice, apply_repetition_penalty, apply_temperature,
-                                          ban_repeated_ngrams, keep_top_k, keep_top_p)
+                                          ban_repeated_ngrams, greedy_tokens, keep_top_k, keep_top_p)
 from modelzoo.job.params import parse_params
 from sampling_batches import NEG_INF, batch, same
 
@@ -17,6 +17,30 @@ def per_row(processor, logits, sequences, lengths) -> torch.Tensor:
     """transformers' processor applied row by row, each fed only its valid prefix."""
     return torch.cat([processor(sequences[b:b + 1, : int(lengths[b])], logits[b:b + 1].clone())
                       for b in range(len(logits))])
+
+
+# ---- greedy: argmax's index ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab", [7, 33, 49152])
+def test_greedy_tokens_are_argmax_on_ties_nan_and_all_inf_rows(dtype, vocab):
+    """The first index of the largest value, as argmax (and transformers' greedy search) picks it: on rows of many ties,
+    a row of -inf (token 0), rows with a NaN (the first NaN's index), on 1 and 2 threads."""
+    generator = torch.Generator().manual_seed(vocab)
+    scores = torch.randint(-3, 3, (9, vocab), generator=generator).float()
+    scores[2] = float("-inf")
+    scores[5, vocab // 2] = scores[5, vocab - 1] = float("nan")
+    scores[6] = float("nan")
+    scores = scores.to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            tokens = greedy_tokens(scores)
+            assert torch.equal(tokens, scores.argmax(-1)) and tokens.dtype == torch.long
+            assert tokens[2] == 0 and tokens[5] == vocab // 2 and tokens[6] == 0
+    finally:
+        torch.set_num_threads(threads)
 
 
 # ---- each processor equals transformers' -------------------------------------------------------------------

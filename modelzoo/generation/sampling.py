@@ -82,6 +82,13 @@ def keyed_uniforms(key: int | Tensor, sample_index: Tensor, position: Tensor) ->
     return bits.double() * 2.0 ** -_UNIFORM_BITS
 
 
+def greedy_tokens(scores: Tensor) -> Tensor:
+    """scores.argmax(-1): the first index of each row's largest value (NaN counting as the largest, token 0 for a row
+    of -inf). On the CPU through max(-1)'s indices, the same index at 2-3x argmax's speed over a vocabulary (a decode
+    step of a few hundred rows spent milliseconds in argmax)."""
+    return scores.max(-1).indices if scores.device.type == "cpu" else scores.argmax(-1)
+
+
 def draw(probs: Tensor, u: Tensor) -> Tensor:
     """Inverse-CDF sampling: for each row, the first token whose cumulative probability exceeds u * total.
 
@@ -310,7 +317,7 @@ class TokenChoice(GenerationOptions):
         (the argmax of all -inf, as in transformers' greedy search; its sampling would fail on NaN probabilities).
         """
         if self.is_plain_greedy:
-            return logits.argmax(-1)
+            return greedy_tokens(logits)
         return self.choose_from_scores(self.process(logits, sequences, lengths), lengths, sample_index)
 
     def choose_rows(self, logits: Tensor, sequences: Tensor | None, lengths: Tensor, sample_index: Tensor,
@@ -320,7 +327,7 @@ class TokenChoice(GenerationOptions):
         equals a job's whose options are that row's. No host sync."""
         scores = self.penalize(logits, sequences, lengths, prompt_lengths)  # the rest is per row, below
         if self.greedy and not self.rows_sample:
-            return scores.argmax(-1), scores
+            return greedy_tokens(scores), scores
         sampled = rows.temperature > 0  # (B,)
         warped = apply_temperature(scores, torch.where(sampled, rows.temperature, 1.0)[:, None])
         if self.top_k > 0:
@@ -331,11 +338,11 @@ class TokenChoice(GenerationOptions):
             warped = keep_min_p(warped, self.min_p)
         scores = torch.where(sampled[:, None], warped, scores)
         drawn = draw(scores.softmax(-1), keyed_uniforms(rows.seed_key, sample_index, lengths))
-        return torch.where(sampled, drawn, scores.argmax(-1)), scores
+        return torch.where(sampled, drawn, greedy_tokens(scores)), scores
 
     def choose_from_scores(self, scores: Tensor, lengths: Tensor, sample_index: Tensor) -> Tensor:
         """`choose` after `process`: the token of each row (B,) from its processed scores (B, V) float32."""
         if self.greedy:
-            return scores.argmax(-1)
+            return greedy_tokens(scores)
         probs = scores.softmax(-1)  # (B, V): what transformers hands to torch.multinomial
         return draw(probs, uniforms(self.seed, sample_index, lengths))

@@ -35,7 +35,7 @@ from torch import nn
 
 from modelzoo.cuda.graphs import StepGraphs
 from modelzoo.models.kv_cache import KVCache
-from modelzoo.generation.sampling import RowSampling
+from modelzoo.generation.sampling import RowSampling, greedy_tokens
 from modelzoo.generation.stopping import CONTINUE, StopChecker
 from modelzoo.generation.structured import apply_token_bitmask
 
@@ -160,7 +160,7 @@ def choose_tokens(logits: torch.Tensor, state: SlotState, slots: torch.Tensor | 
     distribution with theirs, ((R, K) long, (R, K) float32, descending). No host sync."""
     rows = slice(None) if slots is None else slots
     if choice is None:
-        tokens, scores = logits.argmax(-1), logits
+        tokens, scores = greedy_tokens(logits), logits
     else:
         own = state.sampling.rows(rows)
         tokens, scores = choice.choose_rows(logits, state.sequences[rows], state.seq_len[rows],
