@@ -32,7 +32,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from modelzoo.models.kv_cache import zeroed_cache_tensor  # noqa: E402
-from modelzoo.cpu.memory import huge_page_slices  # noqa: E402
+from modelzoo.cpu.memory import copy_into, huge_page_slices  # noqa: E402
 from modelzoo.cpu.kernels import _built_library, _load_library, kernel_build_dir  # noqa: E402
 from modelzoo.cpu.precision import SILU_GATE_TILE, pack_bf16_weight, pack_half_weight  # noqa: E402
 
@@ -74,7 +74,7 @@ class Workload:
             names = [(layer, name) for layer, weights in enumerate(self.weights) for name in weights]
             tensors = [self.weights[layer][name] for layer, name in names] + [self.lm_head]
             places = huge_page_slices([t.numel() * t.element_size() for t in tensors])
-            moved = [place.view(t.dtype).view(t.shape).copy_(t) for place, t in zip(places, tensors)]
+            moved = [copy_into(place, tensor) for place, tensor in zip(places, tensors)]
             for (layer, name), tensor in zip(names, moved):
                 self.weights[layer][name] = tensor
             self.lm_head = moved[-1]

@@ -117,6 +117,11 @@ def huge_page_slices(sizes: list[int]) -> list[torch.Tensor]:
     return [arena[start: start + size] for start, size in zip(starts, sizes)]
 
 
+def copy_into(place: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of `tensor` (contiguous) in `place`, a byte view of its size (one of huge_page_slices)."""
+    return place.view(tensor.dtype).view(tensor.shape).copy_(tensor)
+
+
 @functools.cache
 def _malloc_trim() -> Callable[[int], int] | None:
     libc = ctypes.CDLL(None)  # the C library this process already uses

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from modelzoo.cpu.memory import huge_page_slices, owns_its_memory, release_freed_memory, release_mapped
+from modelzoo.cpu.memory import copy_into, huge_page_slices, owns_its_memory, release_freed_memory, release_mapped
 from modelzoo.cpu.facts import cpu_flags
 
 
@@ -39,6 +39,7 @@ from modelzoo.cpu.facts import cpu_flags
 NATIVE_CPU_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
 GEMM_BLOCK = 16  # output rows per packed block of bf16_linear's weights
 SILU_GATE_TILE = 32  # features per register tile of bf16_silu_gate (its 4 blocks: 2 of gate rows, 2 of up rows)
+TRIM_BYTES = 256 << 20  # old weight copies gather_packed_weights lets the allocator hold before it asks for them back
 
 
 @dataclass(frozen=True)
@@ -167,12 +168,16 @@ def gather_packed_weights(model: nn.Module) -> int:
     if not layers or not sys.platform.startswith("linux") or layers[0].packed.device.type != "cpu":
         return 0
     sizes = [layer.packed_bytes() for layer in layers]
-    for layer, place in zip(layers, huge_page_slices(sizes)):
+    unreleased = 0
+    for layer, place, size in zip(layers, huge_page_slices(sizes), sizes):
         old = layer.packed
-        layer.packed = place.view(old.dtype).view(old.shape).copy_(old)
+        layer.packed = copy_into(place, old)
         release_mapped(old)
         del old
-        release_freed_memory()  # the old copy's pages, or the allocator keeps them and the peak doubles
+        unreleased += size
+        if unreleased >= TRIM_BYTES or layer is layers[-1]:
+            release_freed_memory()  # the old copies' pages, or the allocator keeps them and the peak doubles
+            unreleased = 0
     return sum(sizes)
 
 
