@@ -93,9 +93,25 @@ inline __m128 lane_sums(__m256 a, __m256 b, __m256 c, __m256 d) {
 // other, so a tile needs about (FMA latency x FMA units) independent ones to keep the units busy.
 constexpr int kAccumulators = N == 8 ? 12 : 24;
 // Keys scored at once by a tile of R query heads over keys in place: R x K accumulators, K keys and a query in AVX2's
-// 16 registers.
+// 16 registers; on AVX-512, R x K / 2 accumulators of two keys' 8 lanes each (score_keys), K dividing 16.
 template <int R>
-constexpr int kKeysAtOnce = R >= 4 ? 2 : R == 3 ? 3 : 4;
+constexpr int kKeysAtOnce = N == 16 ? (R >= 4 ? 4 : 8) : R >= 4 ? 2 : R == 3 ? 3 : 4;
+
+#if defined(__AVX512F__)
+// 8 values at a and 8 at b as float32 in one AVX-512 register (a's in lanes 0-7).
+inline __m512 load8x2(const float* a, const float* b) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(_mm256_loadu_ps(a))),
+                                             _mm256_castps_pd(_mm256_loadu_ps(b)), 1));
+}
+inline __m256i load_halves(const void* a, const void* b) {
+  return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+                                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1);
+}
+inline __m512 load8x2(const c10::BFloat16* a, const c10::BFloat16* b) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(load_halves(a, b)), 16));
+}
+inline __m512 load8x2(const c10::Half* a, const c10::Half* b) { return _mm512_cvtph_ps(load_halves(a, b)); }
+#endif
 // 16-feature groups of the values summed at once by a tile of R query heads.
 template <int R>
 constexpr int kValueGroups = std::clamp(kAccumulators / (R * P), 1, 8);
@@ -106,13 +122,34 @@ constexpr int kValueGroups = std::clamp(kAccumulators / (R * P), 1, 8);
 template <typename T, int R, int K>
 inline void score_keys(const float* q, const T* keys, int64_t D, float* tile) {
   __m256 acc[R * K];  // (r, k) at r * K + k
-  for (int i = 0; i < R * K; ++i) acc[i] = _mm256_setzero_ps();
-  for (int64_t c = 0; c < D; c += 8) {
-    __m256 key[K];
-    for (int k = 0; k < K; ++k) key[k] = load8(keys + k * D + c);
-    for (int r = 0; r < R; ++r) {
-      const __m256 x = _mm256_loadu_ps(q + r * D + c);
-      for (int k = 0; k < K; ++k) acc[r * K + k] = _mm256_fmadd_ps(x, key[k], acc[r * K + k]);
+#if defined(__AVX512F__)
+  if constexpr (K % 2 == 0) {  // keys 2p and 2p + 1 side by side in one register: each lane's chain as below
+    constexpr int P2 = K / 2;
+    __m512 pairs[R * P2];  // (r, p) at r * P2 + p
+    for (int i = 0; i < R * P2; ++i) pairs[i] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < D; c += 8) {
+      __m512 key[P2];
+      for (int p = 0; p < P2; ++p) key[p] = load8x2(keys + 2 * p * D + c, keys + (2 * p + 1) * D + c);
+      for (int r = 0; r < R; ++r) {
+        const __m512 x = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(q + r * D + c))));
+        for (int p = 0; p < P2; ++p) pairs[r * P2 + p] = _mm512_fmadd_ps(x, key[p], pairs[r * P2 + p]);
+      }
+    }
+    for (int i = 0; i < R * P2; ++i) {
+      acc[2 * i] = _mm512_castps512_ps256(pairs[i]);
+      acc[2 * i + 1] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(pairs[i]), 1));
+    }
+  } else
+#endif
+  {
+    for (int i = 0; i < R * K; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < D; c += 8) {
+      __m256 key[K];
+      for (int k = 0; k < K; ++k) key[k] = load8(keys + k * D + c);
+      for (int r = 0; r < R; ++r) {
+        const __m256 x = _mm256_loadu_ps(q + r * D + c);
+        for (int k = 0; k < K; ++k) acc[r * K + k] = _mm256_fmadd_ps(x, key[k], acc[r * K + k]);
+      }
     }
   }
   float sums[(R * K + 3) / 4 * 4];
