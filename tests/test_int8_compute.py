@@ -357,6 +357,8 @@ def test_runner_records_the_int8_choice(backend, checkpoints, tmp_path, caplog):
     if backend != "float":  # the C++ kernel's code paths, timed on the model's group
         assert re.search(rf"; kernel path ({'|'.join(CODE_PATHS)}) \(((avx2|vnni|amx) at 4 rows or fewer; )?"
                          rf"fastest of {', '.join(CODE_PATHS)}\)", caplog.text)
+    else:  # the kernel is not used, nor timed
+        assert "kernel path" not in caplog.text
 
 
 @pytest.mark.parametrize("backend", [pytest.param("vnni16", marks=needs_kernel),

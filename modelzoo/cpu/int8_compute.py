@@ -160,7 +160,8 @@ def apply_int8_backend(model: nn.Module, dtype: torch.dtype, device: torch.devic
     if not layers:
         return plan
     group_size = layers[0][2].group_size  # one model.int8_group_size for the whole model
-    path = kernel_path_text(kernel_group_size(layers[0][2].in_features, group_size)) if "vnni16" in backends else ""
+    uses_kernel = "vnni16" in backends and requested != "float"
+    path = kernel_path_text(kernel_group_size(layers[0][2].in_features, group_size)) if uses_kernel else ""
     plan.measured = measured_shapes({_shape_key(layer, dtype): (layer.in_features, layer.out_features)
                                      for _, _, layer in layers}, dtype, backends,
                                     build=lambda linear, backend: _candidate(linear, backend, group_size),
