@@ -8,10 +8,10 @@ quantized to 16 or 8 bits, or the weight in floats.
             products, on AVX512-VNNI vpdpwssd, on any other AVX2 CPU vpmaddwd + vpaddd: the same integer
             sums (the kernel times every path it has on the model's group size once and keeps the fastest;
             `int8_gemm_path`, logged).
-- `vnni8`:  the same packed weight, activations quantized to 8 bits (absmax / 127), AVX512-VNNI (or AMX-INT8
-            where that path is the one chosen) only:
-            faster than `vnni16`, but 8-bit activations change noticeably more answers (README "int8
-            weights"), so `auto` never picks it: it must be asked for.
+- `vnni8`:  the same packed weight, activations quantized to 8 bits (absmax / 127), AVX512-VNNI only (on its
+            VNNI path, or AMX-INT8 where that path is the one chosen): faster than `vnni16`, but 8-bit
+            activations change noticeably more answers (README "int8 weights"), so `auto` never picks it: it
+            must be asked for.
 - `float`:  Int8Linear as loaded (modelzoo/cpu/quantization.py): the weight cast (per-channel) or dequantized
             (group-wise) to `model.dtype` at each call; activations stay exact. Works on every device.
 
