@@ -84,8 +84,8 @@ def keyed_uniforms(key: int | Tensor, sample_index: Tensor, position: Tensor) ->
 
 def greedy_tokens(scores: Tensor) -> Tensor:
     """scores.argmax(-1): the first index of each row's largest value (NaN counting as the largest, token 0 for a row
-    of -inf). On the CPU through max(-1)'s indices, the same index at 2-3x argmax's speed over a vocabulary (a decode
-    step of a few hundred rows spent milliseconds in argmax)."""
+    of -inf). On the CPU through max(-1)'s indices: the same index, and PyTorch's argmax over a vocabulary is several
+    times slower (benchmarks/README.md, the AMX section)."""
     return scores.max(-1).indices if scores.device.type == "cpu" else scores.argmax(-1)
 
 
