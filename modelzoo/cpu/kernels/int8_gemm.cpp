@@ -220,7 +220,7 @@ int64_t amx_window(const Shape& shape) { return std::gcd(shape.chunk, int64_t{64
 // their low bytes (uint8): xq = 256 high + low.
 struct Int16Planes {
   using type = int16_t;
-  static constexpr int32_t kMax = 32767;
+  static constexpr int32_t kMax = Int16Activations::kMax;
   static void store(const __m512i& q, type* row, int64_t i, int64_t k_padded) {
     auto* bytes = reinterpret_cast<uint8_t*>(row);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(bytes + i), _mm512_cvtepi32_epi8(_mm512_srai_epi32(q, 8)));
