@@ -158,8 +158,9 @@ class DecodeBound:
     weight_bytes: float  # a step's
     kv_bytes: float  # every step's together
     flops: float
-    memory_seconds: float | None  # None: the bandwidth was not measured
+    memory_seconds: float | None  # None: the bandwidth was not measured, or a step's reads fit in the cache
     compute_seconds: float | None  # None: no peak for the dtype
+    cache_bytes: int = 0  # the last-level cache a step's reads fit in (0: they do not, or its size is unknown)
 
     @property
     def seconds(self) -> float | None:
@@ -172,8 +173,9 @@ class DecodeBound:
         bandwidth; their FLOPs 7.8 s at the peak: the FLOPs bind'."""
         reads = (f"{self.steps} steps reading {self.weight_bytes / 1e9:.2f} GB of weights each and "
                  f"{self.kv_bytes / max(1, self.steps) / 1e9:.2f} GB of KV cache on average")
-        memory = "bandwidth not measured" if self.memory_seconds is None else \
-            f"{self.memory_seconds:.1f} s at the read bandwidth"
+        memory = f"{self.memory_seconds:.1f} s at the read bandwidth" if self.memory_seconds is not None else \
+            f"each step's reads fit in the {self.cache_bytes >> 20} MiB last-level cache: no memory bound" \
+            if self.cache_bytes else "bandwidth not measured"
         compute = "no peak for this dtype" if self.compute_seconds is None else \
             f"their FLOPs {self.compute_seconds:.1f} s at the peak"
         binds = ""
@@ -183,16 +185,19 @@ class DecodeBound:
 
 
 def decode_bound(shapes: LinearShapes, dtype: str, work: Workload, peak_gflops: float | None,
-                 bandwidth_gbps: float | None) -> DecodeBound:
-    """The workload's decode bound in `dtype` (storage_bytes) at this peak and read bandwidth (None: unknown)."""
+                 bandwidth_gbps: float | None, cache_bytes: int = 0) -> DecodeBound:
+    """The workload's decode bound in `dtype` (storage_bytes) at this peak and read bandwidth (None: unknown). Where
+    a step's reads fit in the last-level cache (`cache_bytes`; 0: unknown), they need not come from memory, and the
+    read bandwidth bounds nothing."""
     per_weight, per_value = storage_bytes(dtype)
     steps = math.ceil(work.decode_tokens / max(1, work.decode_rows))
     weight_bytes = per_weight * shapes.weights()
     kv_bytes = work.kv_reads() * 2 * shapes.kv_features * per_value  # keys and values
     flops = work.decode_flops(shapes)
-    memory = (steps * weight_bytes + kv_bytes) / (bandwidth_gbps * 1e9) if bandwidth_gbps else None
+    cached = weight_bytes + kv_bytes / max(1, steps) <= cache_bytes
+    memory = (steps * weight_bytes + kv_bytes) / (bandwidth_gbps * 1e9) if bandwidth_gbps and not cached else None
     compute = flops / (peak_gflops * 1e9) if peak_gflops else None
-    return DecodeBound(steps, weight_bytes, kv_bytes, flops, memory, compute)
+    return DecodeBound(steps, weight_bytes, kv_bytes, flops, memory, compute, cache_bytes if cached else 0)
 
 
 def ceiling_tokens_per_s(shapes: LinearShapes, rates: dict, work: Workload) -> float:
@@ -209,10 +214,10 @@ def ceiling_tokens_per_s(shapes: LinearShapes, rates: dict, work: Workload) -> f
 
 
 def roofline_tokens_per_s(shapes: LinearShapes, dtype: str, peak_gflops: float, bandwidth_gbps: float | None,
-                          work: Workload) -> float:
+                          work: Workload, cache_bytes: int = 0) -> float:
     """Generated tokens per second if the prefill ran at the CPU's arithmetic peak and the decode at its bound (the
-    peak, or the read bandwidth where the reads take longer)."""
-    decode = decode_bound(shapes, dtype, work, peak_gflops, bandwidth_gbps)
+    peak, or the read bandwidth where the reads take longer and do not fit in the last-level cache)."""
+    decode = decode_bound(shapes, dtype, work, peak_gflops, bandwidth_gbps, cache_bytes)
     return work.generated_tokens / (work.prefill_flops(shapes) / (peak_gflops * 1e9) + decode.seconds)
 
 
@@ -273,9 +278,11 @@ class MachineProbe:
         if dtype not in self.rates or not work.generated_tokens:
             return None, None
         peak = self.peaks.get(dtype)
-        bound = roofline_tokens_per_s(self.shapes, dtype, peak, self.bandwidth, work) if peak else None
+        bound = roofline_tokens_per_s(self.shapes, dtype, peak, self.bandwidth, work,
+                                      peak_rate.largest_cache_bytes()) if peak else None
         return ceiling_tokens_per_s(self.shapes, self.rates[dtype], work), bound
 
     def decode_bound(self, dtype: str, work: Workload) -> DecodeBound:
         """The decode's bound in `dtype` (int8 too: its reads, with no peak for its arithmetic)."""
-        return decode_bound(self.shapes, dtype, work, self.peaks.get(dtype), self.bandwidth)
+        return decode_bound(self.shapes, dtype, work, self.peaks.get(dtype), self.bandwidth,
+                            peak_rate.largest_cache_bytes())

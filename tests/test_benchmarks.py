@@ -105,9 +105,14 @@ def test_throughput_table(tmp_path: Path, capsys: pytest.CaptureFixture) -> None
     # zoo-infer's decode steps (its generation less its prefill) against the decode's bound; the others do not say
     assert 0 < float(zoo["decode_seconds"]) < float(zoo["generation_seconds"])
     assert hf["decode_seconds"] == "" and hf["decode_of_roofline"] == ""
-    if platform.machine() == "x86_64":
+    if platform.machine() == "x86_64":  # a bound where a step's reads come from memory or there is a peak
+        cache_bytes = load_script("benchmarks/peak_rate.py").largest_cache_bytes()
         for key in (("zoo-infer", "float32"), ("zoo-infer", "int8")):
-            assert 0 < float(rows[key]["decode_of_roofline"]) < 1
+            fits = 134_515_008 * (4 if key[1] == "float32" else 1.125) <= cache_bytes
+            if fits and key[1] == "int8":  # no peak for int8, and its reads need not come from memory
+                assert rows[key]["decode_of_roofline"] == "", rows[key]
+            else:
+                assert 0 < float(rows[key]["decode_of_roofline"]) < 1
     assert float(hf["ratio_vs_hf_fp32"]) == 1.0
     assert (out / "results.json").is_file()
 

@@ -118,6 +118,9 @@ def test_decode_bound_counts_every_weight_once_a_step_and_each_rows_cache() -> N
     assert machine.decode_bound(shapes, "float32", work, None, None).seconds is None
     shared = machine.Workload(prompt_tokens=10, prompts=2, generated_tokens=8, decode_rows=2, shared_prefix=3)
     assert shared.kv_reads() == work.kv_reads() + 3 * 3  # the second row's copy of the prefix, read 3 times
+    cached = machine.decode_bound(shapes, "float32", work, 1e-6, 1e-6, cache_bytes=10**9)  # the reads fit: no memory
+    assert cached.memory_seconds is None and cached.seconds == cached.compute_seconds
+    assert "fit in the 953 MiB last-level cache: no memory bound" in cached.describe()
     roofline = machine.roofline_tokens_per_s(shapes, "float32", 1e-6, 1e-6, work)
     assert roofline == pytest.approx(8 / (2 * (640 + 80) / 1e3 + bound.memory_seconds))
 
