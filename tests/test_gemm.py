@@ -11,7 +11,7 @@ from torch import nn
 import modelzoo.cpu.gemm as gemm
 import modelzoo.cpu.kernels
 from modelzoo.cpu.precision import HalfLinear
-from precision_policies import amx_tiles
+from precision_policies import amx_tiles, needs_bf16
 from modelzoo.errors import UserError
 from modelzoo.cpu.gemm import (INVARIANCE_ROWS, MKLPackedLinear, OneDNNLinear, RowBlockLinear, apply_gemm_backend,
                            available_backends, linear_layers, measure_shape, weight_bytes, wrap)
@@ -237,6 +237,7 @@ def test_row_block_size_is_measured_and_the_fastest_kept(backend, monkeypatch):
     assert "(32-row blocks)" in gemm.rates_text(plan.measured["float32 32x48"], backend)
 
 
+@needs_bf16  # the log line names bf16_linear's broadcast, timed on the real kernel
 def test_bfloat16_policy_gemm_follows_the_measured_choice_per_shape(monkeypatch):
     """Where both the AVX512-BF16 and the AMX GEMM are offered, each shape's layers take its measured choice."""
     monkeypatch.setattr(gemm, "available_bf16_kernels", lambda: ["bf16_linear", "amx_bf16_linear"])
@@ -256,6 +257,7 @@ def test_bfloat16_policy_gemm_follows_the_measured_choice_per_shape(monkeypatch)
     assert [layer.amx for layer in model] == [True, False, True] and plan.batch_invariant
 
 
+@needs_bf16
 def test_bfloat16_policy_gemm_without_amx_is_bf16_linear_unmeasured(monkeypatch):
     monkeypatch.setattr(gemm, "available_bf16_kernels", lambda: ["bf16_linear"])
     monkeypatch.setattr(gemm, "measure_shape", lambda *args, **kwargs: pytest.fail("nothing to choose from"))
