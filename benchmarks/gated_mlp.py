@@ -74,7 +74,8 @@ def measure(hidden: int, intermediate: int, dtype: torch.dtype, rows: int, layer
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", default=DEFAULT_SHAPES, help=f"hidden x intermediate,... (default: {DEFAULT_SHAPES})")
+    parser.add_argument("--shapes", default=DEFAULT_SHAPES,
+                        help=f"hidden x intermediate,... (default: {DEFAULT_SHAPES})")
     parser.add_argument("--rows", default="16,164,1024", help="row counts M (default: 16,164,1024)")
     parser.add_argument("--dtypes", default="bfloat16,float16,float32", help="weight dtypes (default: all three)")
     parser.add_argument("--layers", type=int, default=8, help="layers, each with weights of its own (default: 8)")
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         for hidden, intermediate in shapes:
             for rows in (int(m) for m in args.rows.split(",")):
                 separate, fused = measure(hidden, intermediate, dtype, rows, args.layers, args.rounds)
-                print(f"{str(dtype).removeprefix('torch.'):8s} {hidden}x{2 * intermediate} M={rows:5d}  GFLOP/s: "
+                print(f"{str(dtype).removeprefix('torch.'):8s} {hidden}x{2 * intermediate} M={rows:<5d} GFLOP/s: "
                       f"half_linear + silu_mul {separate:6.1f}  half_silu_gate {fused:6.1f}  ({fused / separate:.2f}x)",
                       flush=True)
     return 0

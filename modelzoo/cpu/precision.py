@@ -38,7 +38,7 @@ from modelzoo.cpu.facts import cpu_flags
 # dtype -> CPU flags (/proc/cpuinfo) of which any one means native matrix multiplies.
 NATIVE_CPU_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
 GEMM_BLOCK = 16  # output rows per packed block of bf16_linear's weights
-SILU_GATE_TILE = 32  # features per tile of bf16_silu_gate and half_silu_gate (its 4 blocks: 2 of gate rows, 2 of up rows)
+SILU_GATE_TILE = 32  # features per tile of bf16_silu_gate and half_silu_gate (4 blocks: 2 of gate rows, 2 of up rows)
 TRIM_BYTES = 256 << 20  # old weight copies gather_packed_weights lets the allocator hold before it asks for them back
 
 
@@ -301,11 +301,11 @@ class HalfLinear(PackedLinear):
     nothing else (a fused or cast weight: no second copy written, the layer's weight then garbled); else, and for a
     view of the checkpoint's memory map, a part of a larger tensor or rows padded to blocks, into new memory."""
 
+    kernel = "half_linear"  # the C++ function this layer calls
+
     def __init__(self, layer: nn.Module, consume: bool = False) -> None:
         self.consume = consume
         super().__init__(layer)
-
-    kernel = "half_linear"  # the C++ function this layer calls
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         in_place = self.consume and weight.shape[0] % GEMM_BLOCK == 0 and owns_its_memory(weight)
