@@ -13,9 +13,8 @@ printed per build: the median over the rounds of each GEMM's GFLOP/s (a decode s
 chunk's tokens) and of the attention's milliseconds per layer (a decode step; a packed prefill chunk), and whether
 every output equals the first build's bit for bit. The GEMMs are ones a bfloat16 job runs on this CPU:
 amx_bf16_linear where every build has it (AMX-BF16), else bf16_linear (AVX512-BF16; the SwiGLU gate | up with its
-SiLU gate applied, as amx_bf16_silu_gate or bf16_silu_gate runs it), else half_linear (bfloat16 weights widened to
-float32 as they are read: every AVX2 CPU, and AVX-512 ones without AVX512-BF16; the gate | up as half_silu_gate where
-every build has it). The attention runs on any CPU.
+SiLU gate applied, as amx_bf16_silu_gate or bf16_silu_gate runs it), else half_linear (bfloat16 weights widened to float32 as they are read: every AVX2 CPU, and
+AVX-512 ones without AVX512-BF16). The attention runs on any CPU.
 """
 from __future__ import annotations
 
@@ -38,7 +37,6 @@ from modelzoo.cpu.kernels import _built_library, _load_library, kernel_build_dir
 from modelzoo.cpu.precision import SILU_GATE_TILE, pack_bf16_weight, pack_half_weight  # noqa: E402
 
 BF16_GATES = {"bf16_linear": "bf16_silu_gate", "amx_bf16_linear": "amx_bf16_silu_gate"}  # each GEMM's SiLU-gated one
-HALF_GATE = "half_silu_gate"  # half_linear's, where every build has it
 
 
 def load_builds(specs: list[str]) -> dict[str, ModuleType]:
@@ -60,10 +58,8 @@ def load_builds(specs: list[str]) -> dict[str, ModuleType]:
 class Workload:
     """Every layer's weights and KV cache, and one decode step's and one prefill chunk's inputs, seeded."""
 
-    def __init__(self, args: argparse.Namespace, gemm: str | None, half_gate: bool = False) -> None:
-        """gemm: the GEMM kernel the weights are packed for (bf16_linear, half_linear), or None for no GEMMs;
-        half_gate: half_linear's gate | up runs as half_silu_gate (every build has it)."""
-        self.half_gate = gemm == "half_linear" and half_gate
+    def __init__(self, args: argparse.Namespace, gemm: str | None) -> None:
+        """gemm: the GEMM kernel the weights are packed for (bf16_linear, half_linear), or None for no GEMMs."""
         g = torch.Generator().manual_seed(0)
         hidden, inter, heads, kv, dim = args.hidden, args.intermediate, args.heads, args.kv_heads, args.head_dim
         bf16 = lambda *shape: torch.randn(*shape, generator=g).bfloat16()
@@ -122,8 +118,6 @@ def run_gemms(kernels: ModuleType, gemm: str, work: Workload, rows: int, lm_head
             start = time.perf_counter()
             if name == "gate_up" and gemm in BF16_GATES:
                 outputs.append(getattr(kernels, BF16_GATES[gemm])(x, weights[name], n // 2))
-            elif name == "gate_up" and work.half_gate:
-                outputs.append(getattr(kernels, HALF_GATE)(x, weights[name], n // 2))
             else:
                 outputs.append(linear(x, weights[name], None, n))
             seconds[name] += time.perf_counter() - start
@@ -163,7 +157,7 @@ def measure(builds: dict[str, ModuleType], args: argparse.Namespace) -> dict[str
     """{label: {"figures": {name: median}, "identical": bool}} over args.rounds rounds (the warm-up one dropped)."""
     gemm = gemm_kernel(builds)
     print(f"GEMMs: {gemm}" if gemm else "the GEMMs are skipped: a build has neither bf16_linear nor half_linear")
-    work = Workload(args, gemm, all(hasattr(kernels, HALF_GATE) for kernels in builds.values()))
+    work = Workload(args, gemm)
     scale = args.head_dim ** -0.5
     samples: dict[str, dict[str, list[float]]] = {label: {} for label in builds}
     outputs: dict[str, list] = {}

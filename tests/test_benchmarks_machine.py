@@ -186,23 +186,3 @@ def test_kernel_builds(capsys: pytest.CaptureFixture) -> None:
         kernel_builds.main(["a=/nonexistent/folder", *tiny])
     with pytest.raises(SystemExit, match="--min_context <= --max_context <= --prefill_tokens"):
         kernel_builds.main(["--max_context", "2000"])
-
-
-def test_gated_mlp(capsys: pytest.CaptureFixture) -> None:
-    """benchmarks/gated_mlp.py on a tiny shape: both ways' rates and their ratio for every dtype and row count (its
-    own check that half_silu_gate gives silu_mul's bits passes); a bad dtype or intermediate size is refused."""
-    gated_mlp = load_script("benchmarks/gated_mlp.py")
-    from modelzoo.cpu.kernels import cpu_kernels
-
-    with pytest.raises(SystemExit, match="--dtypes takes bfloat16, float16 and float32, got 'int8'"):
-        gated_mlp.main(["--dtypes", "int8"])
-    with pytest.raises(SystemExit, match="each intermediate size must be a multiple of 32"):
-        gated_mlp.main(["--shapes", "64x48"])
-    if cpu_kernels() is None:
-        pytest.skip("the C++ kernels cannot be built here")
-    assert gated_mlp.main(["--shapes", "64x96", "--rows", "1,7", "--layers", "2", "--rounds", "1"]) == 0
-    lines = [line for line in capsys.readouterr().out.splitlines() if " M=" in line]
-    assert [line.split()[:3] for line in lines] == [[dtype, "64x192", f"M={rows}"]
-                                                    for dtype in ("bfloat16", "float16", "float32") for rows in (1, 7)]
-    for line in lines:
-        assert re.search(r"half_linear \+ silu_mul +\d+\.\d +half_silu_gate +\d+\.\d +\(\d+\.\d\dx\)$", line), line

@@ -49,8 +49,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from modelzoo.cpu.memory import release_freed_memory, release_mapped
-from modelzoo.cpu.precision import (BF16Linear, HalfLinear, SiluGatedHalfLinear, apply_bf16_gemm, linear_like,
-                                    linear_shape, linear_shape_key, silu_gate_fusable)
+from modelzoo.cpu.precision import (BF16Linear, HalfLinear, apply_bf16_gemm, linear_like, linear_shape,
+                                    linear_shape_key)
 from modelzoo.errors import UserError
 from modelzoo.cpu.kernels import cpu_kernels, read_machine_choices, write_machine_choices
 
@@ -166,10 +166,8 @@ def available_backends(device: torch.device, dtype: torch.dtype) -> list[str]:
 
 
 def wrap(linear: nn.Linear, backend: str, decode_rows: int = DECODE_ROWS,
-         block_rows: int = BLOCK_ROWS[-1], silu_gate: bool = False) -> nn.Module:
-    """`linear` multiplied by `backend` (the module that replaces it); block_rows: a *_blocks backend's block;
-    silu_gate: `linear` is a SiLU GatedMLP's gate | up projection that `packed` multiplies with its gate applied
-    (half_silu_gate)."""
+         block_rows: int = BLOCK_ROWS[-1]) -> nn.Module:
+    """`linear` multiplied by `backend` (the module that replaces it); block_rows: a *_blocks backend's block."""
     if backend == "onednn":
         return OneDNNLinear(linear)
     if backend == "mkl":
@@ -177,7 +175,7 @@ def wrap(linear: nn.Linear, backend: str, decode_rows: int = DECODE_ROWS,
     if backend == "torch":
         return linear
     if backend == "packed":
-        return SiluGatedHalfLinear(linear) if silu_gate else HalfLinear(linear)
+        return HalfLinear(linear)
     if backend in BLOCK_BACKENDS:
         return RowBlockLinear(linear, backend.removesuffix("_blocks"), block_rows)
     raise ValueError(f"unknown GEMM backend {backend!r}; one of {', '.join(BACKENDS)}")
@@ -370,8 +368,7 @@ def apply_gemm_backend(model: nn.Module, dtype: torch.dtype, device: torch.devic
         parent, name, layer = layers.pop()
         key = _shape_key(layer, dtype)
         block_rows = plan.measured[key].get("block_rows", {}).get(plan.layers[key], BLOCK_ROWS[-1])
-        setattr(parent, name, wrap(layer, plan.layers[key], decode_rows, block_rows,
-                                   silu_gate=silu_gate_fusable(parent, name, layer)))
+        setattr(parent, name, wrap(layer, plan.layers[key], decode_rows, block_rows))
         release_mapped(layer.weight)  # re-laid out: its checkpoint pages go (kept as is: read again when used)
         del layer
     release_freed_memory()  # the checkpoint-layout weights just dropped

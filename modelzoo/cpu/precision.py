@@ -38,7 +38,7 @@ from modelzoo.cpu.facts import cpu_flags
 # dtype -> CPU flags (/proc/cpuinfo) of which any one means native matrix multiplies.
 NATIVE_CPU_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
 GEMM_BLOCK = 16  # output rows per packed block of bf16_linear's weights
-SILU_GATE_TILE = 32  # features per tile of bf16_silu_gate and half_silu_gate (4 blocks: 2 of gate rows, 2 of up rows)
+SILU_GATE_TILE = 32  # features per register tile of bf16_silu_gate (its 4 blocks: 2 of gate rows, 2 of up rows)
 TRIM_BYTES = 256 << 20  # old weight copies gather_packed_weights lets the allocator hold before it asks for them back
 
 
@@ -301,8 +301,6 @@ class HalfLinear(PackedLinear):
     nothing else (a fused or cast weight: no second copy written, the layer's weight then garbled); else, and for a
     view of the checkpoint's memory map, a part of a larger tensor or rows padded to blocks, into new memory."""
 
-    kernel = "half_linear"  # the C++ function this layer calls
-
     def __init__(self, layer: nn.Module, consume: bool = False) -> None:
         self.consume = consume
         super().__init__(layer)
@@ -317,49 +315,15 @@ class HalfLinear(PackedLinear):
         return cpu_kernels().half_linear(x.float(), self.packed, self.bias, self.out_features)  # (..., N) float32
 
 
-def pack_half_weight(weight: torch.Tensor, in_place: bool = False, silu_gate: bool = False) -> torch.Tensor:
+def pack_half_weight(weight: torch.Tensor, in_place: bool = False) -> torch.Tensor:
     """W (N, K) bfloat16, float16 or float32 -> (ceil(N/16), K, 16) in its dtype: for each input, 16 output rows'
     values side by side (zero rows pad N), written by the C++ kernels straight into the packed tensor, every block in
     parallel.
-    in_place: written over W itself (contiguous, N a multiple of 16), returned as a view of it.
-    silu_gate: W is gate | up, its blocks ordered for half_silu_gate (each 4 blocks 32 features' gate rows, then
-    their up rows), into new memory."""
+    in_place: written over W itself (contiguous, N a multiple of 16), returned as a view of it."""
     from modelzoo.cpu.kernels import cpu_kernels
 
     kernels = cpu_kernels()
-    if in_place and not silu_gate:
-        return kernels.pack_half_weight_in_place(weight)
-    return kernels.pack_half_weight(weight, silu_gate)
-
-
-class SiluGatedHalfLinear(HalfLinear):
-    """The gate | up projection of a SwiGLU MLP multiplied by half_silu_gate: returns silu(gate) * up (..., N/2)
-    float32, with half_linear's sums and silu_mul's bits, without writing gate | up (which the MLP would write and
-    read back, as wide as the model's intermediate size twice over). Its weight packed with each 4 blocks 32
-    features' gate rows, then their up rows (into new memory: the reorder cannot be done in place)."""
-
-    applies_silu_gate = True  # GatedMLP feeds its output straight to down_proj
-    kernel = "half_silu_gate"
-
-    def __init__(self, layer: nn.Module, consume: bool = False) -> None:
-        super().__init__(layer, consume)
-        self.out_features //= 2  # silu(gate) * up: one output per gate | up pair
-
-    def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        return pack_half_weight(weight, silu_gate=True)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from modelzoo.cpu.kernels import cpu_kernels
-
-        return cpu_kernels().half_silu_gate(x.float(), self.packed, self.out_features)  # (..., N/2) float32
-
-
-def half_linear_layer(parent: nn.Module, name: str, layer: nn.Module, consume: bool = False) -> HalfLinear:
-    """`layer`, child `name` of `parent`, multiplied by half_linear: by half_silu_gate where it is a SiLU GatedMLP's
-    gate | up projection that can take it (silu_gate_fusable)."""
-    if silu_gate_fusable(parent, name, layer):
-        return SiluGatedHalfLinear(layer, consume)
-    return HalfLinear(layer, consume)
+    return kernels.pack_half_weight_in_place(weight) if in_place else kernels.pack_half_weight(weight)
 
 
 class TiedHalfEmbedding(nn.Module):
@@ -386,11 +350,11 @@ def apply_half_gemm(model: nn.Module) -> dict[str, str]:
                   for name, module in parent.named_children() if isinstance(module, nn.Embedding)}
 
     def pack(parent: nn.Module, name: str, layer: nn.Module) -> tuple[PackedLinear, str]:
-        packed = half_linear_layer(parent, name, layer, consume=True)
+        packed = HalfLinear(layer, consume=True)
         tied = embeddings.pop(layer.weight.data_ptr(), None)
         if tied is not None and not getattr(layer, "weight_is_in_out", False):
             owner, attribute, _ = tied
             setattr(owner, attribute, TiedHalfEmbedding(tied[2], packed))
-        return packed, packed.kernel
+        return packed, "half_linear"
 
     return replace_linear_layers(model, pack)

@@ -56,14 +56,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(), py::arg("out_features"));
   m.def("pack_half_weight", &zoo::pack_half_weight,
         "W (N, K) bfloat16, float16 or float32 -> (ceil(N/16), K, 16) in its dtype: for each input, 16 output rows' "
-        "values side by side, zero rows padding N (the layout half_linear reads); blocks packed in parallel. With "
-        "silu_gate, W is gate | up (a multiple of 32 features each), its blocks ordered for half_silu_gate: each 4 "
-        "blocks 32 features' gate rows, then the same features' up rows",
-        py::arg("weight"), py::arg("silu_gate") = false);
-  m.def("half_silu_gate", &zoo::half_silu_gate,
-        "silu(gate) * up of x (..., K) float32 @ [gate | up]^T, for the gate | up weight packed by pack_half_weight "
-        "with silu_gate; half_linear's sums, float32 (..., out_features), silu_mul's bits",
-        py::arg("x"), py::arg("packed"), py::arg("out_features"));
+        "values side by side, zero rows padding N (the layout half_linear reads); blocks packed in parallel",
+        py::arg("weight"));
   m.def("pack_half_weight_in_place", &zoo::pack_half_weight_in_place,
         "pack_half_weight's layout written into W's own memory (contiguous, N a multiple of 16): returns a view of W",
         py::arg("weight"));

@@ -17,11 +17,6 @@
 // Two code paths: AVX2 + FMA (+ F16C for float16; every AVX2 CPU has it) with tiles of 6 rows x 16 outputs, and,
 // where the build has AVX-512, tiles of 6 rows x 64 outputs. The faster on this CPU is timed once per process
 // (`half_gemm_path`); tests set each.
-//
-// half_silu_gate is the same GEMM for a SwiGLU MLP's gate | up projection, whose SiLU gate it applies to each task's
-// sums as they leave (silu(gate) * up, silu_mul's bits): the weight is packed with each 4 blocks 32 features' gate
-// rows, then their up rows (pack_half_weight's `silu_gate`), so a task's 64 sums are 32 gate | up pairs, and the full
-// gate | up output is never written or read back.
 #include "kernels.h"
 #include "storage.h"
 #include "timed_choice.h"
@@ -186,19 +181,17 @@ void widen_panel(const T* w, int64_t blocks, int64_t block_values, int64_t k0, i
 // same bits.
 constexpr int64_t kRowsRun = 8 * kRowsTile;
 constexpr int64_t kPanelInputs = 128;
-constexpr int64_t kGatedFeatures = 2 * kBlock;  // silu_gate: a task's 4 blocks are these features' gate, then up rows
 
 template <typename T>
 void multiply(const float* x, int64_t rows, int64_t k, const T* w, int64_t blocks, const float* bias,
-              int64_t out_features, float* y, Path path, bool silu_gate) {
-  const int64_t blocks_tile = silu_gate || path == Path::kAvx512 || rows > kRowsTile ? 4 : 1;
+              int64_t out_features, float* y, Path path) {
+  const int64_t blocks_tile = path == Path::kAvx512 || rows > kRowsTile ? 4 : 1;
   const int64_t column_tiles = (blocks + blocks_tile - 1) / blocks_tile;
   const int64_t row_runs = (rows + kRowsRun - 1) / kRowsRun;
   const int64_t block_values = k * kBlock;
   at::parallel_for(0, column_tiles * row_runs, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float sums[kRowsRun * 4 * kBlock];
     alignas(64) float panel[kPanelInputs * 4 * kBlock];
-    alignas(64) float silu[kGatedFeatures];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t block = task / row_runs * blocks_tile, run = task % row_runs * kRowsRun;
       const int64_t run_rows = std::min(kRowsRun, rows - run), tile_blocks = std::min(blocks_tile, blocks - block);
@@ -221,11 +214,7 @@ void multiply(const float* x, int64_t rows, int64_t k, const T* w, int64_t block
       for (int64_t r = 0; r < run_rows; ++r) {
         float* out = y + (run + r) * out_features;
         const float* values = sums + r * stride;
-        if (silu_gate) {  // silu(gate) * up, as silu_mul computes it from the full output
-          silu_row(values, silu, kGatedFeatures);
-          float* gated = out + block / 2 * kBlock;
-          for (int64_t n = 0; n < kGatedFeatures; ++n) gated[n] = silu[n] * values[kGatedFeatures + n];
-        } else if (bias) {
+        if (bias) {
           for (int64_t n = first; n < last; ++n) out[n] = values[n - first] + bias[n];
         } else {
           std::memcpy(out + first, values, (last - first) * sizeof(float));
@@ -236,7 +225,7 @@ void multiply(const float* x, int64_t rows, int64_t k, const T* w, int64_t block
 }
 
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
-                     int64_t out_features, Path path, bool silu_gate = false) {
+                     int64_t out_features, Path path) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 1,
               "x must be a float32 CPU tensor (..., K)");
   TORCH_CHECK(packed.dim() == 3 && is_storage_type(packed.scalar_type()) && packed.size(2) == kBlock &&
@@ -244,13 +233,8 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
               "packed must be contiguous bfloat16, float16 or float32 (N/16, K, 16)");
   const int64_t blocks = packed.size(0), k = x.size(-1);
   TORCH_CHECK(packed.size(1) == k, "x's last dimension does not match the packed weight");
-  if (silu_gate) {
-    TORCH_CHECK(!bias && blocks % 4 == 0 && out_features * 2 == blocks * kBlock,
-                "a SiLU-gated weight packs gate | up of out_features each, in tiles of 2 + 2 blocks, and no bias");
-  } else {
-    TORCH_CHECK(out_features > 0 && out_features <= blocks * kBlock && out_features > (blocks - 1) * kBlock,
-                "out_features does not match the packed weight");
-  }
+  TORCH_CHECK(out_features > 0 && out_features <= blocks * kBlock && out_features > (blocks - 1) * kBlock,
+              "out_features does not match the packed weight");
   if (bias) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->scalar_type() == at::kFloat &&
                     bias->is_contiguous(), "bias must be contiguous float32 (out_features,)");
@@ -263,7 +247,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
   const float* b = bias ? bias->data_ptr<float>() : nullptr;
   ZOO_DISPATCH_FLOATS(packed.scalar_type(), "half_linear", [&] {
     multiply<scalar_t>(input.data_ptr<float>(), rows, k, packed.data_ptr<scalar_t>(), blocks, b, out_features,
-                       out.data_ptr<float>(), path, silu_gate);
+                       out.data_ptr<float>(), path);
   });
   return out;
 }
@@ -288,10 +272,6 @@ torch::Tensor half_linear(const torch::Tensor& x, const torch::Tensor& packed, c
   return linear(x, packed, bias, out_features, path_in_use());
 }
 
-torch::Tensor half_silu_gate(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features) {
-  return linear(x, packed, c10::nullopt, out_features, path_in_use(), true);
-}
-
 namespace {
 
 void check_half_weight(const torch::Tensor& weight) {
@@ -314,28 +294,17 @@ void pack_block(const E* in, int64_t rows, int64_t k, E* out) {
 
 }  // namespace
 
-torch::Tensor pack_half_weight(const torch::Tensor& weight, bool silu_gate) {
+torch::Tensor pack_half_weight(const torch::Tensor& weight) {
   check_half_weight(weight);
   const auto w = weight.contiguous();
   const int64_t n = w.size(0), k = w.size(1), blocks = (n + kBlock - 1) / kBlock;
-  TORCH_CHECK(!silu_gate || n % (2 * kGatedFeatures) == 0,
-              "a SiLU-gated weight is gate | up with a multiple of 32 features each, not ", n, " rows");
-  // silu_gate: packed block b holds tile b / 4's features; its first two blocks gate rows, its last two up rows.
-  const int64_t half_blocks = blocks / 2;
-  auto source_block = [&](int64_t b) {
-    if (!silu_gate) return b;
-    const int64_t tile = b / 4, j = b % 4;
-    return j < 2 ? 2 * tile + j : half_blocks + 2 * tile + j - 2;
-  };
   auto packed = torch::empty({blocks, k, kBlock}, w.options());
   ZOO_DISPATCH_FLOATS(w.scalar_type(), "pack_half_weight", [&] {
     const auto* src = w.data_ptr<scalar_t>();
     auto* dst = packed.data_ptr<scalar_t>();
     at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t b = begin; b < end; ++b) {
-        const int64_t from = source_block(b);
-        pack_block(src + from * kBlock * k, std::min(kBlock, n - from * kBlock), k, dst + b * k * kBlock);
-      }
+      for (int64_t b = begin; b < end; ++b)
+        pack_block(src + b * kBlock * k, std::min(kBlock, n - b * kBlock), k, dst + b * k * kBlock);
     });
   });
   return packed;

@@ -52,14 +52,9 @@ torch::Tensor amx_bf16_silu_gate(const torch::Tensor& x, const torch::Tensor& pa
 // times float32 activations, float32 sums and outputs (AVX2, or AVX-512 where built).
 torch::Tensor half_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                           int64_t out_features);
-// half_linear for a SwiGLU gate | up weight packed with pack_half_weight's silu_gate: silu(gate) * up
-// (..., out_features) float32, silu_mul's bits, without writing gate | up.
-torch::Tensor half_silu_gate(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features);
 // W (N, K) bfloat16, float16 or float32 -> (N/16 rounded up, K, 16) in its dtype, zero rows padding N: half_linear's
 // layout.
-// With silu_gate, W is a gate | up projection (gate rows, then up rows; each a multiple of 32) packed for
-// half_silu_gate: each 4 blocks 32 features' gate rows, then the same features' up rows.
-torch::Tensor pack_half_weight(const torch::Tensor& weight, bool silu_gate);
+torch::Tensor pack_half_weight(const torch::Tensor& weight);
 // The same layout written into the weight's own memory (contiguous, N a multiple of 16), returned as a view of it.
 torch::Tensor pack_half_weight_in_place(torch::Tensor& weight);
 // Which code path half_linear takes, "avx2" or "avx512": the faster here, timed at the first call; `use` sets it.
