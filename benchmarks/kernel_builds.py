@@ -32,9 +32,9 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from modelzoo.models.kv_cache import zeroed_cache_tensor  # noqa: E402
-from modelzoo.cpu.memory import copy_into, huge_page_slices  # noqa: E402
+from modelzoo.cpu.memory import PackedWeightArena  # noqa: E402
 from modelzoo.cpu.kernels import _built_library, _load_library, kernel_build_dir  # noqa: E402
-from modelzoo.cpu.precision import SILU_GATE_TILE, pack_bf16_weight, pack_half_weight  # noqa: E402
+from modelzoo.cpu.precision import SILU_GATE_TILE, pack_bf16_weight, pack_half_weight, packed_bytes_bound  # noqa: E402
 
 BF16_GATES = {"bf16_linear": "bf16_silu_gate", "amx_bf16_linear": "amx_bf16_silu_gate"}  # each GEMM's SiLU-gated one
 
@@ -66,18 +66,14 @@ class Workload:
         pack = pack_bf16_weight if gemm in BF16_GATES else pack_half_weight
         self.shapes = {"qkv": (hidden, (heads + 2 * kv) * dim), "o": (heads * dim, hidden),
                        "gate_up": (hidden, 2 * inter), "down": (inter, hidden)}
-        self.weights = [{name: pack(bf16(n, k)) for name, (k, n) in self.shapes.items()}
+        # Packed side by side on huge pages, in the order a forward pass reads them, as a job lays its weights out.
+        shaped = lambda n, k: torch.empty(n, k, dtype=torch.bfloat16, device="meta")  # a shape, no memory
+        arena = PackedWeightArena(args.layers * sum(packed_bytes_bound(shaped(n, k)) for k, n in self.shapes.values())
+                                  + packed_bytes_bound(shaped(args.vocab, hidden)) if gemm else 0)
+        self.weights = [{name: pack(bf16(n, k), arena.take) for name, (k, n) in self.shapes.items()}
                         for _ in range(args.layers)] if gemm else []
         self.vocab = args.vocab
-        self.lm_head = pack(bf16(args.vocab, hidden)) if gemm else None
-        if gemm:  # side by side on huge pages, as a job gathers its packed weights (gather_packed_weights)
-            names = [(layer, name) for layer, weights in enumerate(self.weights) for name in weights]
-            tensors = [self.weights[layer][name] for layer, name in names] + [self.lm_head]
-            places = huge_page_slices([t.numel() * t.element_size() for t in tensors])
-            moved = [copy_into(place, tensor) for place, tensor in zip(places, tensors)]
-            for (layer, name), tensor in zip(names, moved):
-                self.weights[layer][name] = tensor
-            self.lm_head = moved[-1]
+        self.lm_head = pack(bf16(args.vocab, hidden), arena.take) if gemm else None
         lengths = torch.randint(args.min_context, args.max_context + 1, (args.rows,), generator=g)
         max_len = args.max_context + 1
         def cache() -> torch.Tensor:  # allocated as a job's KV cache is (huge pages where Linux gives them)

@@ -20,8 +20,7 @@ import torch
 from modelzoo.cpu.gemm import GemmPlan, apply_bf16_kernels, apply_gemm_backend, weight_bytes
 from modelzoo.cpu.int8_compute import apply_int8_backend
 from modelzoo.cpu.kernels import cpu_kernels, kernel_build_dir, machine_dir
-from modelzoo.cpu.precision import (PrecisionPolicy, apply_half_gemm, gather_packed_weights, keep_gemm_weights,
-                                    precision_policy)
+from modelzoo.cpu.precision import PrecisionPolicy, apply_half_gemm, keep_gemm_weights, precision_policy
 from modelzoo.cpu.quantization import int8_summary
 from modelzoo.cuda.attention_backends import choose_attention_backends
 from modelzoo.cuda.memory import available_memory, prefill_token_budget
@@ -182,9 +181,6 @@ class Runtime:
             self._choose_gemm(spare_bytes=(free - cache) // 2)
             if cache_key:
                 weight_cache.save(Path(spec.weight_cache), cache_key, CachedLayout(self.model, self.gemm))
-            moved = gather_packed_weights(self.model)  # (a weight cache's layout stays on its file's pages)
-            if moved:
-                log.info("packed weights: %.2f GiB gathered on transparent huge pages", moved / 2**30)
         self.step_rows = self._smaller_steps()  # row counts of smaller decode steps
         laid_out = time.perf_counter()
         self.drafter = self._drafter()

@@ -94,15 +94,23 @@ def unsaveable(model: nn.Module) -> str | None:
 
 
 def _compact(model: nn.Module) -> int:
-    """Every tensor of `model` that views part of a larger storage (a checkpoint's memory map, a fused weight) made
-    its own copy, so the file holds each tensor's bytes, not the whole storage it came from. A tensor held in
-    several places (a tied weight) gets one copy, held in all of them. Returns the bytes the file will hold."""
+    """Every tensor of `model` that views part of a larger storage of which the model's tensors view less than half (a
+    checkpoint's memory map, a fused weight) made its own copy, so the file holds each tensor's bytes, not the whole
+    storage it came from; a storage they mostly view (the packed weights' arena, PackedWeightArena) is written
+    whole, once, its tensors left where they are. A tensor held in several places (a tied weight) gets one copy,
+    held in all of them. Returns the bytes the file will hold."""
+    viewed: dict[int, int] = {}  # storage address -> the bytes of it the model's tensors view
+    for tensor in {id(tensor): tensor for *_, tensor in _tensors(model)}.values():
+        address = tensor.untyped_storage().data_ptr()
+        viewed[address] = viewed.get(address, 0) + tensor.numel() * tensor.element_size()
     copies: dict[int, torch.Tensor] = {}
     storages: dict[int, int] = {}
     for _, holder, name, tensor in _tensors(model):
+        storage = tensor.untyped_storage()
         if id(tensor) in copies:
             tensor = holder[name] = copies[id(tensor)]
-        elif tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
+        elif (storage.nbytes() > tensor.numel() * tensor.element_size()
+              and 2 * viewed[storage.data_ptr()] < storage.nbytes()):
             copy = tensor.detach().clone()
             copy = nn.Parameter(copy, requires_grad=False) if isinstance(tensor, nn.Parameter) else copy
             tensor = copies[id(tensor)] = holder[name] = copy

@@ -47,27 +47,80 @@ def test_a_cache_smaller_than_a_huge_page_is_zeroed_and_writable():
     assert cache.keys[0].sum() == 8 and not cache.values[0].any()
 
 
+def status_kib(field: str) -> int:
+    """A KiB figure of /proc/self/status (VmRSS, VmHWM: the peak since the last reset)."""
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {field} line in /proc/self/status")
+
+
 @linux
 @transparent_huge_pages
-def test_packed_weights_are_gathered_on_huge_pages_and_multiply_as_before():
-    """gather_packed_weights moves every packed weight into one mapping advised to huge pages, side by side at 64-byte
-    boundaries; the layers' outputs keep their bits, and a model without packed layers is left alone."""
+@pytest.mark.parametrize("layout", ["half_linear", "bf16_linear", "packed"])
+def test_packed_weights_are_laid_out_side_by_side_on_huge_pages(layout):
+    """Each C++ GEMM layout's weights (half_linear's and bf16_linear's layers, the float32 candidate `packed`) are
+    written as they are packed into one mapping advised to huge pages, side by side at 64-byte boundaries, each with
+    the values its layout gives in new memory; the layers multiply as ever."""
     from torch import nn
 
+    from modelzoo.cpu.gemm import apply_gemm_backend
     from modelzoo.cpu.kernels import cpu_kernels
-    from modelzoo.cpu.precision import HalfLinear, gather_packed_weights
+    from modelzoo.cpu.precision import PackedLinear, apply_bf16_gemm, apply_half_gemm, pack_bf16_weight, pack_half_weight
+
+    if layout != "bf16_linear" and cpu_kernels() is None:
+        pytest.skip("the C++ kernels cannot be built here")
+    torch.manual_seed(0)
+    dtype = torch.float32 if layout == "packed" else torch.bfloat16
+    model = nn.Sequential(nn.Linear(1024, 1040, bias=False, dtype=dtype), nn.Linear(1040, 24, bias=False, dtype=dtype))
+    weights = [layer.weight.detach().clone() for layer in model]
+    x = torch.randn(5, 1024)
+    if layout == "packed":
+        apply_gemm_backend(model, dtype, torch.device("cpu"), "packed")
+    else:
+        (apply_half_gemm if layout == "half_linear" else apply_bf16_gemm)(model)
+    assert all(isinstance(layer, PackedLinear) for layer in model)
+    pack = pack_bf16_weight if layout == "bf16_linear" else pack_half_weight
+    for layer, weight in zip(model, weights):
+        assert torch.equal(layer.packed, pack(weight))
+    first, second = (layer.packed.data_ptr() for layer in model)  # in the order a forward pass reads them
+    assert first % HUGE_PAGE_BYTES == 0 and second - first == -(-model[0].packed_bytes() // 64) * 64
+    assert "hg" in vm_flags(first)  # the whole 2 MiB pages (the last, partial one is not advised)
+    if layout != "bf16_linear" or "avx512_bf16" in open("/proc/cpuinfo").read():
+        inputs = x.bfloat16() if layout == "bf16_linear" else x  # bf16_linear multiplies bfloat16 inputs
+        with torch.inference_mode():
+            want = inputs.double() @ weights[0].double().T
+            torch.testing.assert_close(model[0](x).double(), want, rtol=1e-5, atol=1e-5)
+
+
+@linux
+def test_laying_out_16_bit_weights_holds_one_copy_of_them(tmp_path):
+    """apply_half_gemm over a loaded bfloat16 checkpoint (its weights views of the file's pages or, fused, of their
+    own memory): the peak resident memory grows by the packed weights and a layer or two in flight, never by a
+    second copy of the model."""
+    from harness import save_tiny_model
+    from safetensors.torch import load_file, save_file
+    from tiny_configs import narrow_llama_config
+
+    from modelzoo.cpu.kernels import cpu_kernels
+    from modelzoo.cpu.precision import HalfLinear, apply_half_gemm
+    from modelzoo.models.checkpoint import load_model
 
     if cpu_kernels() is None:
         pytest.skip("the C++ kernels cannot be built here")
-    torch.manual_seed(0)
-    model = nn.Sequential(HalfLinear(nn.Linear(1024, 1040)), HalfLinear(nn.Linear(1040, 24)))  # 4 MiB + 97.5 KiB
-    x = torch.randn(5, 1024)
-    with torch.inference_mode():
-        before = model(x)
-        sizes = [layer.packed_bytes() for layer in model]
-        assert gather_packed_weights(model) == sum(sizes)
-        assert torch.equal(model(x), before)
-    first, second = (layer.packed.data_ptr() for layer in model)
-    assert first % HUGE_PAGE_BYTES == 0 and second - first == -(-sizes[0] // 64) * 64
-    assert "hg" in vm_flags(first)  # the whole 2 MiB pages (the last, partial one is not advised)
-    assert gather_packed_weights(nn.Sequential(nn.Linear(4, 4))) == 0
+    config = narrow_llama_config(hidden_size=512, intermediate_size=2048, num_attention_heads=8, num_key_value_heads=8,
+                                 num_hidden_layers=4, vocab_size=4096, tie_word_embeddings=False)
+    folder = save_tiny_model(config, tmp_path / "ckpt")
+    weights = folder / "model.safetensors"
+    save_file({name: tensor.to(torch.bfloat16) for name, tensor in load_file(weights).items()}, weights)
+    apply_half_gemm(load_model(folder, torch.bfloat16, torch.device("cpu"))[0])  # code and allocator warmed up
+    model, _ = load_model(folder, torch.bfloat16, torch.device("cpu"))
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")  # resets VmHWM to the current resident size
+    before = status_kib("VmRSS")
+    apply_half_gemm(model)
+    packed_kib = sum(layer.packed_bytes() for layer in model.modules() if isinstance(layer, HalfLinear)) // 1024
+    largest_layer_kib = 2 * 2048 * 512 * 2 // 1024  # a fused gate | up weight
+    assert packed_kib > 20 * 1024
+    grown = status_kib("VmHWM") - before
+    assert grown <= packed_kib + 2 * largest_layer_kib + 4 * 1024, (grown, packed_kib)

@@ -210,47 +210,48 @@ def test_packed_half_weight_layout(dtype, out_features, in_features):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [BF16, F16, F32])
-def test_half_weight_packed_in_its_own_memory(dtype):
-    """In place, the packed layout is the one written into new memory, in the weight's own storage; a weight that
-    is not whole blocks of 16 rows is refused."""
-    weight = torch.randn(48, 70).to(dtype)
+def test_half_weight_packed_into_given_memory(dtype):
+    """Into memory the caller gives, the packed layout is the one written into new memory, every value overwritten
+    (padding rows included); memory of another shape, dtype or layout is refused."""
+    weight = torch.randn(37, 70).to(dtype)
     expected = precision.pack_half_weight(weight)
-    address = weight.data_ptr()
-    packed = precision.pack_half_weight(weight, in_place=True)
-    assert torch.equal(packed, expected) and packed.data_ptr() == address
-    with pytest.raises(RuntimeError, match="whole blocks of 16 rows"):
-        precision.pack_half_weight(torch.randn(17, 5).to(dtype), in_place=True)
+    out = torch.full((3, 70, 16), 7.0, dtype=dtype)
+    packed = precision.pack_half_weight(weight, lambda shape, dtype: out)
+    assert packed.data_ptr() == out.data_ptr() and torch.equal(packed, expected)
+    for wrong in (torch.empty(3, 70, 17, dtype=dtype), torch.empty(2, 70, 16, dtype=dtype),
+                  torch.empty(3, 70, 16, dtype=F32 if dtype != F32 else BF16),
+                  torch.empty(3, 16, 70, dtype=dtype).transpose(1, 2)):
+        with pytest.raises(RuntimeError, match=r"out must be a contiguous CPU tensor of the weight's dtype"):
+            cpu_kernels().pack_half_weight(weight, wrong)
 
 
 @needs_kernels
-def test_half_linear_packs_only_a_weight_owning_its_memory(tmp_path):
-    """A HalfLinear that consumes its layer packs a weight of its own memory in place (its storage reused, no second
-    copy), and a view of a larger tensor or of a checkpoint's memory map into new memory, leaving what it views as
-    it was; one that does not consume it never writes over the layer's weight."""
+def test_half_linear_leaves_its_layers_weight_as_it_was(tmp_path):
+    """A HalfLinear packs into memory of its own, whatever its layer's weight is (its own memory, a view of a larger
+    tensor, a view of a checkpoint's memory map), and leaves that weight's values as they were."""
     from modelzoo.cpu.memory import map_private
 
     owned = torch.nn.Linear(70, 32, bias=False, dtype=BF16)
-    address, before = owned.weight.data_ptr(), owned.weight.detach().clone()
+    before = owned.weight.detach().clone()
     expected = precision.pack_half_weight(before)
-    kept = precision.HalfLinear(owned)
-    assert kept.packed.data_ptr() != address and torch.equal(owned.weight, before)
-    consumed = precision.HalfLinear(owned, consume=True)
-    assert consumed.packed.data_ptr() == address and torch.equal(consumed.packed, expected)
+    layer = precision.HalfLinear(owned)
+    assert layer.packed.data_ptr() != owned.weight.data_ptr() and torch.equal(layer.packed, expected)
+    assert torch.equal(owned.weight, before)
     whole = torch.randn(64, 70).to(BF16)
     part = torch.nn.Linear(70, 32, bias=False, dtype=BF16)
     part.weight = torch.nn.Parameter(whole[16:48], requires_grad=False)
     whole_before = whole.clone()
-    assert torch.equal(precision.HalfLinear(part, consume=True).packed, precision.pack_half_weight(whole_before[16:48]))
+    assert torch.equal(precision.HalfLinear(part).packed, precision.pack_half_weight(whole_before[16:48]))
     assert torch.equal(whole, whole_before)
     file = tmp_path / "weight.bin"
-    file.write_bytes(expected.view(-1).view(torch.uint8).numpy().tobytes())
+    file.write_bytes(before.view(-1).view(torch.uint8).numpy().tobytes())
     with open(file, "rb") as handle:
         mapping = map_private(handle)
         mapped = torch.frombuffer(mapping, dtype=BF16).view(32, 70)
         layer = torch.nn.Linear(70, 32, bias=False, dtype=BF16)
         layer.weight = torch.nn.Parameter(mapped, requires_grad=False)
-        assert precision.HalfLinear(layer, consume=True).packed.data_ptr() != mapped.data_ptr()
-        assert torch.equal(mapped.reshape(-1), expected.reshape(-1))  # the map's bytes untouched
+        assert torch.equal(precision.HalfLinear(layer).packed, expected)
+        assert torch.equal(mapped, before)  # the map's bytes untouched
 
 
 def half_gemm_paths() -> list[str]:

@@ -183,3 +183,34 @@ def test_nothing_is_written_to_a_disk_without_room(tmp_path, checkpoint, data, c
     assert "weight cache: not written" in caplog.text and "0.50 GiB free" in caplog.text
     assert not list(cache.iterdir())
     np.testing.assert_array_equal(got, job(tmp_path, "plain", checkpoint, data, dtype="bfloat16"))
+
+
+def test_the_file_holds_each_tensors_bytes_and_the_packed_weights_arena_once(tmp_path):
+    """Before writing, a tensor viewing a small part of a larger storage (a checkpoint's map, most of whose weights
+    were replaced) gets its own copy; the packed weights, which fill their arena, stay where they are and are written
+    as that one storage; a tied tensor is one copy; the file maps back to the same values."""
+    import torch
+    from torch import nn
+
+    from modelzoo import weight_cache
+    from modelzoo.cpu.memory import PackedWeightArena
+
+    arena = PackedWeightArena(2 * 64 * 1024 * 4)
+    model = nn.Module()
+    model.first, model.second = (arena.take((64, 1024), torch.float32).normal_() for _ in range(2))
+    mostly_replaced = torch.randn(16, 1024)
+    model.norm = nn.Parameter(mostly_replaced[3], requires_grad=False)
+    model.tied = model.first
+    arena_address = model.first.untyped_storage().data_ptr()
+    size = weight_cache._compact(model)
+    assert model.first.untyped_storage().data_ptr() == arena_address == model.second.untyped_storage().data_ptr()
+    assert model.tied is model.first
+    assert isinstance(model.norm, nn.Parameter) and model.norm.untyped_storage().nbytes() == 1024 * 4
+    assert torch.equal(model.norm, mostly_replaced[3])
+    assert size == model.first.untyped_storage().nbytes() + 1024 * 4
+    path = tmp_path / "model.pt"
+    torch.save(model, path)
+    assert size <= path.stat().st_size < size + 64 * 1024
+    loaded = torch.load(path, mmap=True, weights_only=False)
+    assert torch.equal(loaded.first, model.first) and torch.equal(loaded.second, model.second)
+    assert loaded.tied.data_ptr() == loaded.first.data_ptr() and torch.equal(loaded.norm, model.norm)

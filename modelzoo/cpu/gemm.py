@@ -48,9 +48,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from modelzoo.cpu.memory import release_freed_memory, release_mapped
+from modelzoo.cpu.memory import PackedWeightArena, release_freed_memory, release_mapped
 from modelzoo.cpu.precision import (BF16Linear, HalfLinear, apply_bf16_gemm, linear_like, linear_shape,
-                                    linear_shape_key)
+                                    linear_shape_key, packed_bytes_bound)
 from modelzoo.errors import UserError
 from modelzoo.cpu.kernels import cpu_kernels, read_machine_choices, write_machine_choices
 
@@ -165,9 +165,10 @@ def available_backends(device: torch.device, dtype: torch.dtype) -> list[str]:
     return names
 
 
-def wrap(linear: nn.Linear, backend: str, decode_rows: int = DECODE_ROWS,
-         block_rows: int = BLOCK_ROWS[-1]) -> nn.Module:
-    """`linear` multiplied by `backend` (the module that replaces it); block_rows: a *_blocks backend's block."""
+def wrap(linear: nn.Linear, backend: str, decode_rows: int = DECODE_ROWS, block_rows: int = BLOCK_ROWS[-1],
+         arena: PackedWeightArena | None = None) -> nn.Module:
+    """`linear` multiplied by `backend` (the module that replaces it); block_rows: a *_blocks backend's block; arena:
+    where `packed` lays out its weight (else new memory)."""
     if backend == "onednn":
         return OneDNNLinear(linear)
     if backend == "mkl":
@@ -175,7 +176,7 @@ def wrap(linear: nn.Linear, backend: str, decode_rows: int = DECODE_ROWS,
     if backend == "torch":
         return linear
     if backend == "packed":
-        return HalfLinear(linear)
+        return HalfLinear(linear, arena)
     if backend in BLOCK_BACKENDS:
         return RowBlockLinear(linear, backend.removesuffix("_blocks"), block_rows)
     raise ValueError(f"unknown GEMM backend {backend!r}; one of {', '.join(BACKENDS)}")
@@ -364,11 +365,14 @@ def apply_gemm_backend(model: nn.Module, dtype: torch.dtype, device: torch.devic
             if backend == "mkl":
                 plan.layers[key] = fastest(plan.measured[key], exclude=("mkl",))
     plan.check_invariance()
+    arena = PackedWeightArena(sum(packed_bytes_bound(layer.weight) for _, _, layer in layers
+                                  if plan.layers[_shape_key(layer, dtype)] == "packed"))  # `packed`'s weights side by side
+    layers.reverse()  # popped first to last: `packed`'s weights laid out in the order a forward pass reads them
     while layers:  # one layer at a time, dropping each old layer at once: at most one weight is held twice
         parent, name, layer = layers.pop()
         key = _shape_key(layer, dtype)
         block_rows = plan.measured[key].get("block_rows", {}).get(plan.layers[key], BLOCK_ROWS[-1])
-        setattr(parent, name, wrap(layer, plan.layers[key], decode_rows, block_rows))
+        setattr(parent, name, wrap(layer, plan.layers[key], decode_rows, block_rows, arena))
         release_mapped(layer.weight)  # re-laid out: its checkpoint pages go (kept as is: read again when used)
         del layer
     release_freed_memory()  # the checkpoint-layout weights just dropped

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import mmap
 import os
+import sys
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -79,14 +81,6 @@ def release_mapped(tensor: torch.Tensor) -> None:
         mapping.madvise(mmap.MADV_DONTNEED, first, last - first)
 
 
-def owns_its_memory(tensor: torch.Tensor) -> bool:
-    """Whether `tensor` is contiguous and alone in memory of its own: all of its storage, not a view of a larger
-    tensor or of a checkpoint's memory map (whose pages release_mapped drops)."""
-    return (tensor.is_contiguous() and tensor.storage_offset() == 0
-            and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
-            and _mapping_of(tensor) is None)
-
-
 HUGE_PAGE_BYTES = 2 * 2**20
 
 
@@ -95,7 +89,7 @@ def huge_page_bytes(nbytes: int) -> torch.Tensor:
     advised to transparent huge pages where the kernel has them (on Linux). For tensors read whole, streamed
     once per step (the KV cache, the weights a decode step reads): over 4 KiB pages every 4 KiB is a TLB miss and a
     restart of the hardware prefetcher. (Memory the allocator hands back may already be backed by small pages,
-    which advice cannot change: hence a mapping of its own, kept by the tensor.)"""
+    which advice cannot change: hence a mapping of its own, kept by the tensor, whose storage is those nbytes.)"""
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = torch.frombuffer(mapping, dtype=torch.uint8)
     offset = -raw.data_ptr() % HUGE_PAGE_BYTES
@@ -105,21 +99,38 @@ def huge_page_bytes(nbytes: int) -> torch.Tensor:
             mapping.madvise(mmap.MADV_HUGEPAGE, offset, whole_pages)
         except OSError:  # a kernel without transparent huge pages
             pass
-    return raw[offset: offset + nbytes]
+    if not nbytes:
+        return raw[:0]
+    return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=offset)  # not the alignment's bytes
 
 
-def huge_page_slices(sizes: list[int]) -> list[torch.Tensor]:
-    """Byte views of one huge_page_bytes mapping, one per size, side by side at 64-byte boundaries."""
-    starts = [0]
-    for size in sizes:
-        starts.append(starts[-1] + -(-size // 64) * 64)
-    arena = huge_page_bytes(starts[-1])
-    return [arena[start: start + size] for start, size in zip(starts, sizes)]
+Memory = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]  # (shape, dtype) -> an uninitialised tensor
 
 
-def copy_into(place: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
-    """A copy of `tensor` (contiguous) in `place`, a byte view of its size (one of huge_page_slices)."""
-    return place.view(tensor.dtype).view(tensor.shape).copy_(tensor)
+def new_memory(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Uninitialised memory from torch's allocator (a PackedWeightArena's `take` where there is no arena)."""
+    return torch.empty(shape, dtype=dtype)
+
+
+class PackedWeightArena:
+    """Memory for the weights the C++ GEMMs read in layouts of their own, handed out side by side at 64-byte boundaries
+    from one fresh mapping of `nbytes` on transparent huge pages (huge_page_bytes; on Linux), each weight written
+    there as it is packed: a decode step streams every weight once from memory, and over 4 KiB pages a weight of a
+    few MiB is a TLB miss and a restart of the hardware prefetcher every 4 KiB. Only the pages written are resident,
+    so `nbytes` may be a bound; a piece past it (or any piece off Linux) is new_memory."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.memory = huge_page_bytes(nbytes) if nbytes > 0 and sys.platform.startswith("linux") else None
+        self.used = 0
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The next piece: an uninitialised tensor of `shape` and `dtype`."""
+        size = math.prod(shape) * dtype.itemsize
+        start = -(-self.used // 64) * 64
+        if self.memory is None or start + size > self.memory.numel():
+            return new_memory(shape, dtype)
+        self.used = start + size
+        return self.memory[start: start + size].view(dtype).view(shape)
 
 
 @functools.cache

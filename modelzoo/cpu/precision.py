@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from modelzoo.cpu.memory import copy_into, huge_page_slices, owns_its_memory, release_freed_memory, release_mapped
+from modelzoo.cpu.memory import Memory, PackedWeightArena, new_memory, release_freed_memory, release_mapped
 from modelzoo.cpu.facts import cpu_flags
 
 
@@ -39,7 +39,7 @@ from modelzoo.cpu.facts import cpu_flags
 NATIVE_CPU_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
 GEMM_BLOCK = 16  # output rows per packed block of bf16_linear's weights
 SILU_GATE_TILE = 32  # features per register tile of bf16_silu_gate (its 4 blocks: 2 of gate rows, 2 of up rows)
-TRIM_BYTES = 256 << 20  # old weight copies gather_packed_weights lets the allocator hold before it asks for them back
+TRIM_BYTES = 256 << 20  # dropped weights replace_linear_layers lets the allocator hold before it asks for them back
 
 
 @dataclass(frozen=True)
@@ -139,46 +139,24 @@ class CastOutput:
 
 class PackedLinear(nn.Module):
     """A linear layer whose weight a C++ GEMM reads in a layout of its own (`pack`), with a float32 bias and float32
-    outputs; shape_key names its weight as the GEMM plan does ('bfloat16 576x1536')."""
+    outputs; shape_key names its weight as the GEMM plan does ('bfloat16 576x1536'). The layout is written into
+    `arena` where given (beside the model's other packed weights, on huge pages: replace_linear_layers), else into
+    new memory; the layer's weight is left as it was."""
 
-    def __init__(self, layer: nn.Module) -> None:
+    def __init__(self, layer: nn.Module, arena: PackedWeightArena | None = None) -> None:
         super().__init__()
-        weight = layer.weight.detach()
-        if getattr(layer, "weight_is_in_out", False):
-            weight = weight.t()  # (in, out) -> (out, in)
+        weight = oriented_weight(layer)
         self.out_features, self.in_features = weight.shape
-        self.packed = self.pack(weight)
+        self.packed = self.pack(weight, arena.take if arena is not None else new_memory)
         self.shape_key = linear_shape_key(layer, self.packed.dtype)
         self.bias = None if layer.bias is None else nn.Parameter(layer.bias.detach().float(), requires_grad=False)
 
-    def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        """W (N, K) -> the kernel's layout."""
+    def pack(self, weight: torch.Tensor, memory: Memory) -> torch.Tensor:
+        """W (N, K) -> the kernel's layout, written into memory(shape, dtype)."""
         raise NotImplementedError
 
     def packed_bytes(self) -> int:
         return self.packed.numel() * self.packed.element_size()
-
-
-def gather_packed_weights(model: nn.Module) -> int:
-    """Moves the packed weights of `model`'s PackedLinear layers side by side into one mapping on transparent huge
-    pages (huge_page_bytes; each at a 64-byte boundary), one layer at a time, each old copy dropped as its new one is
-    made. A decode step streams every weight once from memory: over 4 KiB pages a weight of a few MiB is a TLB miss
-    and a restart of the hardware prefetcher every 4 KiB. Returns the bytes moved."""
-    layers = [module for module in model.modules() if isinstance(module, PackedLinear)]
-    if not layers or not sys.platform.startswith("linux") or layers[0].packed.device.type != "cpu":
-        return 0
-    sizes = [layer.packed_bytes() for layer in layers]
-    unreleased = 0
-    for layer, place, size in zip(layers, huge_page_slices(sizes), sizes):
-        old = layer.packed
-        layer.packed = copy_into(place, old)
-        release_mapped(old)
-        del old
-        unreleased += size
-        if unreleased >= TRIM_BYTES or layer is layers[-1]:
-            release_freed_memory()  # the old copies' pages, or the allocator keeps them and the peak doubles
-            unreleased = 0
-    return sum(sizes)
 
 
 class BF16Linear(PackedLinear):
@@ -186,17 +164,17 @@ class BF16Linear(PackedLinear):
     tiles: the same packed weight and inputs, sums in another order): its weight packed into (N/16, K/2, 16, 2)
     bfloat16, a float32 bias, float32 (or 16-bit) inputs, float32 outputs."""
 
-    def __init__(self, layer: nn.Module, amx: bool = False) -> None:
+    def __init__(self, layer: nn.Module, amx: bool = False, arena: PackedWeightArena | None = None) -> None:
         self.amx = amx
-        super().__init__(layer)
+        super().__init__(layer, arena)
 
     @property
     def kernel(self) -> str:
         """The C++ function this layer calls."""
         return "amx_bf16_linear" if self.amx else "bf16_linear"
 
-    def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        return pack_bf16_weight(self.arrange(weight))
+    def pack(self, weight: torch.Tensor, memory: Memory) -> torch.Tensor:
+        return pack_bf16_weight(self.arrange(weight), memory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from modelzoo.cpu.kernels import cpu_kernels
@@ -216,8 +194,8 @@ class SiluGatedBF16Linear(BF16Linear):
 
     applies_silu_gate = True  # GatedMLP feeds its output straight to down_proj
 
-    def __init__(self, layer: nn.Module, amx: bool = False) -> None:
-        super().__init__(layer, amx)
+    def __init__(self, layer: nn.Module, amx: bool = False, arena: PackedWeightArena | None = None) -> None:
+        super().__init__(layer, amx, arena)
         self.out_features //= 2  # silu(gate) * up: one output per gate | up pair
 
     @property
@@ -243,30 +221,53 @@ def silu_gate_fusable(parent: nn.Module, name: str, layer: nn.Module) -> bool:
             and isinstance(layer, nn.Linear) and layer.out_features % (2 * SILU_GATE_TILE) == 0)
 
 
-def pack_bf16_weight(weight: torch.Tensor) -> torch.Tensor:
+def pack_bf16_weight(weight: torch.Tensor, memory: Memory = new_memory) -> torch.Tensor:
     """W (N, K) -> (ceil(N/16), ceil(K/2), 16, 2) bfloat16: for each pair of inputs, 16 output rows' two values
-    side by side (zero rows and a zero column pad N and K)."""
+    side by side (zero rows and a zero column pad N and K), written into memory(shape, dtype)."""
     out_features, in_features = weight.shape
     rows, cols = -(-out_features // GEMM_BLOCK) * GEMM_BLOCK, in_features + in_features % 2
     padded = F.pad(weight.to(torch.bfloat16), (0, cols - in_features, 0, rows - out_features))  # (rows, cols)
-    return padded.view(rows // GEMM_BLOCK, GEMM_BLOCK, cols // 2, 2).permute(0, 2, 1, 3).contiguous()
+    packed = memory((rows // GEMM_BLOCK, cols // 2, GEMM_BLOCK, 2), torch.bfloat16)
+    return packed.copy_(padded.view(rows // GEMM_BLOCK, GEMM_BLOCK, cols // 2, 2).permute(0, 2, 1, 3))
 
 
-def replace_linear_layers(model: nn.Module, pack: Callable[[nn.Module, str, nn.Module], tuple[PackedLinear, str]]
+def replace_linear_layers(model: nn.Module,
+                          pack: Callable[[nn.Module, str, nn.Module, PackedWeightArena], tuple[PackedLinear, str]]
                           ) -> dict[str, str]:
-    """Replaces every linear layer of `model` by pack(parent, name, layer) -> (packed layer, its kernel), one at a time
-    (each old weight dropped at once); returns {shape key: kernel} for the GEMM plan."""
+    """Replaces every linear layer of `model` by pack(parent, name, layer, arena) -> (packed layer, its kernel), one at
+    a time, the packed weights side by side in one PackedWeightArena; each old weight is dropped at once (the
+    checkpoint's pages it viewed, or its own memory, given back every TRIM_BYTES, so that the peak holds one copy of
+    the weights). Returns {shape key: kernel} for the GEMM plan."""
     layers = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-              if linear_like(child)]
-    shapes = {}
+              if linear_like(child)][::-1]  # popped first to last: laid out in the order a forward pass reads them
+    arena = PackedWeightArena(sum(packed_bytes_bound(oriented_weight(layer)) for _, _, layer in layers))
+    shapes, dropped = {}, 0
     while layers:
         parent, name, layer = layers.pop()
-        packed, kernel = pack(parent, name, layer)
+        packed, kernel = pack(parent, name, layer, arena)
         shapes[packed.shape_key] = kernel
         setattr(parent, name, packed)
         release_mapped(layer.weight)  # the checkpoint's pages of the weight just packed
+        dropped += layer.weight.numel() * layer.weight.element_size()
         del layer
+        if dropped >= TRIM_BYTES or not layers:
+            release_freed_memory()  # a fused or cast weight's memory, or the allocator keeps it and the peak doubles
+            dropped = 0
     return shapes
+
+
+def oriented_weight(layer: nn.Module) -> torch.Tensor:
+    """A linear layer's weight as (out_features, in_features): a transposed view of a Conv1D's (in, out) one."""
+    weight = layer.weight.detach()
+    return weight.t() if getattr(layer, "weight_is_in_out", False) else weight
+
+
+def packed_bytes_bound(weight: torch.Tensor) -> int:
+    """At least the bytes of any packed layout of a weight W (N, K) (rows padded to blocks of 16, inputs to pairs, no
+    element narrower than 2 bytes), with its alignment in a PackedWeightArena."""
+    out_features, in_features = weight.shape
+    rows = -(-out_features // GEMM_BLOCK) * GEMM_BLOCK
+    return rows * (in_features + 1) * max(weight.element_size(), 2) + 64
 
 
 def linear_shape(layer: nn.Module) -> tuple[int, int]:
@@ -284,9 +285,10 @@ def linear_shape_key(layer: nn.Module, dtype: torch.dtype) -> str:
 def apply_bf16_gemm(model: nn.Module, amx: Collection[str] = ()) -> dict[str, str]:
     """Replaces every linear layer of `model` by a BF16Linear (a SiluGatedBF16Linear for a SiLU GatedMLP's gate | up),
     multiplying on AMX tiles the layers whose shape key is in `amx`; returns {shape key: kernel} for the GEMM plan."""
-    def pack(parent: nn.Module, name: str, layer: nn.Module) -> tuple[PackedLinear, str]:
+    def pack(parent: nn.Module, name: str, layer: nn.Module, arena: PackedWeightArena) -> tuple[PackedLinear, str]:
         tiles = linear_shape_key(layer, torch.bfloat16) in amx
-        packed = SiluGatedBF16Linear(layer, tiles) if silu_gate_fusable(parent, name, layer) else BF16Linear(layer, tiles)
+        kind = SiluGatedBF16Linear if silu_gate_fusable(parent, name, layer) else BF16Linear
+        packed = kind(layer, tiles, arena)
         return packed, packed.kernel
 
     return replace_linear_layers(model, pack)
@@ -295,19 +297,10 @@ def apply_bf16_gemm(model: nn.Module, amx: Collection[str] = ()) -> dict[str, st
 class HalfLinear(PackedLinear):
     """A linear layer multiplied by half_linear: its bfloat16 or float16 weight packed into (N/16, K, 16) in its own
     dtype, widened to float32 as the kernel reads it; a float32 bias, float32 inputs and outputs. A float32 weight
-    packs the same way (the float32 GEMM candidate `packed`, modelzoo/cpu/gemm.py).
+    packs the same way (the float32 GEMM candidate `packed`, modelzoo/cpu/gemm.py)."""
 
-    consume: the layer is dropped once replaced, so its weight may be packed in its own memory where that holds
-    nothing else (a fused or cast weight: no second copy written, the layer's weight then garbled); else, and for a
-    view of the checkpoint's memory map, a part of a larger tensor or rows padded to blocks, into new memory."""
-
-    def __init__(self, layer: nn.Module, consume: bool = False) -> None:
-        self.consume = consume
-        super().__init__(layer)
-
-    def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        in_place = self.consume and weight.shape[0] % GEMM_BLOCK == 0 and owns_its_memory(weight)
-        return pack_half_weight(weight, in_place=in_place)
+    def pack(self, weight: torch.Tensor, memory: Memory) -> torch.Tensor:
+        return pack_half_weight(weight, memory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from modelzoo.cpu.kernels import cpu_kernels
@@ -315,15 +308,15 @@ class HalfLinear(PackedLinear):
         return cpu_kernels().half_linear(x.float(), self.packed, self.bias, self.out_features)  # (..., N) float32
 
 
-def pack_half_weight(weight: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+def pack_half_weight(weight: torch.Tensor, memory: Memory = new_memory) -> torch.Tensor:
     """W (N, K) bfloat16, float16 or float32 -> (ceil(N/16), K, 16) in its dtype: for each input, 16 output rows'
-    values side by side (zero rows pad N), written by the C++ kernels straight into the packed tensor, every block in
-    parallel.
-    in_place: written over W itself (contiguous, N a multiple of 16), returned as a view of it."""
+    values side by side (zero rows pad N), written by the C++ kernels into memory(shape, dtype), every block in
+    parallel."""
     from modelzoo.cpu.kernels import cpu_kernels
 
-    kernels = cpu_kernels()
-    return kernels.pack_half_weight_in_place(weight) if in_place else kernels.pack_half_weight(weight)
+    out_features, in_features = weight.shape
+    packed = memory((-(-out_features // GEMM_BLOCK), in_features, GEMM_BLOCK), weight.dtype)
+    return cpu_kernels().pack_half_weight(weight, packed)
 
 
 class TiedHalfEmbedding(nn.Module):
@@ -349,8 +342,8 @@ def apply_half_gemm(model: nn.Module) -> dict[str, str]:
     embeddings = {module.weight.data_ptr(): (parent, name, module) for parent in model.modules()
                   for name, module in parent.named_children() if isinstance(module, nn.Embedding)}
 
-    def pack(parent: nn.Module, name: str, layer: nn.Module) -> tuple[PackedLinear, str]:
-        packed = HalfLinear(layer, consume=True)
+    def pack(parent: nn.Module, name: str, layer: nn.Module, arena: PackedWeightArena) -> tuple[PackedLinear, str]:
+        packed = HalfLinear(layer, arena)
         tied = embeddings.pop(layer.weight.data_ptr(), None)
         if tied is not None and not getattr(layer, "weight_is_in_out", False):
             owner, attribute, _ = tied

@@ -56,11 +56,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(), py::arg("out_features"));
   m.def("pack_half_weight", &zoo::pack_half_weight,
         "W (N, K) bfloat16, float16 or float32 -> (ceil(N/16), K, 16) in its dtype: for each input, 16 output rows' "
-        "values side by side, zero rows padding N (the layout half_linear reads); blocks packed in parallel",
-        py::arg("weight"));
-  m.def("pack_half_weight_in_place", &zoo::pack_half_weight_in_place,
-        "pack_half_weight's layout written into W's own memory (contiguous, N a multiple of 16): returns a view of W",
-        py::arg("weight"));
+        "values side by side, zero rows padding N (the layout half_linear reads), written into `out` (contiguous, "
+        "of that shape and dtype) where given, else into new memory; blocks packed in parallel",
+        py::arg("weight"), py::arg("out") = py::none());
   m.def("half_gemm_path", &zoo::half_gemm_path,
         "The code path of half_linear on this CPU: 'avx2' or 'avx512' (where built), the faster of the two timed at "
         "the first call; `use` sets it instead. The outputs are the same bits either way.",

@@ -28,7 +28,6 @@
 #include <cstring>
 #include <type_traits>
 #include <utility>
-#include <vector>
 
 namespace zoo {
 namespace {
@@ -294,11 +293,16 @@ void pack_block(const E* in, int64_t rows, int64_t k, E* out) {
 
 }  // namespace
 
-torch::Tensor pack_half_weight(const torch::Tensor& weight) {
+torch::Tensor pack_half_weight(const torch::Tensor& weight, const c10::optional<torch::Tensor>& out) {
   check_half_weight(weight);
   const auto w = weight.contiguous();
   const int64_t n = w.size(0), k = w.size(1), blocks = (n + kBlock - 1) / kBlock;
-  auto packed = torch::empty({blocks, k, kBlock}, w.options());
+  if (out) {
+    TORCH_CHECK(out->device().is_cpu() && out->scalar_type() == w.scalar_type() && out->is_contiguous() &&
+                    out->sizes() == at::IntArrayRef({blocks, k, kBlock}),
+                "out must be a contiguous CPU tensor of the weight's dtype, shaped (ceil(N/16), K, 16)");
+  }
+  auto packed = out ? *out : torch::empty({blocks, k, kBlock}, w.options());
   ZOO_DISPATCH_FLOATS(w.scalar_type(), "pack_half_weight", [&] {
     const auto* src = w.data_ptr<scalar_t>();
     auto* dst = packed.data_ptr<scalar_t>();
@@ -308,25 +312,6 @@ torch::Tensor pack_half_weight(const torch::Tensor& weight) {
     });
   });
   return packed;
-}
-
-torch::Tensor pack_half_weight_in_place(torch::Tensor& weight) {
-  check_half_weight(weight);
-  TORCH_CHECK(weight.is_contiguous() && weight.size(0) % kBlock == 0,
-              "packing in place needs a contiguous weight of whole blocks of 16 rows");
-  const int64_t n = weight.size(0), k = weight.size(1), blocks = n / kBlock;
-  ZOO_DISPATCH_FLOATS(weight.scalar_type(), "pack_half_weight_in_place", [&] {
-    auto* values = weight.data_ptr<scalar_t>();
-    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-      std::vector<scalar_t> rows(kBlock * k);
-      for (int64_t b = begin; b < end; ++b) {  // block b's rows and its packed values share one place
-        scalar_t* block = values + b * kBlock * k;
-        std::memcpy(rows.data(), block, rows.size() * sizeof(scalar_t));
-        pack_block(rows.data(), kBlock, k, block);
-      }
-    });
-  });
-  return weight.view({blocks, k, kBlock});
 }
 
 std::string half_gemm_path(const std::string& use) {

@@ -53,10 +53,8 @@ torch::Tensor amx_bf16_silu_gate(const torch::Tensor& x, const torch::Tensor& pa
 torch::Tensor half_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                           int64_t out_features);
 // W (N, K) bfloat16, float16 or float32 -> (N/16 rounded up, K, 16) in its dtype, zero rows padding N: half_linear's
-// layout.
-torch::Tensor pack_half_weight(const torch::Tensor& weight);
-// The same layout written into the weight's own memory (contiguous, N a multiple of 16), returned as a view of it.
-torch::Tensor pack_half_weight_in_place(torch::Tensor& weight);
+// layout, written into `out` where given (memory the caller chose), else into new memory.
+torch::Tensor pack_half_weight(const torch::Tensor& weight, const c10::optional<torch::Tensor>& out);
 // Which code path half_linear takes, "avx2" or "avx512": the faster here, timed at the first call; `use` sets it.
 std::string half_gemm_path(const std::string& use);
 // lora_update.cpp: out[m] += B_g A_g x[m], the update of each row's own LoRA adapter g (modelzoo/lora.py).
