@@ -373,3 +373,32 @@ def test_group_size_stays_out_of_float_manifests(checkpoints, tmp_path):
     assert run_job(params, tmp_path / "run") == 0
     manifest = json.loads((tmp_path / "run" / "artifacts" / "manifest.json").read_text())
     assert "int8_group_size" not in manifest["model"] and manifest["model"]["weight_dtype"] is None
+
+
+@pytest.mark.parametrize("view", ["contiguous", "offset by a byte", "transposed"])
+@pytest.mark.parametrize("group_size", [0, 32])
+def test_packed_int8_layout(view, group_size):
+    """pack_weight: packed[b, c, r, j] = q[16 b + r, 4 c + j] + 128 (the padding rows and inputs: 0 + 128) and
+    scales[b, g, r] = the scale of row 16 b + r's group g (padding rows: 0), whatever q's memory (a view at any byte,
+    or strided)."""
+    from modelzoo.cpu.int8_compute import pack_weight
+
+    rows, columns = 37, 70
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randint(-127, 128, (rows, columns), dtype=torch.int8, generator=generator)
+    groups = -(-columns // group_size) if group_size else 1
+    scale = torch.rand(rows, groups, generator=generator) if group_size else torch.rand(rows, generator=generator)
+    if view == "offset by a byte":
+        q = torch.cat([torch.zeros(1, dtype=torch.int8), q.flatten()])[1:].view(rows, columns)
+    elif view == "transposed":
+        q = q.t().contiguous().t()
+    packed, scales = pack_weight(q, scale, group_size)
+    padded_columns = groups * group_size if group_size else 80  # per channel: the row rounded up to 16
+    assert packed.shape == (3, padded_columns // 4, 16, 4) and packed.dtype == torch.uint8
+    full = torch.zeros(48, padded_columns, dtype=torch.int16)
+    full[:rows, :columns] = q.to(torch.int16)
+    want = (full + 128).to(torch.uint8).view(3, 16, -1, 4).permute(0, 2, 1, 3)
+    assert torch.equal(packed, want)
+    full_scale = torch.zeros(48, groups)
+    full_scale[:rows] = scale.reshape(rows, groups)
+    assert torch.equal(scales, full_scale.view(3, 16, groups).transpose(1, 2))

@@ -66,7 +66,8 @@ def test_packed_weights_are_laid_out_side_by_side_on_huge_pages(layout):
 
     from modelzoo.cpu.gemm import apply_gemm_backend
     from modelzoo.cpu.kernels import cpu_kernels
-    from modelzoo.cpu.precision import PackedLinear, apply_bf16_gemm, apply_half_gemm, pack_bf16_weight, pack_half_weight
+    from modelzoo.cpu.precision import (PackedLinear, apply_bf16_gemm, apply_half_gemm, pack_bf16_weight,
+                                        pack_half_weight)
 
     if layout != "bf16_linear" and cpu_kernels() is None:
         pytest.skip("the C++ kernels cannot be built here")
@@ -91,6 +92,34 @@ def test_packed_weights_are_laid_out_side_by_side_on_huge_pages(layout):
         with torch.inference_mode():
             want = inputs.double() @ weights[0].double().T
             torch.testing.assert_close(model[0](x).double(), want, rtol=1e-5, atol=1e-5)
+
+
+@linux
+@transparent_huge_pages
+def test_int8_weights_are_laid_out_side_by_side_on_huge_pages():
+    """vnni16's packed int8 weights, and their scales, each written in turn into a mapping of their own advised to huge
+    pages, at 64-byte boundaries in the order a forward pass reads them, with pack_weight's values in new memory."""
+    from torch import nn
+
+    from modelzoo.cpu.int8_compute import apply_int8_backend, available_int8_backends, pack_weight
+    from modelzoo.cpu.quantization import Int8Linear, quantize_rows
+
+    if "vnni16" not in available_int8_backends(torch.device("cpu")):
+        pytest.skip("the C++ kernels cannot be built here")
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    for in_features, out_features in ((1024, 2056), (2056, 24)):  # rows and inputs padded: to 16, to the group
+        layer = Int8Linear(in_features, out_features, False, torch.float32, group_size=32)
+        layer.weight, layer.weight_scale = quantize_rows(torch.randn(out_features, in_features), 32)
+        model.append(layer)
+    expected = [pack_weight(layer.weight, layer.weight_scale, 32) for layer in model]
+    apply_int8_backend(model, torch.float32, torch.device("cpu"), "vnni16")
+    for layer, (packed, scales) in zip(model, expected):
+        assert torch.equal(layer.packed, packed) and torch.equal(layer.scales, scales)
+    for name in ("packed", "scales"):
+        first, second = (getattr(layer, name).data_ptr() for layer in model)
+        assert first % HUGE_PAGE_BYTES == 0 and second - first == -(-getattr(model[0], name).nbytes // 64) * 64
+    assert "hg" in vm_flags(model[0].packed.data_ptr())  # 2 MiB and more
 
 
 @linux

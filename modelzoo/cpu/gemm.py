@@ -365,8 +365,8 @@ def apply_gemm_backend(model: nn.Module, dtype: torch.dtype, device: torch.devic
             if backend == "mkl":
                 plan.layers[key] = fastest(plan.measured[key], exclude=("mkl",))
     plan.check_invariance()
-    arena = PackedWeightArena(sum(packed_bytes_bound(layer.weight) for _, _, layer in layers
-                                  if plan.layers[_shape_key(layer, dtype)] == "packed"))  # `packed`'s weights side by side
+    arena = PackedWeightArena(sum(packed_bytes_bound(layer.weight) for _, _, layer in layers  # `packed`'s weights
+                                  if plan.layers[_shape_key(layer, dtype)] == "packed"))
     layers.reverse()  # popped first to last: `packed`'s weights laid out in the order a forward pass reads them
     while layers:  # one layer at a time, dropping each old layer at once: at most one weight is held twice
         parent, name, layer = layers.pop()

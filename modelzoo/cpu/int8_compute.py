@@ -1,7 +1,8 @@
 """How int8 linear layers multiply on this CPU, chosen by measuring: int8 weights times activations
 quantized to 16 or 8 bits, or the weight in floats.
 
-- `vnni16`: the weight repacked once for the C++ kernel (modelzoo/cpu/kernels/int8_gemm.cpp); activations
+- `vnni16`: the weight repacked once for the C++ kernel (modelzoo/cpu/kernels/int8_gemm.cpp), the model's packed
+            weights side by side on huge pages (PackedWeightArena, modelzoo/cpu/memory.py); activations
             quantized per row and chunk of the weight's group to 16 bits on the fly (error about 2^-16 of
             the chunk's absmax), integer dot products, both scales applied after: the weight-only int8
             answers. The packed weight replaces the plain one. On AMX-INT8 the dot products are tile
@@ -23,12 +24,13 @@ forces one.
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from modelzoo.cpu.memory import release_freed_memory
+from modelzoo.cpu.memory import Memory, PackedWeightArena, new_memory, release_freed_memory
 from modelzoo.errors import UserError
 from modelzoo.cpu.gemm import GemmPlan, measured_shapes, rates_text
 from modelzoo.cpu.kernels import cpu_kernels
@@ -47,30 +49,54 @@ def kernel_group_size(in_features: int, group_size: int) -> int:
     return group_size or -(-in_features // BLOCK) * BLOCK
 
 
-def pack_weight(q: torch.Tensor, scale: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (N, K) int8 and its scales (N,) or (N, G) -> the kernel's (packed, scales): packed (N/16, K/4, 16, 4)
-    uint8 = q + 128, scales (N/16, G, 16) float32 (N and K zero-padded to multiples of 16 and of the group;
-    see int8_gemm.cpp)."""
-    rows, columns = q.shape
+def packed_shapes(rows: int, columns: int, group_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shapes of pack_weight's (packed, scales) for q (rows, columns)."""
     group = kernel_group_size(columns, group_size)
     groups = group_count(columns, group)
-    padded_rows = -(-rows // BLOCK) * BLOCK
-    shifted = F.pad(q, (0, groups * group - columns, 0, padded_rows - rows)).view(torch.uint8) ^ 0x80  # (Np, Kp)
+    blocks = -(-rows // BLOCK)
+    return (blocks, groups * group // 4, BLOCK, 4), (blocks, groups, BLOCK)
+
+
+def packed_bytes(layer: Int8Linear) -> tuple[int, int]:
+    """The bytes of pack_weight's packed weight and of its scales for `layer`, each with its alignment in a
+    PackedWeightArena."""
+    packed, scales = packed_shapes(layer.out_features, layer.in_features, layer.group_size)
+    return math.prod(packed) + 64, 4 * math.prod(scales) + 64
+
+
+def pack_weight(q: torch.Tensor, scale: torch.Tensor, group_size: int, memory: Memory = new_memory,
+                scale_memory: Memory = new_memory) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (N, K) int8 and its scales (N,) or (N, G) -> the kernel's (packed, scales), written into memory(shape,
+    dtype) and scale_memory(shape, dtype): packed (N/16, K/4, 16, 4) uint8 = q + 128, scales (N/16, G, 16) float32
+    (N and K zero-padded to multiples of 16 and of the group; see int8_gemm.cpp)."""
+    rows, columns = q.shape
+    packed_shape, scales_shape = packed_shapes(rows, columns, group_size)
+    blocks, groups = scales_shape[0], scales_shape[1]
+    padded_rows, padded_columns = blocks * BLOCK, packed_shape[1] * 4
+    if (padded_rows, padded_columns) != (rows, columns) or not q.is_contiguous() or q.data_ptr() % 4:
+        q = F.pad(q, (0, padded_columns - columns, 0, padded_rows - rows))  # (Np, Kp), contiguous and aligned
+    packed = memory(packed_shape, torch.uint8)
+    # Each run of 4 inputs moves as one int32: a transpose of 4-byte elements (a byte-wise one is about 6x slower).
+    words = q.view(torch.int32).view(blocks, BLOCK, padded_columns // 4)
+    packed.view(torch.int32).view(blocks, padded_columns // 4, BLOCK).copy_(words.transpose(1, 2))
+    packed ^= 0x80  # int8 + 128, in its own place
     scale = F.pad(scale.reshape(rows, groups), (0, 0, 0, padded_rows - rows))  # (Np, G)
-    blocks = padded_rows // BLOCK
-    return (shifted.view(blocks, BLOCK, -1, 4).permute(0, 2, 1, 3).contiguous(),
-            scale.view(blocks, BLOCK, groups).transpose(1, 2).contiguous())
+    scales = scale_memory(scales_shape, torch.float32).copy_(scale.view(blocks, BLOCK, groups).transpose(1, 2))
+    return packed, scales
 
 
 class VnniInt8Linear(nn.Module):
     """An Int8Linear multiplied by the VNNI kernel, activations quantized to `activation_bits` (16 or 8);
-    holds only the packed weight."""
+    holds only the packed weight and its scales, written into `arenas` (weights, scales) where given (beside the
+    model's other packed weights and scales, on huge pages), else into new memory."""
 
-    def __init__(self, layer: Int8Linear, activation_bits: int) -> None:
+    def __init__(self, layer: Int8Linear, activation_bits: int,
+                 arenas: tuple[PackedWeightArena, PackedWeightArena] | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features, self.group_size = layer.in_features, layer.out_features, layer.group_size
         self.activation_bits = activation_bits
-        packed, scales = pack_weight(layer.weight, layer.weight_scale, layer.group_size)
+        memory = (arenas[0].take, arenas[1].take) if arenas is not None else (new_memory, new_memory)
+        packed, scales = pack_weight(layer.weight, layer.weight_scale, layer.group_size, *memory)
         self.register_buffer("packed", packed)
         self.register_buffer("scales", scales)
         self.bias = layer.bias
@@ -171,11 +197,14 @@ def apply_int8_backend(model: nn.Module, dtype: torch.dtype, device: torch.devic
     plan.check_invariance()
     embeddings = {module.weight.data_ptr(): (parent, name, module) for parent in model.modules()
                   for name, module in parent.named_children() if isinstance(module, Int8Embedding)}
+    sizes = [packed_bytes(layer) for _, _, layer in layers if plan.layers[_shape_key(layer, dtype)] in ACTIVATION_BITS]
+    arenas = tuple(PackedWeightArena(sum(part)) for part in zip(*sizes)) if sizes else None  # (weights, scales)
+    layers.reverse()  # popped first to last: laid out in the order a forward pass reads them
     while layers:  # one layer at a time: at most one weight is held twice
         parent, name, layer = layers.pop()
         backend = plan.layers[_shape_key(layer, dtype)]
         if backend in ACTIVATION_BITS:
-            packed = VnniInt8Linear(layer, ACTIVATION_BITS[backend])
+            packed = VnniInt8Linear(layer, ACTIVATION_BITS[backend], arenas)
             setattr(parent, name, packed)
             if layer.weight.data_ptr() in embeddings:  # a tied embedding reads the packed copy instead of its own
                 owner, attribute, embedding = embeddings.pop(layer.weight.data_ptr())

@@ -117,19 +117,21 @@ class PackedWeightArena:
     from one fresh mapping of `nbytes` on transparent huge pages (huge_page_bytes; on Linux), each weight written
     there as it is packed: a decode step streams every weight once from memory, and over 4 KiB pages a weight of a
     few MiB is a TLB miss and a restart of the hardware prefetcher every 4 KiB. Only the pages written are resident,
-    so `nbytes` may be a bound; a piece past it (or any piece off Linux) is new_memory."""
+    so `nbytes` may be a bound. Its pieces share one dtype, the first's (torch.save, hence the weight cache, cannot
+    write one storage viewed as two types); a piece of another dtype, one past `nbytes` or any off Linux is
+    new_memory."""
 
     def __init__(self, nbytes: int) -> None:
         self.memory = huge_page_bytes(nbytes) if nbytes > 0 and sys.platform.startswith("linux") else None
-        self.used = 0
+        self.used, self.dtype = 0, None
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The next piece: an uninitialised tensor of `shape` and `dtype`."""
         size = math.prod(shape) * dtype.itemsize
         start = -(-self.used // 64) * 64
-        if self.memory is None or start + size > self.memory.numel():
+        if self.memory is None or start + size > self.memory.numel() or self.dtype not in (None, dtype):
             return new_memory(shape, dtype)
-        self.used = start + size
+        self.used, self.dtype = start + size, dtype
         return self.memory[start: start + size].view(dtype).view(shape)
 
 
