@@ -34,6 +34,7 @@ from modelzoo.cpu.memory import Memory, PackedWeightArena, new_memory, release_f
 from modelzoo.errors import UserError
 from modelzoo.cpu.gemm import GemmPlan, measured_shapes, rates_text
 from modelzoo.cpu.kernels import cpu_kernels
+from modelzoo.cpu.precision import pack_word_blocks
 from modelzoo.cpu.quantization import Int8Embedding, Int8Linear, dequantize_rows, group_count, quantize_rows
 
 log = logging.getLogger("zoo-infer")
@@ -73,12 +74,9 @@ def pack_weight(q: torch.Tensor, scale: torch.Tensor, group_size: int, memory: M
     packed_shape, scales_shape = packed_shapes(rows, columns, group_size)
     blocks, groups = scales_shape[0], scales_shape[1]
     padded_rows, padded_columns = blocks * BLOCK, packed_shape[1] * 4
-    if (padded_rows, padded_columns) != (rows, columns) or not q.is_contiguous() or q.data_ptr() % 4:
-        q = F.pad(q, (0, padded_columns - columns, 0, padded_rows - rows))  # (Np, Kp), contiguous and aligned
-    packed = memory(packed_shape, torch.uint8)
-    # Each run of 4 inputs moves as one int32: a transpose of 4-byte elements (a byte-wise one is about 6x slower).
-    words = q.view(torch.int32).view(blocks, BLOCK, padded_columns // 4)
-    packed.view(torch.int32).view(blocks, padded_columns // 4, BLOCK).copy_(words.transpose(1, 2))
+    if (padded_rows, padded_columns) != (rows, columns):  # else read as it is
+        q = F.pad(q, (0, padded_columns - columns, 0, padded_rows - rows))  # (Np, Kp)
+    packed = pack_word_blocks(q, memory(packed_shape, torch.uint8))
     packed ^= 0x80  # int8 + 128, in its own place
     scale = F.pad(scale.reshape(rows, groups), (0, 0, 0, padded_rows - rows))  # (Np, G)
     scales = scale_memory(scales_shape, torch.float32).copy_(scale.view(blocks, BLOCK, groups).transpose(1, 2))

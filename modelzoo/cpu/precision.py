@@ -221,14 +221,26 @@ def silu_gate_fusable(parent: nn.Module, name: str, layer: nn.Module) -> bool:
             and isinstance(layer, nn.Linear) and layer.out_features % (2 * SILU_GATE_TILE) == 0)
 
 
+def pack_word_blocks(rows: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """rows (N, B) of any dtype, N whole blocks of 16 and B bytes whole 4-byte words, into packed (N/16, B/4 words,
+    16, ...): for each word, the 16 rows' words side by side (bf16_linear's input pairs, vnni16's runs of 4 int8
+    inputs). Moved as int32: a transpose of 4-byte elements (a byte-wise one runs about 6x slower)."""
+    if not rows.is_contiguous() or rows.data_ptr() % 4:  # a view as int32 needs both
+        rows = rows.clone(memory_format=torch.contiguous_format)
+    words = rows.view(torch.int32).view(rows.shape[0] // GEMM_BLOCK, GEMM_BLOCK, -1)  # (blocks, 16, words)
+    packed.view(torch.int32).view(words.shape[0], -1, GEMM_BLOCK).copy_(words.transpose(1, 2))
+    return packed
+
+
 def pack_bf16_weight(weight: torch.Tensor, memory: Memory = new_memory) -> torch.Tensor:
     """W (N, K) -> (ceil(N/16), ceil(K/2), 16, 2) bfloat16: for each pair of inputs, 16 output rows' two values
     side by side (zero rows and a zero column pad N and K), written into memory(shape, dtype)."""
     out_features, in_features = weight.shape
     rows, cols = -(-out_features // GEMM_BLOCK) * GEMM_BLOCK, in_features + in_features % 2
-    padded = F.pad(weight.to(torch.bfloat16), (0, cols - in_features, 0, rows - out_features))  # (rows, cols)
-    packed = memory((rows // GEMM_BLOCK, cols // 2, GEMM_BLOCK, 2), torch.bfloat16)
-    return packed.copy_(padded.view(rows // GEMM_BLOCK, GEMM_BLOCK, cols // 2, 2).permute(0, 2, 1, 3))
+    weight = weight.to(torch.bfloat16)
+    if (rows, cols) != (out_features, in_features):  # else read as it is
+        weight = F.pad(weight, (0, cols - in_features, 0, rows - out_features))  # (rows, cols)
+    return pack_word_blocks(weight, memory((rows // GEMM_BLOCK, cols // 2, GEMM_BLOCK, 2), torch.bfloat16))
 
 
 def replace_linear_layers(model: nn.Module,
