@@ -325,6 +325,56 @@ def test_half_linear_rejects_bad_inputs():
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [BF16, F16])
+@pytest.mark.parametrize("part_rows, in_features", [((48,), 64), ((48, 32, 17), 70), ((16, 16), 33), ((5,), 1),
+                                                    ((64, 96), 600)])
+@pytest.mark.parametrize("rows", [1, 4, 6, 7, 50])
+def test_half_linear_rows_has_half_linears_bits_over_the_parts_where_they_lie(dtype, part_rows, in_features, rows):
+    """Every code path: half_linear_rows over row-major parts (one strided, one at an odd address, a partial last
+    block) equals half_linear over the packed stack of the parts bit for bit, at register-tile and panel row counts."""
+    kernels = cpu_kernels()
+    chosen = kernels.half_gemm_path()
+    generator = torch.Generator().manual_seed(rows)
+    wide = torch.randn(part_rows[0], in_features + 3, generator=generator).to(dtype)
+    parts = [wide[:, 1:in_features + 1]]  # rows 2 * (K + 3) bytes apart, the first at an odd 2-byte offset
+    parts += [torch.randn(n, in_features, generator=generator).to(dtype) for n in part_rows[1:]]
+    stacked = torch.cat(parts)
+    bias = torch.randn(stacked.shape[0], generator=generator)
+    x = torch.randn(rows, in_features, generator=generator)
+    packed = precision.pack_half_weight(stacked)
+    try:
+        for path in half_gemm_paths():
+            kernels.half_gemm_path(path)
+            want = kernels.half_linear(x, packed, bias, stacked.shape[0])
+            assert torch.equal(kernels.half_linear_rows(x, parts, bias), want)
+            assert torch.equal(kernels.half_linear_rows(x, parts), kernels.half_linear(x, packed, None, len(bias)))
+    finally:
+        kernels.half_gemm_path(chosen)
+
+
+@needs_kernels
+def test_half_linear_rows_rejects_bad_parts():
+    kernels = cpu_kernels()
+    x = torch.randn(2, 32)
+    with pytest.raises(RuntimeError, match="at least one weight"):
+        kernels.half_linear_rows(x, [])
+    with pytest.raises(RuntimeError, match="must be bfloat16 or float16"):
+        kernels.half_linear_rows(x, [torch.randn(16, 32)])
+    with pytest.raises(RuntimeError, match="unit column stride"):
+        kernels.half_linear_rows(x, [torch.randn(32, 16, dtype=BF16).T])
+    with pytest.raises(RuntimeError, match="unit column stride"):
+        kernels.half_linear_rows(x, [torch.randn(16, 30, dtype=BF16)])
+    with pytest.raises(RuntimeError, match="unit column stride"):
+        kernels.half_linear_rows(x, [torch.randn(16, 32, dtype=BF16), torch.randn(16, 32, dtype=F16)])
+    with pytest.raises(RuntimeError, match="multiple of 16 rows"):
+        kernels.half_linear_rows(x, [torch.randn(17, 32, dtype=BF16), torch.randn(16, 32, dtype=BF16)])
+    with pytest.raises(RuntimeError, match="bias must be contiguous float32"):
+        kernels.half_linear_rows(x, [torch.randn(16, 32, dtype=BF16)], torch.zeros(17))
+    with pytest.raises(RuntimeError, match="x must be a float32 CPU tensor"):
+        kernels.half_linear_rows(x.half(), [torch.randn(16, 32, dtype=F16)])
+
+
+@needs_kernels
 @pytest.mark.parametrize("storage", [BF16, F16])
 @pytest.mark.parametrize("huge", [False, True])
 def test_float32_queries_over_a_16_bit_cache_equal_the_pytorch_path(storage, huge, monkeypatch):

@@ -54,6 +54,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "modelzoo/precision.py, widened to float32 as it is read: one fused multiply-add per input in ascending order, "
         "(..., out_features) float32",
         py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(), py::arg("out_features"));
+  m.def("half_linear_rows", &zoo::half_linear_rows,
+        "half_linear with the weight read where it lies: x (..., K) float32 @ [W_0 | W_1 | ...]^T (+ bias) for parts "
+        "(N_i, K) bfloat16 or float16 with unit column stride (a memory-mapped checkpoint's rows; every N_i but the "
+        "last a multiple of 16), (..., sum N_i) float32, the bits of half_linear over the packed concatenation",
+        py::arg("x"), py::arg("parts"), py::arg("bias") = py::none());
   m.def("pack_half_weight", &zoo::pack_half_weight,
         "W (N, K) bfloat16, float16 or float32 -> (ceil(N/16), K, 16) in its dtype: for each input, 16 output rows' "
         "values side by side, zero rows padding N (the layout half_linear reads), written into `out` (contiguous, "

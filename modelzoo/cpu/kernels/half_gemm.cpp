@@ -34,6 +34,7 @@ namespace {
 
 constexpr int64_t kBlock = 16;    // output rows per packed block
 constexpr int64_t kRowsTile = 6;  // activation rows per register tile
+constexpr int64_t kRowsAhead = 256;  // inputs ahead of its reads that a weight read in rows is prefetched
 
 enum class Path { kAvx2, kAvx512 };
 
@@ -170,21 +171,259 @@ void widen_panel(const T* w, int64_t blocks, int64_t block_values, int64_t k0, i
                          load8(w + b * block_values + (k0 + i) * kBlock + half * 8));
 }
 
-// y (rows, out_features) = x (rows, k) @ W^T (+ bias) over the packed weight. Tasks: a column tile (4 blocks; 1 on
-// the AVX2 path for a call of one row tile, whose weights are all its work) times a run of up to kRowsRun rows,
-// column tiles outer: each thread streams its share of the weights once, and a row tile's inputs, read once from
-// memory, serve the 64 outputs of its column tile. A task of one row tile widens each weight as it multiplies it
-// (decode with few rows); a longer one widens kPanelInputs inputs of its column tile at a time into a float32 panel
-// that all its row tiles share (float32 weights are read in place, as many inputs at a time), keeping its running
-// sums in `sums` between panels. Either way each output's fused multiply-adds run in ascending k from zero: the
-// same bits.
+// The weights as `multiply` reads them (a "source"): packed blocks (N/16, K, 16) of pack_half_weight. `tile_in_registers`: a tile of
+// rows (<= 6) x count blocks from `block` over all k inputs, its weights widened in registers as they are multiplied
+// (false where a source cannot: the caller widens them into a panel); `widen`: inputs [k0, k0 + kc) of count blocks
+// widened into a panel (kc, count * 16); `panel_in_place`: packed float32 blocks, read as the panel itself.
+template <typename T>
+struct PackedBlocks {
+  const T* w;
+  int64_t block_values;  // K * 16
+
+  const T* panel_in_place(int64_t block, int64_t k0) const {
+    return std::is_same_v<T, float> ? w + block * block_values + k0 * kBlock : nullptr;
+  }
+  bool tile_in_registers(Path path, int64_t rows, int64_t block, int64_t count, const float* x, int64_t k,
+                         float* sums, int64_t stride) const {
+    tile<T>(path, rows, count, x, k, k, w + block * block_values, block_values, nullptr, sums, stride, true);
+    return true;
+  }
+  void widen(int64_t block, int64_t count, int64_t k0, int64_t kc, float* panel) const {
+    widen_panel<T>(w + block * block_values, count, block_values, k0, kc, panel);
+  }
+};
+
+// One block of 16 output rows of a weight read where it lies, in rows of K values: its first row, the distance from
+// one row to the next, and how many of its 16 rows the weight has (the rest read as zeros).
+template <typename T>
+struct RowBlock {
+  const T* first;
+  int64_t stride;
+  int64_t rows;
+};
+
+// The two 16-bit values of each 32-bit word of `pairs` widened to float32: the first (lower address) into `low`.
+template <typename T, typename V>
+inline void widen_pairs(V pairs, V& low, V& high);
+
+#if defined(__AVX512F__)
+template <>
+inline void widen_pairs<c10::BFloat16, __m512i>(__m512i pairs, __m512i& low, __m512i& high) {
+  low = _mm512_slli_epi32(pairs, 16);
+  high = _mm512_and_si512(pairs, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+}
+template <>
+inline void widen_pairs<c10::Half, __m512i>(__m512i pairs, __m512i& low, __m512i& high) {
+  low = _mm512_castps_si512(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(pairs)));
+  high = _mm512_castps_si512(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(pairs, 16))));
+}
+
+// v[r] (16 words of row r) -> v[j] (word j of the 16 rows).
+__attribute__((always_inline)) inline void transpose16_words(__m512i v[16]) {
+  __m512i t[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
+  }
+#pragma GCC unroll 16
+  for (int g = 0; g < 16; g += 4) {  // v[g + c]'s 128-bit lane l: word 4l + c of rows g .. g + 3
+    v[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+    v[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+    v[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+    v[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+  }
+#pragma GCC unroll 16
+  for (int c = 0; c < 4; ++c) {
+    const __m512i a = _mm512_shuffle_i32x4(v[c], v[4 + c], 0x44), b = _mm512_shuffle_i32x4(v[c], v[4 + c], 0xEE);
+    const __m512i e = _mm512_shuffle_i32x4(v[8 + c], v[12 + c], 0x44), f = _mm512_shuffle_i32x4(v[8 + c], v[12 + c], 0xEE);
+    t[c] = _mm512_shuffle_i32x4(a, e, 0x88);
+    t[4 + c] = _mm512_shuffle_i32x4(a, e, 0xDD);
+    t[8 + c] = _mm512_shuffle_i32x4(b, f, 0x88);
+    t[12 + c] = _mm512_shuffle_i32x4(b, f, 0xDD);
+  }
+#pragma GCC unroll 16
+  for (int j = 0; j < 16; ++j) v[j] = t[j];
+}
+#endif
+
+template <>
+inline void widen_pairs<c10::BFloat16, __m256i>(__m256i pairs, __m256i& low, __m256i& high) {
+  low = _mm256_slli_epi32(pairs, 16);
+  high = _mm256_and_si256(pairs, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
+}
+template <>
+inline void widen_pairs<c10::Half, __m256i>(__m256i pairs, __m256i& low, __m256i& high) {
+  const auto halves = [](__m256i words) {  // the low 16 bits of 8 words, exact through unsigned saturation
+    return _mm256_castps_si256(_mm256_cvtph_ps(
+        _mm_packus_epi32(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1))));
+  };
+  low = halves(_mm256_and_si256(pairs, _mm256_set1_epi32(0xFFFF)));
+  high = halves(_mm256_srli_epi32(pairs, 16));
+}
+
+// v[r] (8 words of row r) -> v[j] (word j of the 8 rows).
+__attribute__((always_inline)) inline void transpose8_words(__m256i v[8]) {
+  __m256i t[8];
+#pragma GCC unroll 16
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_epi32(v[i], v[i + 1]);
+    t[i + 1] = _mm256_unpackhi_epi32(v[i], v[i + 1]);
+  }
+#pragma GCC unroll 16
+  for (int g = 0; g < 8; g += 4) {  // v[g + c]'s 128-bit lane l: word 4l + c of rows g .. g + 3
+    v[g] = _mm256_unpacklo_epi64(t[g], t[g + 2]);
+    v[g + 1] = _mm256_unpackhi_epi64(t[g], t[g + 2]);
+    v[g + 2] = _mm256_unpacklo_epi64(t[g + 1], t[g + 3]);
+    v[g + 3] = _mm256_unpackhi_epi64(t[g + 1], t[g + 3]);
+  }
+#pragma GCC unroll 16
+  for (int c = 0; c < 4; ++c) {
+    t[c] = _mm256_permute2x128_si256(v[c], v[4 + c], 0x20);
+    t[4 + c] = _mm256_permute2x128_si256(v[c], v[4 + c], 0x31);
+  }
+#pragma GCC unroll 16
+  for (int j = 0; j < 8; ++j) v[j] = t[j];
+}
+
+// Inputs [k0, k0 + kc) of 16 rows (row r at rows[r]) widened into the panel's 16 columns (panel + i * step is input k0
+// + i's): the rows' 32-bit words (pairs of inputs) transposed in registers, 16 words of 16 rows at a time
+// (8 x 8 on the AVX2 path), then each pair widened; inputs past the last whole word group one at a time.
+template <typename T>
+void widen_rows(const T* const rows[kBlock], int64_t k0, int64_t kc, float* panel, int64_t step, Path path) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if (path == Path::kAvx512) {
+    for (; i + 2 * kBlock <= kc; i += 2 * kBlock) {
+      __m512i v[kBlock];
+#pragma GCC unroll 16
+      for (int64_t r = 0; r < kBlock; ++r) {
+        _mm_prefetch(reinterpret_cast<const char*>(rows[r] + k0 + i + kRowsAhead), _MM_HINT_T0);
+        v[r] = _mm512_loadu_si512(rows[r] + k0 + i);
+      }
+      transpose16_words(v);
+#pragma GCC unroll 16
+      for (int64_t j = 0; j < kBlock; ++j) {
+        __m512i low, high;
+        widen_pairs<T>(v[j], low, high);
+        _mm512_storeu_si512(panel + (i + 2 * j) * step, low);
+        _mm512_storeu_si512(panel + (i + 2 * j + 1) * step, high);
+      }
+    }
+  }
+#endif
+  if (path == Path::kAvx2) {
+    for (; i + kBlock <= kc; i += kBlock) {
+      for (int64_t half = 0; half < 2; ++half) {
+        __m256i v[8];
+#pragma GCC unroll 8
+        for (int64_t r = 0; r < 8; ++r)
+          v[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[8 * half + r] + k0 + i));
+        transpose8_words(v);
+#pragma GCC unroll 8
+        for (int64_t j = 0; j < 8; ++j) {
+          __m256i low, high;
+          widen_pairs<T>(v[j], low, high);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(panel + (i + 2 * j) * step + 8 * half), low);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(panel + (i + 2 * j + 1) * step + 8 * half), high);
+        }
+      }
+    }
+  }
+  for (; i < kc; ++i)
+    for (int64_t r = 0; r < kBlock; ++r) panel[i * step + r] = static_cast<float>(rows[r][k0 + i]);
+}
+
+// A weight read where it lies: rows of one or more row-major parts, in blocks of 16 rows, a source of `multiply` (see
+// PackedBlocks): a tile of up to 6 rows transposes and widens the rows' words in registers (AVX-512), longer runs (and
+// the AVX2 path) widen them into a panel. 16 rows are read side by side, each prefetched kRowsAhead inputs ahead.
+template <typename T>
+struct RowBlocks {
+  const RowBlock<T>* blocks;
+  const T* zeros;  // a row of K zeros, for the rows past a weight's last
+  Path path;
+
+  const T* panel_in_place(int64_t, int64_t) const { return nullptr; }
+  void row_pointers(int64_t b, const T* rows[kBlock]) const {
+    const RowBlock<T>& source = blocks[b];
+    for (int64_t r = 0; r < kBlock; ++r) rows[r] = r < source.rows ? source.first + r * source.stride : zeros;
+  }
+  void widen(int64_t block, int64_t count, int64_t k0, int64_t kc, float* panel) const {
+    for (int64_t b = 0; b < count; ++b) {
+      const T* rows[kBlock];
+      row_pointers(block + b, rows);
+      widen_rows<T>(rows, k0, kc, panel + b * kBlock, count * kBlock, path);
+    }
+  }
+#if defined(__AVX512F__)
+  // Rows rows x the 16 outputs of rows[0 .. 16) over all k inputs, into sums (Rows x 16, `stride` apart).
+  template <int64_t Rows>
+  static void tile16(const T* const rows[kBlock], const float* x, int64_t k, float* sums, int64_t stride) {
+    __m512 acc[Rows];
+#pragma GCC unroll 8
+    for (int64_t r = 0; r < Rows; ++r) acc[r] = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 2 * kBlock <= k; i += 2 * kBlock) {
+      __m512i v[kBlock];
+#pragma GCC unroll 16
+      for (int64_t r = 0; r < kBlock; ++r) {
+        _mm_prefetch(reinterpret_cast<const char*>(rows[r] + i + kRowsAhead), _MM_HINT_T0);
+        v[r] = _mm512_loadu_si512(rows[r] + i);
+      }
+      transpose16_words(v);
+#pragma GCC unroll 16
+      for (int64_t j = 0; j < kBlock; ++j) {
+        __m512i low, high;
+        widen_pairs<T>(v[j], low, high);
+#pragma GCC unroll 8
+        for (int64_t r = 0; r < Rows; ++r) {
+          acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * k + i + 2 * j]), _mm512_castsi512_ps(low), acc[r]);
+          acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * k + i + 2 * j + 1]), _mm512_castsi512_ps(high), acc[r]);
+        }
+      }
+    }
+    for (; i < k; ++i) {
+      alignas(64) float column[kBlock];
+      for (int64_t r = 0; r < kBlock; ++r) column[r] = static_cast<float>(rows[r][i]);
+      const __m512 w = _mm512_load_ps(column);
+      for (int64_t r = 0; r < Rows; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * k + i]), w, acc[r]);
+    }
+#pragma GCC unroll 8
+    for (int64_t r = 0; r < Rows; ++r) _mm512_storeu_ps(sums + r * stride, acc[r]);
+  }
+#endif
+  bool tile_in_registers(Path, int64_t rows, int64_t block, int64_t count, const float* x, int64_t k, float* sums,
+                         int64_t stride) const {
+#if defined(__AVX512F__)
+    if (path != Path::kAvx512) return false;
+    for (int64_t b = 0; b < count; ++b) {
+      const T* pointers[kBlock];
+      row_pointers(block + b, pointers);
+      with_count<kRowsTile>(rows, [&](auto r) { tile16<decltype(r)::value>(pointers, x, k, sums + b * kBlock, stride); });
+    }
+    return true;
+#else
+    return false;
+#endif
+  }
+};
+
+// y (rows, out_features) = x (rows, k) @ W^T (+ bias) over the weights `source` (PackedBlocks or RowBlocks). Tasks: a
+// column tile (4 blocks; 1 on the AVX2 path for a call of one row tile over packed weights, whose weights are all its
+// work) times a run of up to kRowsRun rows, column tiles outer: each thread streams its share of the weights once,
+// and a row tile's inputs, read once from memory, serve the 64 outputs of its column tile. A task of one row tile
+// widens each weight in registers as it multiplies it where its source can (decode with few rows); any other widens
+// kPanelInputs inputs of its column tile at a time into a float32 panel that all its row tiles share (packed float32
+// weights are read in place, as many inputs at a time), keeping its running sums in `sums` between panels. Either
+// way each output's fused multiply-adds run in ascending k from zero: the same bits, from either source.
 constexpr int64_t kRowsRun = 8 * kRowsTile;
 constexpr int64_t kPanelInputs = 128;
 
-template <typename T>
-void multiply(const float* x, int64_t rows, int64_t k, const T* w, int64_t blocks, const float* bias,
+template <typename T, typename Source>
+void multiply(const float* x, int64_t rows, int64_t k, const Source& source, int64_t blocks, const float* bias,
               int64_t out_features, float* y, Path path) {
-  const int64_t blocks_tile = path == Path::kAvx512 || rows > kRowsTile ? 4 : 1;
+  constexpr bool packed = std::is_same_v<Source, PackedBlocks<T>>;
+  const int64_t blocks_tile = path == Path::kAvx512 || rows > kRowsTile || !packed ? 4 : 1;
   const int64_t column_tiles = (blocks + blocks_tile - 1) / blocks_tile;
   const int64_t row_runs = (rows + kRowsRun - 1) / kRowsRun;
   const int64_t block_values = k * kBlock;
@@ -196,17 +435,14 @@ void multiply(const float* x, int64_t rows, int64_t k, const T* w, int64_t block
       const int64_t run_rows = std::min(kRowsRun, rows - run), tile_blocks = std::min(blocks_tile, blocks - block);
       const int64_t stride = blocks_tile * kBlock;  // of sums
       const float* xr = x + run * k;
-      const T* wb = w + block * block_values;
-      if (run_rows <= kRowsTile) {
-        tile<T>(path, run_rows, tile_blocks, xr, k, k, wb, block_values, nullptr, sums, stride, true);
-      } else {
-        constexpr bool widen = !std::is_same_v<T, float>;  // float32 weights are read in place
+      if (run_rows > kRowsTile || !source.tile_in_registers(path, run_rows, block, tile_blocks, xr, k, sums, stride)) {
         for (int64_t k0 = 0; k0 < k; k0 += kPanelInputs) {
           const int64_t kc = std::min(kPanelInputs, k - k0);
-          if constexpr (widen) widen_panel<T>(wb, tile_blocks, block_values, k0, kc, panel);
+          const T* in_place = source.panel_in_place(block, k0);
+          if (!in_place) source.widen(block, tile_blocks, k0, kc, panel);
           for (int64_t row = 0; row < run_rows; row += kRowsTile)
-            tile<T>(path, std::min(kRowsTile, run_rows - row), tile_blocks, xr + row * k + k0, k, kc,
-                    widen ? nullptr : wb + k0 * kBlock, block_values, panel, sums + row * stride, stride, k0 == 0);
+            tile<T>(path, std::min(kRowsTile, run_rows - row), tile_blocks, xr + row * k + k0, k, kc, in_place,
+                    block_values, panel, sums + row * stride, stride, k0 == 0);
         }
       }
       const int64_t first = block * kBlock, last = std::min(out_features, (block + tile_blocks) * kBlock);
@@ -223,10 +459,25 @@ void multiply(const float* x, int64_t rows, int64_t k, const T* w, int64_t block
   });
 }
 
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
-                     int64_t out_features, Path path) {
+void check_linear_input(const torch::Tensor& x, const c10::optional<torch::Tensor>& bias, int64_t out_features) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 1,
               "x must be a float32 CPU tensor (..., K)");
+  if (bias) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->scalar_type() == at::kFloat &&
+                    bias->is_contiguous(), "bias must be contiguous float32 (out_features,)");
+  }
+}
+
+// An empty float32 output (..., out_features) for x (..., K).
+torch::Tensor linear_output(const torch::Tensor& x, int64_t out_features) {
+  auto sizes = x.sizes().vec();
+  sizes.back() = out_features;
+  return torch::empty(sizes, x.options());
+}
+
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
+                     int64_t out_features, Path path) {
+  check_linear_input(x, bias, out_features);
   TORCH_CHECK(packed.dim() == 3 && is_storage_type(packed.scalar_type()) && packed.size(2) == kBlock &&
                   packed.is_contiguous(),
               "packed must be contiguous bfloat16, float16 or float32 (N/16, K, 16)");
@@ -234,18 +485,51 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
   TORCH_CHECK(packed.size(1) == k, "x's last dimension does not match the packed weight");
   TORCH_CHECK(out_features > 0 && out_features <= blocks * kBlock && out_features > (blocks - 1) * kBlock,
               "out_features does not match the packed weight");
-  if (bias) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->scalar_type() == at::kFloat &&
-                    bias->is_contiguous(), "bias must be contiguous float32 (out_features,)");
-  }
   const auto input = x.contiguous();
   const int64_t rows = k ? input.numel() / k : 0;
-  auto sizes = x.sizes().vec();
-  sizes.back() = out_features;
-  auto out = torch::empty(sizes, x.options());
+  auto out = linear_output(x, out_features);
   const float* b = bias ? bias->data_ptr<float>() : nullptr;
   ZOO_DISPATCH_FLOATS(packed.scalar_type(), "half_linear", [&] {
-    multiply<scalar_t>(input.data_ptr<float>(), rows, k, packed.data_ptr<scalar_t>(), blocks, b, out_features,
+    const PackedBlocks<scalar_t> source{packed.data_ptr<scalar_t>(), k * kBlock};
+    multiply<scalar_t>(input.data_ptr<float>(), rows, k, source, blocks, b, out_features, out.data_ptr<float>(), path);
+  });
+  return out;
+}
+
+// y = x @ [W_0 | W_1 | ...]^T (+ bias) with the weights' rows read where they lie: each part (N_i, K) bfloat16 or
+// float16 with unit column stride, every part but the last N_i a multiple of 16.
+torch::Tensor rows_linear(const torch::Tensor& x, const std::vector<torch::Tensor>& parts,
+                          const c10::optional<torch::Tensor>& bias, Path path) {
+  TORCH_CHECK(!parts.empty(), "parts must hold at least one weight");
+  const int64_t k = x.size(-1);
+  const auto dtype = parts[0].scalar_type();
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "the parts must be bfloat16 or float16");
+  int64_t out_features = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const auto& part = parts[i];
+    TORCH_CHECK(part.device().is_cpu() && part.dim() == 2 && part.scalar_type() == dtype && part.size(1) == k &&
+                    part.size(0) > 0 && (part.stride(1) == 1 || k == 1),
+                "every part must be a CPU tensor (N_i, K) of the first part's dtype, K = x's last dimension, with "
+                "unit column stride");
+    TORCH_CHECK(i + 1 == parts.size() || part.size(0) % kBlock == 0,
+                "every part but the last must have a multiple of 16 rows");
+    out_features += part.size(0);
+  }
+  check_linear_input(x, bias, out_features);
+  const auto input = x.contiguous();
+  const int64_t rows = k ? input.numel() / k : 0;
+  auto out = linear_output(x, out_features);
+  const float* b = bias ? bias->data_ptr<float>() : nullptr;
+  ZOO_DISPATCH_HALVES(dtype, "half_linear_rows", [&] {
+    std::vector<RowBlock<scalar_t>> blocks;  // 16 rows each, part after part
+    for (const auto& part : parts) {
+      const auto* first = part.data_ptr<scalar_t>();
+      for (int64_t row = 0; row < part.size(0); row += kBlock)
+        blocks.push_back({first + row * part.stride(0), part.stride(0), std::min(kBlock, part.size(0) - row)});
+    }
+    const std::vector<scalar_t> zeros(k);
+    const RowBlocks<scalar_t> source{blocks.data(), zeros.data(), path};
+    multiply<scalar_t>(input.data_ptr<float>(), rows, k, source, blocks.size(), b, out_features,
                        out.data_ptr<float>(), path);
   });
   return out;
@@ -269,6 +553,11 @@ Path path_in_use() {
 torch::Tensor half_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                           int64_t out_features) {
   return linear(x, packed, bias, out_features, path_in_use());
+}
+
+torch::Tensor half_linear_rows(const torch::Tensor& x, const std::vector<torch::Tensor>& parts,
+                               const c10::optional<torch::Tensor>& bias) {
+  return rows_linear(x, parts, bias, path_in_use());
 }
 
 namespace {

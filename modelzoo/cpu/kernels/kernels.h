@@ -52,6 +52,10 @@ torch::Tensor amx_bf16_silu_gate(const torch::Tensor& x, const torch::Tensor& pa
 // times float32 activations, float32 sums and outputs (AVX2, or AVX-512 where built).
 torch::Tensor half_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                           int64_t out_features);
+// half_linear with the weight read where it lies, in rows: x @ [W_0 | W_1 | ...]^T (+ bias) for parts (N_i, K)
+// bfloat16 or float16 with unit column stride (every N_i but the last a multiple of 16); half_linear's bits.
+torch::Tensor half_linear_rows(const torch::Tensor& x, const std::vector<torch::Tensor>& parts,
+                               const c10::optional<torch::Tensor>& bias);
 // W (N, K) bfloat16, float16 or float32 -> (N/16 rounded up, K, 16) in its dtype, zero rows padding N: half_linear's
 // layout, written into `out` where given (memory the caller chose), else into new memory.
 torch::Tensor pack_half_weight(const torch::Tensor& weight, const c10::optional<torch::Tensor>& out);

@@ -139,6 +139,10 @@ inline void round_row(const T* x, int64_t k, int64_t pairs, uint32_t* out) {
   AT_DISPATCH_SWITCH(dtype, name, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)                            \
                                       AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__) AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
 
+// The same for a bfloat16 or float16 tensor.
+#define ZOO_DISPATCH_HALVES(dtype, name, ...) \
+  AT_DISPATCH_SWITCH(dtype, name, AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__) AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
+
 namespace zoo {
 inline bool is_storage_type(at::ScalarType type) {
   return type == at::kFloat || type == at::kBFloat16 || type == at::kHalf;
