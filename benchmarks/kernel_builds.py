@@ -67,7 +67,7 @@ class Workload:
         self.shapes = {"qkv": (hidden, (heads + 2 * kv) * dim), "o": (heads * dim, hidden),
                        "gate_up": (hidden, 2 * inter), "down": (inter, hidden)}
         # Packed side by side on huge pages, in the order a forward pass reads them, as a job lays its weights out.
-        shaped = lambda n, k: torch.empty(n, k, dtype=torch.bfloat16, device="meta")  # a shape, no memory
+        shaped = lambda n, k: torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16, device="meta")  # no memory
         arena = PackedWeightArena(args.layers * sum(packed_bytes_bound(shaped(n, k)) for k, n in self.shapes.values())
                                   + packed_bytes_bound(shaped(args.vocab, hidden)) if gemm else 0)
         self.weights = [{name: pack(bf16(n, k), arena.take) for name, (k, n) in self.shapes.items()}

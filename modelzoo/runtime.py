@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from modelzoo.cpu.gemm import GemmPlan, apply_bf16_kernels, apply_gemm_backend, weight_bytes
+from modelzoo.cpu.gemm import GemmPlan, JobWork, apply_bf16_kernels, apply_gemm_backend, apply_half_kernels, weight_bytes
 from modelzoo.cpu.int8_compute import apply_int8_backend
 from modelzoo.cpu.kernels import cpu_kernels, kernel_build_dir, machine_dir
 from modelzoo.cpu.precision import PrecisionPolicy, apply_half_gemm, keep_gemm_weights, precision_policy
@@ -178,7 +178,7 @@ class Runtime:
             log.info("GEMMs as the weight cache laid them out: %s", ", ".join(f"{key} {kernel}" for key, kernel
                                                                             in self.gemm.layers.items()))
         else:
-            self._choose_gemm(spare_bytes=(free - cache) // 2)
+            self._choose_gemm(spare_bytes=(free - cache) // 2, cached_layout=bool(cache_key))
             if cache_key:
                 weight_cache.save(Path(spec.weight_cache), cache_key, CachedLayout(self.model, self.gemm))
         self.step_rows = self._smaller_steps()  # row counts of smaller decode steps
@@ -348,7 +348,7 @@ class Runtime:
         mixed = policy.weights != policy.activations and not weight_dtype
         model, _ = load_model(checkpoint, policy.weights if mixed else self.dtype, self.device,
                               shard_plan(checkpoint, tensor_parallel), weight_dtype, self.spec.int8_group_size,
-                              update)
+                              update, keep_parts=mixed and policy.half_gemm)
         if mixed and policy.packed_gemm:
             keep_gemm_weights(model, policy.activations)
         elif mixed:
@@ -378,10 +378,22 @@ class Runtime:
                    "int8_backend": spec.int8_backend}
         return weight_cache.cache_key(spec.checkpoint, options, kernel_build_dir().name + "@" + machine_dir().name)
 
-    def _choose_gemm(self, spare_bytes: int) -> None:
+    def _job_work(self) -> JobWork | None:
+        """The most GEMM work of the job's rows to do (None where unknown: a model kept for the API or lm-eval)."""
+        if not self.rows_to_do:
+            return None
+        prompts = self.prompts
+        longest = prompts.longest if prompts else self.max_seq_len
+        new_tokens = (prompts.most_tokens if prompts and prompts.most_tokens is not None
+                      else self.max_seq_len - (prompts.shortest if prompts else 1))
+        return JobWork(decode_steps=-(-self.rows_to_do // self.rows_in_flight) * new_tokens,
+                       prompt_tokens=self.rows_to_do * longest)
+
+    def _choose_gemm(self, spare_bytes: int, cached_layout: bool = False) -> None:
         """Puts every float linear layer in the layout of the GEMM backend chosen for it (runconfig.gemm_backend;
         MKL's second copy of the weights only within `spare_bytes`), and every int8 one in its backend's
-        (int8_backend); `self.gemm` says what was chosen."""
+        (int8_backend); `self.gemm` says what was chosen. cached_layout: the layout goes to the weight cache (16-bit
+        weights packed wherever faster, whatever this job's size)."""
         model, weight_dtype, spec = self.model, self.spec.weight_dtype, self.spec.speculative
         rows = self.rows_in_flight
         # Compiled, torch's own GEMMs: the re-laid-out weights of the other backends cannot be traced.
@@ -396,10 +408,11 @@ class Runtime:
             if backend != "auto":
                 log.warning("runconfig.gemm_backend %s ignored: %s weights multiply with half_linear here (widened to "
                             "float32; see modelzoo/cpu/precision.py)", backend, str(self.policy.weights)[6:])
-            self.gemm = GemmPlan(backend, layers=apply_half_gemm(model))
             log.info("GEMMs: half_linear (%s weights widened to float32 as read, float32 inputs, sums and outputs; "
-                     "%s code path, the faster here as timed) for %s", str(self.policy.weights)[6:],
-                     cpu_kernels().half_gemm_path(), ", ".join(self.gemm.layers))
+                     "%s code path, the faster here as timed)", str(self.policy.weights)[6:],
+                     cpu_kernels().half_gemm_path())
+            self.gemm = apply_half_kernels(model, rows * (1 + (spec.num_tokens if spec else 0)),
+                                           None if cached_layout else self._job_work())
             return
         self.gemm = apply_gemm_backend(model, self.dtype, self.device, backend,
                                        decode_rows=rows * (1 + (spec.num_tokens if spec else 0)),

@@ -4,11 +4,13 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, GPT2Config
 
 from harness import our_last_logits, save_tiny_model
+from modelzoo.errors import UserError
 from modelzoo.models.checkpoint import load_model
 from tiny_configs import narrow_llama_config
 
@@ -110,3 +112,49 @@ def test_loading_a_converted_checkpoint_holds_it_once(tmp_path):
     assert grown <= file_kib // 2 + largest_float32_kib + 4 * 1024, (grown, file_kib)
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
     assert torch.equal(model.state_dict()["model.embed_tokens.weight"], reference.model.embed_tokens.weight)
+
+
+def test_fused_weights_kept_as_their_parts(tmp_path):
+    """keep_parts: q | k | v and gate | up (with Qwen2's q, k, v biases) load as JoinedLinear layers whose parts are
+    the checkpoint's own weights, views of its memory map (no copy), that multiply as the concatenated layer does;
+    the whole model's logits are the same bits."""
+    from tiny_configs import INT8_FAMILIES
+
+    from modelzoo.cpu.memory import _mapping_of
+    from modelzoo.cpu.precision import JoinedLinear
+
+    folder = save_tiny_model(INT8_FAMILIES["qwen2_qkv_bias"](), tmp_path / "qwen2")
+    fused, _ = load_model(folder, torch.float32, torch.device("cpu"))
+    apart, _ = load_model(folder, torch.float32, torch.device("cpu"), keep_parts=True)
+    stored = load_file(folder / "model.safetensors")
+    for name, pieces in (("self_attn.qkv_proj", ("q", "k", "v")), ("mlp.gate_up_proj", ("gate", "up"))):
+        layer = apart.get_submodule(f"model.layers.1.{name}")
+        assert isinstance(layer, JoinedLinear) and layer.weight.device.type == "meta"
+        assert all(_mapping_of(part) is not None for part in layer.parts)
+        owner = name.split(".")[0]
+        for part, piece in zip(layer.parts, pieces):
+            assert torch.equal(part, stored[f"model.layers.1.{owner}.{piece}_proj.weight"])
+        x = torch.randn(3, layer.in_features)
+        assert torch.equal(layer(x), fused.get_submodule(f"model.layers.1.{name}")(x))
+    assert apart.model.layers[0].self_attn.qkv_proj.bias is not None
+
+    def logits(model: torch.nn.Module) -> torch.Tensor:
+        from modelzoo.models.kv_cache import KVCache
+
+        c = model.config
+        cache = KVCache(c.num_layers, 1, c.num_kv_heads, 5, c.head_dim, torch.float32, torch.device("cpu"))
+        with torch.inference_mode():
+            return model(torch.tensor(PROMPT), torch.arange(5)[None], cache, None)[0]
+
+    assert torch.equal(logits(apart), logits(fused))
+
+
+def test_a_fused_weights_part_of_the_wrong_shape_is_named(tmp_path):
+    folder = save_tiny_model(narrow_llama_config(num_hidden_layers=1), tmp_path / "llama")
+    weights = load_file(folder / "model.safetensors")
+    for name, tensor, message in (("model.layers.0.self_attn.k_proj.weight", lambda w: w[:, :-1], "k_proj.weight"),
+                                  ("model.layers.0.mlp.up_proj.weight", lambda w: w[:-16], "up_proj.weight have 112 rows")):
+        broken = dict(weights, **{name: tensor(weights[name]).contiguous()})
+        save_file(broken, folder / "model.safetensors")
+        with pytest.raises(UserError, match=message):
+            load_model(folder, torch.float32, torch.device("cpu"), keep_parts=True)

@@ -122,28 +122,36 @@ def test_int8_weights_are_laid_out_side_by_side_on_huge_pages():
     assert "hg" in vm_flags(model[0].packed.data_ptr())  # 2 MiB and more
 
 
-@linux
-def test_laying_out_16_bit_weights_holds_one_copy_of_them(tmp_path):
-    """apply_half_gemm over a loaded bfloat16 checkpoint (its weights views of the file's pages or, fused, of their
-    own memory): the peak resident memory grows by the packed weights and a layer or two in flight, never by a
-    second copy of the model."""
+def bfloat16_checkpoint(tmp_path, num_key_value_heads: int):
+    """A 4-layer Llama (hidden 512, MLP 2048, 8 heads, vocabulary 4096, untied) saved in bfloat16: 20+ MiB of weights."""
     from harness import save_tiny_model
     from safetensors.torch import load_file, save_file
     from tiny_configs import narrow_llama_config
 
+    config = narrow_llama_config(hidden_size=512, intermediate_size=2048, num_attention_heads=8,
+                                 num_key_value_heads=num_key_value_heads, num_hidden_layers=4, vocab_size=4096,
+                                 tie_word_embeddings=False)
+    folder = save_tiny_model(config, tmp_path / "ckpt")
+    weights = folder / "model.safetensors"
+    save_file({name: tensor.to(torch.bfloat16) for name, tensor in load_file(weights).items()}, weights)
+    return folder
+
+
+@linux
+@pytest.mark.parametrize("keep_parts", [False, True])
+def test_laying_out_16_bit_weights_holds_one_copy_of_them(tmp_path, keep_parts):
+    """apply_half_gemm over a loaded bfloat16 checkpoint (its weights views of the file's pages or, fused, of their
+    own memory): the peak resident memory grows by the packed weights and a layer or two in flight, never by a
+    second copy of the model; with the fused weights' parts kept apart (keep_parts), by the packed weights alone."""
     from modelzoo.cpu.kernels import cpu_kernels
     from modelzoo.cpu.precision import HalfLinear, apply_half_gemm
     from modelzoo.models.checkpoint import load_model
 
     if cpu_kernels() is None:
         pytest.skip("the C++ kernels cannot be built here")
-    config = narrow_llama_config(hidden_size=512, intermediate_size=2048, num_attention_heads=8, num_key_value_heads=8,
-                                 num_hidden_layers=4, vocab_size=4096, tie_word_embeddings=False)
-    folder = save_tiny_model(config, tmp_path / "ckpt")
-    weights = folder / "model.safetensors"
-    save_file({name: tensor.to(torch.bfloat16) for name, tensor in load_file(weights).items()}, weights)
+    folder = bfloat16_checkpoint(tmp_path, num_key_value_heads=8)
     apply_half_gemm(load_model(folder, torch.bfloat16, torch.device("cpu"))[0])  # code and allocator warmed up
-    model, _ = load_model(folder, torch.bfloat16, torch.device("cpu"))
+    model, _ = load_model(folder, torch.bfloat16, torch.device("cpu"), keep_parts=keep_parts)
     with open("/proc/self/clear_refs", "w") as handle:
         handle.write("5")  # resets VmHWM to the current resident size
     before = status_kib("VmRSS")
@@ -152,4 +160,46 @@ def test_laying_out_16_bit_weights_holds_one_copy_of_them(tmp_path):
     largest_layer_kib = 2 * 2048 * 512 * 2 // 1024  # a fused gate | up weight
     assert packed_kib > 20 * 1024
     grown = status_kib("VmHWM") - before
-    assert grown <= packed_kib + 2 * largest_layer_kib + 4 * 1024, (grown, packed_kib)
+    assert grown <= packed_kib + (0 if keep_parts else 2 * largest_layer_kib) + 4 * 1024, (grown, packed_kib)
+
+
+@linux
+def test_16_bit_weights_read_in_place_are_the_checkpoints_pages(tmp_path):
+    """A bfloat16 checkpoint loaded with its fused weights' parts kept apart (keep_parts) and every layer laid out in
+    place (InPlaceHalfLinear): each layer's weight, q | k | v and gate | up part by part, is a view of the file's memory
+    map, nothing is copied (the resident memory grows by less than a layer from loading to laid out), and the layers
+    multiply as the packed ones do, bit for bit."""
+    from modelzoo.cpu.kernels import cpu_kernels
+    from modelzoo.cpu.memory import _mapping_of
+    from modelzoo.cpu.precision import (HalfLinear, InPlaceHalfLinear, JoinedLinear, apply_half_gemm, linear_like,
+                                        linear_shape_key)
+    from modelzoo.models.checkpoint import load_model
+
+    if cpu_kernels() is None:
+        pytest.skip("the C++ kernels cannot be built here")
+    folder = bfloat16_checkpoint(tmp_path, num_key_value_heads=4)
+    load = lambda: load_model(folder, torch.bfloat16, torch.device("cpu"), keep_parts=True)[0]
+    every_shape = lambda model: {linear_shape_key(m, m.weight.dtype) for m in model.modules() if linear_like(m)}
+    warm = load()
+    apply_half_gemm(warm, every_shape(warm))  # code and allocator warmed up
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")  # resets VmHWM to the current resident size
+    before = status_kib("VmRSS")
+    model = load()
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj, JoinedLinear)
+    assert [part.shape[0] for part in model.model.layers[0].mlp.gate_up_proj.parts] == [2048, 2048]
+    apply_half_gemm(model, every_shape(model))
+    grown = status_kib("VmHWM") - before
+    layers = [m for m in model.modules() if isinstance(m, InPlaceHalfLinear)]
+    assert len(layers) == 4 * 4 + 1 and not any(isinstance(m, (HalfLinear, JoinedLinear)) for m in model.modules())
+    assert all(_mapping_of(part) is not None for layer in layers for part in layer.parts)
+    assert grown < 2048 * 512 * 2 // 1024, grown  # less than the gate (or up) weight alone, in KiB
+    packed = load()
+    apply_half_gemm(packed)
+    with torch.inference_mode():
+        for name in ("model.layers.1.self_attn.qkv_proj", "model.layers.1.mlp.gate_up_proj", "model.layers.1.mlp.down_proj",
+                     "lm_head"):
+            in_place, laid_out = model.get_submodule(name), packed.get_submodule(name)
+            assert isinstance(laid_out, HalfLinear)
+            x = torch.randn(3, in_place.in_features)
+            assert torch.equal(in_place(x), laid_out(x))

@@ -139,8 +139,9 @@ def test_16_bit_weights_stay_16_bit_without_native_multiplies(dtype, tmp_path, a
     assert setup.policy == HALF[dtype]
     modules = list(model.modules())
     assert not any(isinstance(m, nn.Linear) for m in modules)
-    gemms = [m for m in modules if isinstance(m, precision.HalfLinear)]
-    assert len(gemms) == 4 * model.config.num_layers + 1 and all(m.packed.dtype == dtype for m in gemms)
+    gemms = [m for m in modules if isinstance(m, (precision.HalfLinear, precision.InPlaceHalfLinear))]
+    assert len(gemms) == 4 * model.config.num_layers + 1
+    assert all((m.packed if isinstance(m, precision.HalfLinear) else m.parts[0]).dtype == dtype for m in gemms)
     assert all(m.weight.dtype == F32 for m in modules if isinstance(m, RMSNorm))
     embedding = model.model.embed_tokens
     assert embedding.weight.dtype == dtype and embedding(torch.tensor([[1, 2]])).dtype == F32
@@ -156,15 +157,20 @@ def test_16_bit_weights_stay_16_bit_without_native_multiplies(dtype, tmp_path, a
 @pytest.mark.parametrize("dtype, family", [("bfloat16", "llama"), ("float16", "llama"), ("float16", "llama_tied")])
 def test_16_bit_job_without_native_multiplies_is_batch_invariant_and_keeps_todays_rows(dtype, family, tmp_path,
                                                                                         avx2_cpu, monkeypatch):
-    """half_linear's rows (a tied embedding reading the packed head) do not depend on the batch, and equal those of
-    float32 arithmetic over the weights widened at load (the policy where the kernels are not built)."""
+    """half_linear's rows do not depend on the batch or on the weights' layout (packed, a tied embedding reading the
+    packed head, or read in place from the checkpoint's map: half_linear_rows), and equal those of float32 arithmetic
+    over the weights widened at load (the policy where the kernels are not built)."""
+    from modelzoo.cpu import gemm
+
     config = tiny_llama_config() if family == "llama" else INT8_FAMILIES[family]()
     checkpoint = save_tiny_model(config, tmp_path / "model")
     rng = np.random.default_rng(5)
     prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in (4, 9, 2, 15, 7, 1, 30)]
     write_h5(tmp_path / "data", prompt_rows(prompts, 48, START))
     runs = {}
-    for name, batch in (("b1", 1), ("b7", 7), ("widened", 7)):
+    for name, batch in (("b1", 1), ("b7", 7), ("in_place", 7), ("widened", 7)):
+        packing_pays = name != "in_place"  # else every weight read where it lies
+        monkeypatch.setattr(gemm, "half_layout_gain", lambda *_: float("inf") if packing_pays else float("-inf"))
         if name == "widened":
             monkeypatch.setattr(precision, "half_kernel_available", lambda: False)
         params = write_params(tmp_path / f"{name}.yaml", checkpoint, tmp_path / "data", batch, START, dtype=dtype,
@@ -175,7 +181,10 @@ def test_16_bit_job_without_native_multiplies_is_batch_invariant_and_keeps_today
     assert summary["dtype"] == HALF[getattr(torch, dtype)].describe()
     assert summary["dtype"] == f"{dtype} weights, float32 arithmetic and KV cache"
     assert set(summary["gemm"]["layers"].values()) == {"half_linear"}
+    summary = json.loads((tmp_path / "in_place" / "artifacts" / "summary.json").read_text())
+    assert set(summary["gemm"]["layers"].values()) == {"half_linear_rows"}
     np.testing.assert_array_equal(runs["b1"], runs["b7"])
+    np.testing.assert_array_equal(runs["b7"], runs["in_place"])
     np.testing.assert_array_equal(runs["b7"], runs["widened"])
 
 

@@ -49,8 +49,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from modelzoo.cpu.memory import PackedWeightArena, release_freed_memory, release_mapped
-from modelzoo.cpu.precision import (BF16Linear, HalfLinear, apply_bf16_gemm, linear_like, linear_shape,
-                                    linear_shape_key, packed_bytes_bound)
+from modelzoo.cpu.precision import (BF16Linear, HalfLinear, InPlaceHalfLinear, apply_bf16_gemm, apply_half_gemm,
+                                    linear_like, linear_shape, linear_shape_key, pack_half_weight, packed_bytes_bound,
+                                    reads_in_place)
 from modelzoo.errors import UserError
 from modelzoo.cpu.kernels import cpu_kernels, read_machine_choices, write_machine_choices
 
@@ -309,17 +310,18 @@ class GemmPlan:
 
 def measured_shapes(shapes: dict[str, tuple[int, int]], dtype: torch.dtype, backends: list[str],
                     build: Callable[[nn.Linear, str], nn.Module] = wrap,
-                    opt_in: tuple[str, ...] = (), choices: str = GEMM_CHOICES) -> dict[str, dict]:
+                    opt_in: tuple[str, ...] = (), choices: str = GEMM_CHOICES,
+                    timed_rows: tuple[int, ...] = (PREFILL_ROWS, DECODE_ROWS)) -> dict[str, dict]:
     """{key: ShapeChoice as a dict} for each {key: (in_features, out_features)}: this machine's cached
-    choice (in its file `choices`) where it covers `backends`, else measured now with `build` (logged, and
-    cached). Each one's `backend` is auto's choice: the fastest batch-invariant backend, never one of `opt_in`
+    choice (in its file `choices`) where it covers `backends`, else measured now with `build` at `timed_rows` (logged,
+    and cached). Each one's `backend` is auto's choice: the fastest batch-invariant backend, never one of `opt_in`
     (measured and shown, used only when asked for)."""
     cache, measured = read_machine_choices(choices, CACHE_VERSION), {}
     for key, (in_features, out_features) in shapes.items():
         if key not in cache or set(cache[key]["gflops"]) | set(cache[key]["rejected"]) != set(backends):
             start = time.perf_counter()
-            cache[key] = asdict(measure_shape(in_features, out_features, dtype, backends, build=build))
-            log.info("%s measured in %.1fs: %s", key, time.perf_counter() - start, rates_text(cache[key]))
+            cache[key] = asdict(measure_shape(in_features, out_features, dtype, backends, timed_rows, build))
+            log.info("%s measured in %.1fs: %s", key, time.perf_counter() - start, rates_text(cache[key], rows=timed_rows))
             measured[key] = cache[key]
     error = write_machine_choices(choices, CACHE_VERSION, cache) if measured else None
     if error is not None:
@@ -365,7 +367,7 @@ def apply_gemm_backend(model: nn.Module, dtype: torch.dtype, device: torch.devic
             if backend == "mkl":
                 plan.layers[key] = fastest(plan.measured[key], exclude=("mkl",))
     plan.check_invariance()
-    arena = PackedWeightArena(sum(packed_bytes_bound(layer.weight) for _, _, layer in layers  # `packed`'s weights
+    arena = PackedWeightArena(sum(packed_bytes_bound(layer) for _, _, layer in layers  # `packed`'s weights
                                   if plan.layers[_shape_key(layer, dtype)] == "packed"))
     layers.reverse()  # popped first to last: `packed`'s weights laid out in the order a forward pass reads them
     while layers:  # one layer at a time, dropping each old layer at once: at most one weight is held twice
@@ -413,9 +415,84 @@ def apply_bf16_kernels(model: nn.Module, requested: str = "auto") -> GemmPlan:
     return plan
 
 
-def rates_text(measured: dict, only: str | None = None) -> str:
+HALF_GEMM_CHOICES = "half_gemm_choices.json"  # half_linear over packed weights against half_linear_rows in place
+HALF_KERNELS = ("half_linear", "half_linear_rows")
+PACKING_PROBE = (2048, 8192)  # the weight (N, K) whose packing into fresh memory times the set-up's packing rate
+
+
+@dataclass(frozen=True)
+class JobWork:
+    """The most GEMM work a job may do, to weigh a layout's set-up against its speed: decode steps (each one call of
+    every layer at the rows in flight) and prompt tokens (prefilled PREFILL_ROWS or so a call)."""
+
+    decode_steps: int
+    prompt_tokens: int
+
+
+def packing_rate(dtype: torch.dtype) -> float:
+    """Bytes a second that pack_half_weight lays out here into fresh memory (a new PackedWeightArena's pages, touched
+    for the first time, as at set-up), timed once on a PACKING_PROBE weight."""
+    weight = torch.zeros(PACKING_PROBE, dtype=dtype)
+    probe = nn.Linear(PACKING_PROBE[1], PACKING_PROBE[0], bias=False, device="meta", dtype=dtype)
+    arena = PackedWeightArena(packed_bytes_bound(probe))
+    start = time.perf_counter()
+    pack_half_weight(weight, arena.take)
+    return weight.numel() * weight.element_size() / (time.perf_counter() - start)
+
+
+def half_layout_gain(rates: dict[str, dict[str, float]], shape: tuple[int, int], rows: int, work: JobWork) -> float:
+    """Seconds packing one weight of `shape` (in, out) saves over `work` (negative: it loses), from the GFLOP/s of
+    half_linear (packed) and half_linear_rows (in place) at M = PREFILL_ROWS and M = rows."""
+    flops = 2 * shape[0] * shape[1]
+    seconds = {kernel: {m: flops * m / (rates[kernel][f"M={m}"] * 1e9) for m in (PREFILL_ROWS, rows)}
+               for kernel in HALF_KERNELS}
+    saved = {m: seconds["half_linear_rows"][m] - seconds["half_linear"][m] for m in (PREFILL_ROWS, rows)}
+    return work.decode_steps * saved[rows] + work.prompt_tokens / PREFILL_ROWS * saved[PREFILL_ROWS]
+
+
+def apply_half_kernels(model: nn.Module, rows: int, work: JobWork | None) -> GemmPlan:
+    """Lays out every linear layer of `model` (16-bit weights) for half_linear: packed (HalfLinear: the weight written
+    once into new memory at set-up, the faster layout at most row counts) or read where it lies (InPlaceHalfLinear,
+    half_linear_rows: nothing written; the same bits). With the job's most `work`, both are timed here per shape at
+    M = PREFILL_ROWS and M = rows (cached per machine) and a shape is packed where packing saves the job more time
+    than packing its weights takes (at packing_rate, measured now); with no `work` (a model kept for work unknown, or
+    laid out for the weight cache) every weight is packed."""
+    if work is None:
+        plan = GemmPlan("auto", layers=apply_half_gemm(model))
+        log.info("GEMMs: half_linear, weights packed (the job's work unknown, or the layout cached): %s",
+                 ", ".join(plan.layers))
+        return plan
+    layers = [module for module in model.modules() if linear_like(module)]
+    keys = [linear_shape_key(layer, layer.weight.dtype) for layer in layers]
+    shapes = dict(zip(keys, (linear_shape(layer) for layer in layers)))
+    dtype, timed = layers[0].weight.dtype, (PREFILL_ROWS, rows)
+    build = lambda linear, kernel: HalfLinear(linear) if kernel == "half_linear" else InPlaceHalfLinear(linear)
+    measured = measured_shapes({f"{key} at M={rows}": shape for key, shape in shapes.items()}, dtype,
+                               list(HALF_KERNELS), build, choices=HALF_GEMM_CHOICES, timed_rows=timed)
+    rate = packing_rate(dtype)
+    plan, in_place, reasons = GemmPlan("auto"), set(), []
+    for key, shape in shapes.items():
+        choice = plan.measured[key] = measured[f"{key} at M={rows}"]
+        packing = keys.count(key) * shape[0] * shape[1] * dtype.itemsize / rate
+        if not all(reads_in_place(layer) for layer, other in zip(layers, keys) if other == key):
+            pack, reason = True, "its weight is not in rows"
+        else:
+            gain = keys.count(key) * half_layout_gain(choice["gflops"], shape, rows, work)
+            pack, reason = gain > packing, f"saves the job {gain:.1f}s at most, packing takes {packing:.1f}s"
+        if not pack:
+            in_place.add(key)
+        rates = rates_text(choice, rows=timed).replace("half_linear_rows", "in place").replace("half_linear", "packed")
+        reasons.append(f"{key} {'packed' if pack else 'in place'} ({reason}; {rates})")
+    plan.layers = apply_half_gemm(model, in_place)
+    log.info("GEMMs: half_linear, weights packed or read in place (for the job's at most %d decode steps of %d rows "
+             "and %d prompt tokens; packing %.1f GB/s into fresh memory here): %s", work.decode_steps, rows,
+             work.prompt_tokens, rate / 1e9, "; ".join(reasons))
+    return plan
+
+
+def rates_text(measured: dict, only: str | None = None, rows: tuple[int, ...] = (PREFILL_ROWS, DECODE_ROWS)) -> str:
     """'onednn 205/190 GFLOP/s, torch_blocks 114/93 (32-row blocks), torch 120/90 (not batch-invariant)'
-    (M=256 / M=32)."""
+    (M=256 / M=32: the `rows` timed)."""
     parts = []
     for backend, rates in measured["gflops"].items():
         if only and backend != only:
@@ -423,12 +500,14 @@ def rates_text(measured: dict, only: str | None = None) -> str:
         block = measured.get("block_rows", {}).get(backend)
         note = (f" ({block}-row blocks)" if block else "") + ("" if measured["invariant"].get(backend)
                                                               else " (not batch-invariant)")
-        parts.append(f"{backend} {rates[f'M={PREFILL_ROWS}']:.0f}/{rates[f'M={DECODE_ROWS}']:.0f} GFLOP/s{note}")
-    return ", ".join(parts) + ("" if only else f" at M={PREFILL_ROWS}/{DECODE_ROWS}")
+        timed = "/".join(f"{rates[f'M={m}']:.0f}" for m in rows)
+        parts.append(f"{backend} {timed} GFLOP/s{note}")
+    return ", ".join(parts) + ("" if only else f" at M={'/'.join(map(str, rows))}")
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the model's weights: each parameter or buffer storage once, plus prepacked copies."""
-    unique = {t.data_ptr(): t for t in model.state_dict(keep_vars=True).values()}
+    """Bytes of the model's weights: each parameter or buffer storage once, plus what modules hold outside them
+    (`packed_bytes`: a packed layout, or weights read where they lie)."""
+    unique = {t.data_ptr(): t for t in model.state_dict(keep_vars=True).values() if t.device.type != "meta"}
     total = sum(t.numel() * t.element_size() for t in unique.values())
     return total + sum(m.packed_bytes() for m in model.modules() if hasattr(m, "packed_bytes"))

@@ -107,8 +107,37 @@ def precision_policy(dtype: torch.dtype, device: torch.device, int8_weights: boo
 
 
 def linear_like(module: nn.Module) -> bool:
-    """A linear layer: nn.Linear (or a subclass), or a layer declaring `weight_is_in_out` (GPT-2's Conv1D)."""
-    return isinstance(module, nn.Linear) or bool(getattr(module, "weight_is_in_out", False))
+    """A linear layer: nn.Linear (or a subclass), a JoinedLinear, or a layer declaring `weight_is_in_out` (GPT-2's
+    Conv1D)."""
+    return isinstance(module, (nn.Linear, JoinedLinear)) or bool(getattr(module, "weight_is_in_out", False))
+
+
+class JoinedLinear(nn.Module):
+    """A linear layer whose weight stacks several checkpoint weights along its outputs (q | k | v, gate | up), kept
+    apart as the loader read them (modelzoo/models/checkpoint.py, keep_parts): `parts` (N_i, K), views of the
+    checkpoint's memory map, so that a layout packs or reads each part where it lies instead of a stacked copy.
+    `weight` is a meta tensor of the stacked shape and dtype (what the layer is, without values); the layer's own
+    forward stacks the parts at every call (right but slow: apply_half_gemm's layouts replace it)."""
+
+    def __init__(self, parts: list[torch.Tensor], bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.parts = tuple(parts)
+        self.out_features, self.in_features = sum(part.shape[0] for part in parts), parts[0].shape[1]
+        self.weight = torch.empty(self.out_features, self.in_features, dtype=parts[0].dtype, device="meta")
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, torch.cat(self.parts).to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+    def packed_bytes(self) -> int:
+        """The parts' bytes (held outside the layer's parameters)."""
+        return sum(part.numel() * part.element_size() for part in self.parts)
+
+
+def weight_parts(layer: nn.Module) -> list[torch.Tensor]:
+    """A linear layer's weight as parts (N_i, K) stacked along the outputs: a JoinedLinear's parts, else its weight
+    (out_features, in_features) alone."""
+    return list(layer.parts) if isinstance(layer, JoinedLinear) else [oriented_weight(layer)]
 
 
 def keep_gemm_weights(model: nn.Module, activations: torch.dtype) -> None:
@@ -143,17 +172,22 @@ class PackedLinear(nn.Module):
     `arena` where given (beside the model's other packed weights, on huge pages: replace_linear_layers), else into
     new memory; the layer's weight is left as it was."""
 
+    reads_weight_in_place = False  # the layer's weight is copied: its checkpoint pages can go
+
     def __init__(self, layer: nn.Module, arena: PackedWeightArena | None = None) -> None:
         super().__init__()
-        weight = oriented_weight(layer)
-        self.out_features, self.in_features = weight.shape
-        self.packed = self.pack(weight, arena.take if arena is not None else new_memory)
+        self.in_features, self.out_features = linear_shape(layer)
+        self.packed = self.pack_parts(weight_parts(layer), arena.take if arena is not None else new_memory)
         self.shape_key = linear_shape_key(layer, self.packed.dtype)
         self.bias = None if layer.bias is None else nn.Parameter(layer.bias.detach().float(), requires_grad=False)
 
     def pack(self, weight: torch.Tensor, memory: Memory) -> torch.Tensor:
         """W (N, K) -> the kernel's layout, written into memory(shape, dtype)."""
         raise NotImplementedError
+
+    def pack_parts(self, parts: list[torch.Tensor], memory: Memory) -> torch.Tensor:
+        """The layout of the parts' stack (N_i, K): here packed from one stacked copy."""
+        return self.pack(parts[0] if len(parts) == 1 else torch.cat(parts), memory)
 
     def packed_bytes(self) -> int:
         return self.packed.numel() * self.packed.element_size()
@@ -244,23 +278,26 @@ def pack_bf16_weight(weight: torch.Tensor, memory: Memory = new_memory) -> torch
 
 
 def replace_linear_layers(model: nn.Module,
-                          pack: Callable[[nn.Module, str, nn.Module, PackedWeightArena], tuple[PackedLinear, str]]
-                          ) -> dict[str, str]:
+                          pack: Callable[[nn.Module, str, nn.Module, PackedWeightArena], tuple[nn.Module, str]],
+                          arena_bytes: Callable[[nn.Module], int] | None = None) -> dict[str, str]:
     """Replaces every linear layer of `model` by pack(parent, name, layer, arena) -> (packed layer, its kernel), one at
-    a time, the packed weights side by side in one PackedWeightArena; each old weight is dropped at once (the
-    checkpoint's pages it viewed, or its own memory, given back every TRIM_BYTES, so that the peak holds one copy of
-    the weights). Returns {shape key: kernel} for the GEMM plan."""
+    a time, the packed weights side by side in one PackedWeightArena of arena_bytes(layer) for each layer (default:
+    packed_bytes_bound); each old weight a packed layer copied is dropped at once (the checkpoint's pages it viewed,
+    or its own memory, given back every TRIM_BYTES, so that the peak holds one copy of the weights), one a layer reads
+    in place is kept. Returns {shape key: kernel} for the GEMM plan."""
     layers = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
               if linear_like(child)][::-1]  # popped first to last: laid out in the order a forward pass reads them
-    arena = PackedWeightArena(sum(packed_bytes_bound(oriented_weight(layer)) for _, _, layer in layers))
+    arena = PackedWeightArena(sum((arena_bytes or packed_bytes_bound)(layer) for _, _, layer in layers))
     shapes, dropped = {}, 0
     while layers:
         parent, name, layer = layers.pop()
         packed, kernel = pack(parent, name, layer, arena)
         shapes[packed.shape_key] = kernel
         setattr(parent, name, packed)
-        release_mapped(layer.weight)  # the checkpoint's pages of the weight just packed
-        dropped += layer.weight.numel() * layer.weight.element_size()
+        if not packed.reads_weight_in_place:
+            for part in weight_parts(layer):
+                release_mapped(part)  # the checkpoint's pages of the weight just packed
+                dropped += part.numel() * part.element_size()
         del layer
         if dropped >= TRIM_BYTES or not layers:
             release_freed_memory()  # a fused or cast weight's memory, or the allocator keeps it and the peak doubles
@@ -274,12 +311,12 @@ def oriented_weight(layer: nn.Module) -> torch.Tensor:
     return weight.t() if getattr(layer, "weight_is_in_out", False) else weight
 
 
-def packed_bytes_bound(weight: torch.Tensor) -> int:
-    """At least the bytes of any packed layout of a weight W (N, K) (rows padded to blocks of 16, inputs to pairs, no
-    element narrower than 2 bytes), with its alignment in a PackedWeightArena."""
-    out_features, in_features = weight.shape
+def packed_bytes_bound(layer: nn.Module) -> int:
+    """At least the bytes of any packed layout of a linear layer's weight W (N, K) (rows padded to blocks of 16,
+    inputs to pairs, no element narrower than 2 bytes), with its alignment in a PackedWeightArena."""
+    in_features, out_features = linear_shape(layer)
     rows = -(-out_features // GEMM_BLOCK) * GEMM_BLOCK
-    return rows * (in_features + 1) * max(weight.element_size(), 2) + 64
+    return rows * (in_features + 1) * max(layer.weight.element_size(), 2) + 64
 
 
 def linear_shape(layer: nn.Module) -> tuple[int, int]:
@@ -311,8 +348,13 @@ class HalfLinear(PackedLinear):
     dtype, widened to float32 as the kernel reads it; a float32 bias, float32 inputs and outputs. A float32 weight
     packs the same way (the float32 GEMM candidate `packed`, modelzoo/cpu/gemm.py)."""
 
+    kernel = "half_linear"
+
     def pack(self, weight: torch.Tensor, memory: Memory) -> torch.Tensor:
         return pack_half_weight(weight, memory)
+
+    def pack_parts(self, parts: list[torch.Tensor], memory: Memory) -> torch.Tensor:
+        return pack_half_parts(parts, memory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from modelzoo.cpu.kernels import cpu_kernels
@@ -329,6 +371,58 @@ def pack_half_weight(weight: torch.Tensor, memory: Memory = new_memory) -> torch
     out_features, in_features = weight.shape
     packed = memory((-(-out_features // GEMM_BLOCK), in_features, GEMM_BLOCK), weight.dtype)
     return cpu_kernels().pack_half_weight(weight, packed)
+
+
+def pack_half_parts(parts: list[torch.Tensor], memory: Memory = new_memory) -> torch.Tensor:
+    """pack_half_weight of the parts' stack (N_i, K) without a stacked copy: each part packed straight into its own
+    blocks of the layout (where every part but the last fills whole blocks of 16 rows; else stacked first)."""
+    from modelzoo.cpu.kernels import cpu_kernels
+
+    if len(parts) == 1 or any(part.shape[0] % GEMM_BLOCK for part in parts[:-1]):
+        return pack_half_weight(parts[0] if len(parts) == 1 else torch.cat(parts), memory)
+    blocks = [-(-part.shape[0] // GEMM_BLOCK) for part in parts]
+    packed = memory((sum(blocks), parts[0].shape[1], GEMM_BLOCK), parts[0].dtype)
+    first = 0
+    for part, count in zip(parts, blocks):
+        cpu_kernels().pack_half_weight(part, packed[first:first + count])  # a contiguous slice of whole blocks
+        first += count
+    return packed
+
+
+class InPlaceHalfLinear(nn.Module):
+    """A linear layer multiplied by half_linear_rows: its bfloat16 or float16 weight read where it lies, in rows (a
+    view of the checkpoint's memory map, or a JoinedLinear's parts side by side), widened to float32 as the kernel
+    reads it, with half_linear's bits: nothing is written at set-up. A float32 bias, float32 inputs and outputs."""
+
+    kernel = "half_linear_rows"
+    reads_weight_in_place = True  # its checkpoint pages are the weight
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        if not reads_in_place(layer):
+            raise ValueError("half_linear_rows reads bfloat16 or float16 rows with unit stride, every part but the "
+                             "last in whole blocks of 16 rows")
+        self.parts = tuple(weight_parts(layer))
+        self.in_features, self.out_features = linear_shape(layer)
+        self.shape_key = linear_shape_key(layer, self.parts[0].dtype)
+        self.bias = None if layer.bias is None else nn.Parameter(layer.bias.detach().float(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from modelzoo.cpu.kernels import cpu_kernels
+
+        return cpu_kernels().half_linear_rows(x.float(), list(self.parts), self.bias)  # (..., N) float32
+
+    def packed_bytes(self) -> int:
+        """The weight's bytes (held outside the layer's parameters)."""
+        return sum(part.numel() * part.element_size() for part in self.parts)
+
+
+def reads_in_place(layer: nn.Module) -> bool:
+    """Whether half_linear_rows can read a linear layer's weight where it lies: 16-bit rows with unit stride (not a
+    Conv1D's (in, out) weight), every part but the last in whole blocks of 16 rows."""
+    parts = weight_parts(layer)
+    return (all(part.dtype in (torch.bfloat16, torch.float16) and part.stride(-1) == 1 for part in parts)
+            and all(part.shape[0] % GEMM_BLOCK == 0 for part in parts[:-1]))
 
 
 class TiedHalfEmbedding(nn.Module):
@@ -348,18 +442,25 @@ class TiedHalfEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, the tied head's packed table"
 
 
-def apply_half_gemm(model: nn.Module) -> dict[str, str]:
-    """Replaces every linear layer of `model` (16-bit weights) by a HalfLinear, and a token embedding tied to one by a
-    TiedHalfEmbedding; returns {shape key: kernel} for the GEMM plan."""
+def apply_half_gemm(model: nn.Module, in_place: Collection[str] = ()) -> dict[str, str]:
+    """Replaces every linear layer of `model` (16-bit weights) by an InPlaceHalfLinear where its shape key is in
+    `in_place` and its weight can be read where it lies (reads_in_place), else by a HalfLinear, and a token embedding
+    tied to a HalfLinear by a TiedHalfEmbedding (one tied to a layer read in place reads its own table: the same
+    pages); returns {shape key: kernel} for the GEMM plan."""
     embeddings = {module.weight.data_ptr(): (parent, name, module) for parent in model.modules()
                   for name, module in parent.named_children() if isinstance(module, nn.Embedding)}
 
-    def pack(parent: nn.Module, name: str, layer: nn.Module, arena: PackedWeightArena) -> tuple[PackedLinear, str]:
+    def stays(layer: nn.Module) -> bool:
+        return linear_shape_key(layer, layer.weight.dtype) in in_place and reads_in_place(layer)
+
+    def pack(parent: nn.Module, name: str, layer: nn.Module, arena: PackedWeightArena) -> tuple[nn.Module, str]:
+        if stays(layer):
+            return InPlaceHalfLinear(layer), InPlaceHalfLinear.kernel
         packed = HalfLinear(layer, arena)
         tied = embeddings.pop(layer.weight.data_ptr(), None)
         if tied is not None and not getattr(layer, "weight_is_in_out", False):
             owner, attribute, _ = tied
             setattr(owner, attribute, TiedHalfEmbedding(tied[2], packed))
-        return packed, "half_linear"
+        return packed, HalfLinear.kernel
 
-    return replace_linear_layers(model, pack)
+    return replace_linear_layers(model, pack, lambda layer: 0 if stays(layer) else packed_bytes_bound(layer))

@@ -18,6 +18,7 @@ from torch import nn
 from modelzoo.errors import UserError
 from modelzoo.cpu.memory import map_private, release_freed_memory, release_mapped
 from modelzoo.models import model_class
+from modelzoo.cpu.precision import JoinedLinear
 from modelzoo.cpu.quantization import quantize_modules, quantize_rows, scale_name
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -189,7 +190,8 @@ def weight_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, plan: ShardPlan | None = None,
                weight_dtype: str | None = None, int8_group_size: int = 0,
-               update: Callable[[str], torch.Tensor | None] | None = None) -> tuple[nn.Module, Any]:
+               update: Callable[[str], torch.Tensor | None] | None = None,
+               keep_parts: bool = False) -> tuple[nn.Module, Any]:
     """Builds our implementation of the checkpoint's family and fills it with the checkpoint's weights.
 
     Weights load by Hugging Face name. A family may fuse several HF weights into one of its own
@@ -201,6 +203,9 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, plan:
     fused concatenation) is complete, so at most one of them is ever held in full precision.
     update: HF weight name -> a tensor of its full shape to add to it as it is read (a merged LoRA adapter's
     scaling * B A), or None; added in float32 before any cast, slicing or quantization.
+    keep_parts: a fused linear layer's weight is not concatenated: the layer becomes a JoinedLinear holding its parts
+    as read (views of the checkpoint's memory map where no cast was needed), for a layout that packs or reads them
+    where they lie (modelzoo/cpu/precision.py's apply_half_gemm, which must follow); not with int8 or a shard plan.
     """
     if weight_dtype not in (None, "int8"):
         raise ValueError(f"weight_dtype must be None or 'int8', got {weight_dtype!r}")
@@ -225,6 +230,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, plan:
     prefixes = sorted({key.split(".", 1)[0] + "." for key in known if "." in key})
     loaded: dict[str, torch.Tensor] = {}
     pieces: dict[str, dict[int, torch.Tensor]] = {}  # fused weights still waiting for some parts
+    joined: dict[str, list[torch.Tensor]] = {}  # keep_parts: fused weights as their parts, in order
     unexpected: list[str] = []
 
     def canonical(name: str) -> str:
@@ -261,6 +267,15 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, plan:
             pieces.setdefault(target, {})[index] = tensor
             if len(pieces[target]) == len(fused[target]):
                 parts = pieces.pop(target)
+                if keep_parts and plan is None and not quantized and tensor.dim() == 2:
+                    joined[target] = [parts[i] for i in range(len(parts))]
+                    for i, part in enumerate(joined[target]):
+                        if tuple(part.shape[1:]) != tuple(expected[target].shape[1:]):
+                            raise UserError(f"weight {fused[target][i]} has shape {tuple(part.shape)} in the "
+                                            f"checkpoint but the config implies {tuple(expected[target].shape[1:])} "
+                                            "columns")
+                    del parts, tensor
+                    continue
                 whole = torch.cat([parts[i] for i in range(len(parts))])
                 for i in parts:
                     release_mapped(parts[i])
@@ -278,13 +293,20 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, plan:
             if name in quantized:  # one int8 tensor and one scale vector for both
                 loaded[scale_name(name)] = loaded[scale_name(source)]
     missing = []
-    for name in sorted(set(expected) - set(loaded)):
+    for name in sorted(set(expected) - set(loaded) - set(joined)):
         got = pieces.get(name, {})
         missing += [s for i, s in enumerate(fused[name]) if i not in got] if name in fused else [name]
     if missing or unexpected:
         problems = ([f"missing weights: {_listed(missing)}"] if missing else []) + (
             [f"unexpected weights: {_listed(unexpected)}"] if unexpected else [])
         raise UserError(f"checkpoint {folder} does not match its config ({type(model).__name__}): " + "; ".join(problems))
+    for target, parts in joined.items():  # fused layers whose parts stay apart: JoinedLinear
+        rows = sum(part.shape[0] for part in parts)
+        if rows != expected[target].shape[0]:
+            raise UserError(f"weights {' + '.join(fused[target])} have {rows} rows in the checkpoint but the config "
+                            f"implies {expected[target].shape[0]}")
+        owner, attribute = target.removesuffix(".weight").rsplit(".", 1)
+        setattr(model.get_submodule(owner), attribute, JoinedLinear(parts, loaded.get(f"{owner}.{attribute}.bias")))
     model.load_state_dict(loaded, assign=True)
     for name, source in tied.items():  # keep the tie after assign (one tensor, not two copies)
         if name in loaded and loaded[name] is loaded[source]:
