@@ -53,7 +53,7 @@ from modelzoo.cpu.precision import (BF16Linear, HalfLinear, InPlaceHalfLinear, a
                                     linear_like, linear_shape, linear_shape_key, pack_half_weight, packed_bytes_bound,
                                     reads_in_place)
 from modelzoo.errors import UserError
-from modelzoo.cpu.kernels import cpu_kernels, read_machine_choices, write_machine_choices
+from modelzoo.cpu.kernels import cpu_kernels, kernel_build_dir, read_machine_choices, write_machine_choices
 
 log = logging.getLogger("zoo-infer")
 
@@ -454,9 +454,9 @@ def apply_half_kernels(model: nn.Module, rows: int, work: JobWork | None) -> Gem
     """Lays out every linear layer of `model` (16-bit weights) for half_linear: packed (HalfLinear: the weight written
     once into new memory at set-up, the faster layout at most row counts) or read where it lies (InPlaceHalfLinear,
     half_linear_rows: nothing written; the same bits). With the job's most `work`, both are timed here per shape at
-    M = PREFILL_ROWS and M = rows (cached per machine) and a shape is packed where packing saves the job more time
-    than packing its weights takes (at packing_rate, measured now); with no `work` (a model kept for work unknown, or
-    laid out for the weight cache) every weight is packed."""
+    M = PREFILL_ROWS and M = rows (cached per machine, in the kernels' build) and a shape is packed where packing saves
+    the job more time than packing its weights takes (at packing_rate, measured now); with no `work` (a model kept for
+    work unknown, or laid out for the weight cache) every weight is packed."""
     if work is None:
         plan = GemmPlan("auto", layers=apply_half_gemm(model))
         log.info("GEMMs: half_linear, weights packed (the job's work unknown, or the layout cached): %s",
@@ -467,8 +467,9 @@ def apply_half_kernels(model: nn.Module, rows: int, work: JobWork | None) -> Gem
     shapes = dict(zip(keys, (linear_shape(layer) for layer in layers)))
     dtype, timed = layers[0].weight.dtype, (PREFILL_ROWS, rows)
     build = lambda linear, kernel: HalfLinear(linear) if kernel == "half_linear" else InPlaceHalfLinear(linear)
+    choices = f"{kernel_build_dir().name}/{HALF_GEMM_CHOICES}"  # timed with the build that runs them
     measured = measured_shapes({f"{key} at M={rows}": shape for key, shape in shapes.items()}, dtype,
-                               list(HALF_KERNELS), build, choices=HALF_GEMM_CHOICES, timed_rows=timed)
+                               list(HALF_KERNELS), build, choices=choices, timed_rows=timed)
     rate = packing_rate(dtype)
     plan, in_place, reasons = GemmPlan("auto"), set(), []
     for key, shape in shapes.items():

@@ -34,7 +34,7 @@ namespace {
 
 constexpr int64_t kBlock = 16;    // output rows per packed block
 constexpr int64_t kRowsTile = 6;  // activation rows per register tile
-constexpr int64_t kRowsAhead = 256;  // inputs ahead of its reads that a weight read in rows is prefetched
+constexpr int64_t kRowsAhead = 128;  // inputs ahead of its reads that a weight read in rows is prefetched
 
 enum class Path { kAvx2, kAvx512 };
 
@@ -334,6 +334,52 @@ void widen_rows(const T* const rows[kBlock], int64_t k0, int64_t kc, float* pane
     for (int64_t r = 0; r < kBlock; ++r) panel[i * step + r] = static_cast<float>(rows[r][k0 + i]);
 }
 
+// 16 rows (row r at rows[r]) of k inputs packed into one block (k, 16) of pack_half_weight's layout: the rows' 32-bit
+// words transposed in registers as widen_rows does, each word's two values then stored to their own input's line.
+template <typename T>
+void pack_rows(const T* const rows[kBlock], int64_t k, T* out, Path path) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if (path == Path::kAvx512) {
+    for (; i + 2 * kBlock <= k; i += 2 * kBlock) {
+      __m512i v[kBlock];
+#pragma GCC unroll 16
+      for (int64_t r = 0; r < kBlock; ++r) v[r] = _mm512_loadu_si512(rows[r] + i);
+      transpose16_words(v);
+#pragma GCC unroll 16
+      for (int64_t j = 0; j < kBlock; ++j) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (i + 2 * j) * kBlock), _mm512_cvtepi32_epi16(v[j]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (i + 2 * j + 1) * kBlock),
+                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(v[j], 16)));
+      }
+    }
+  }
+#endif
+  if (path == Path::kAvx2) {
+    const auto halves = [](__m256i words) {  // the low 16 bits of 8 words, exact through unsigned saturation
+      return _mm_packus_epi32(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
+    };
+    for (; i + kBlock <= k; i += kBlock) {
+      for (int64_t half = 0; half < 2; ++half) {
+        __m256i v[8];
+#pragma GCC unroll 8
+        for (int64_t r = 0; r < 8; ++r)
+          v[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[8 * half + r] + i));
+        transpose8_words(v);
+#pragma GCC unroll 8
+        for (int64_t j = 0; j < 8; ++j) {
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(out + (i + 2 * j) * kBlock + 8 * half),
+                           halves(_mm256_and_si256(v[j], _mm256_set1_epi32(0xFFFF))));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(out + (i + 2 * j + 1) * kBlock + 8 * half),
+                           halves(_mm256_srli_epi32(v[j], 16)));
+        }
+      }
+    }
+  }
+  for (; i < k; ++i)
+    for (int64_t r = 0; r < kBlock; ++r) out[i * kBlock + r] = rows[r][i];
+}
+
 // A weight read where it lies: rows of one or more row-major parts, in blocks of 16 rows, a source of `multiply` (see
 // PackedBlocks): a tile of up to 6 rows transposes and widens the rows' words in registers (AVX-512), longer runs (and
 // the AVX2 path) widen them into a panel. 16 rows are read side by side, each prefetched kRowsAhead inputs ahead.
@@ -353,6 +399,14 @@ struct RowBlocks {
       const T* rows[kBlock];
       row_pointers(block + b, rows);
       widen_rows<T>(rows, k0, kc, panel + b * kBlock, count * kBlock, path);
+    }
+  }
+  // count blocks from `block`, all k inputs, packed into out (count, k, 16)
+  void pack(int64_t block, int64_t count, int64_t k, T* out) const {
+    for (int64_t b = 0; b < count; ++b) {
+      const T* rows[kBlock];
+      row_pointers(block + b, rows);
+      pack_rows<T>(rows, k, out + b * k * kBlock, path);
     }
   }
 #if defined(__AVX512F__)
@@ -414,8 +468,10 @@ struct RowBlocks {
 // and a row tile's inputs, read once from memory, serve the 64 outputs of its column tile. A task of one row tile
 // widens each weight in registers as it multiplies it where its source can (decode with few rows); any other widens
 // kPanelInputs inputs of its column tile at a time into a float32 panel that all its row tiles share (packed float32
-// weights are read in place, as many inputs at a time), keeping its running sums in `sums` between panels. Either
-// way each output's fused multiply-adds run in ascending k from zero: the same bits, from either source.
+// weights are read in place, as many inputs at a time), keeping its running sums in `sums` between panels. Weights
+// read in rows by a call of several runs (a prefill) are packed a column tile at a time into a scratch that the tile's
+// runs share (a task a column tile), rather than transposed again by each run. Either way each output's fused
+// multiply-adds run in ascending k from zero: the same bits, from either source.
 constexpr int64_t kRowsRun = 8 * kRowsTile;
 constexpr int64_t kPanelInputs = 128;
 
@@ -427,34 +483,55 @@ void multiply(const float* x, int64_t rows, int64_t k, const Source& source, int
   const int64_t column_tiles = (blocks + blocks_tile - 1) / blocks_tile;
   const int64_t row_runs = (rows + kRowsRun - 1) / kRowsRun;
   const int64_t block_values = k * kBlock;
+  const int64_t stride = blocks_tile * kBlock;  // of sums
+  // Output rows [run, run + kRowsRun) x blocks [block, block + count), their weights `from`'s blocks from `at` on.
+  const auto run_tile = [&](const auto& from, int64_t at, int64_t block, int64_t count, int64_t run, float* sums,
+                            float* panel) {
+    const int64_t run_rows = std::min(kRowsRun, rows - run);
+    const float* xr = x + run * k;
+    if (run_rows > kRowsTile || !from.tile_in_registers(path, run_rows, at, count, xr, k, sums, stride)) {
+      for (int64_t k0 = 0; k0 < k; k0 += kPanelInputs) {
+        const int64_t kc = std::min(kPanelInputs, k - k0);
+        const T* in_place = from.panel_in_place(at, k0);
+        if (!in_place) from.widen(at, count, k0, kc, panel);
+        for (int64_t row = 0; row < run_rows; row += kRowsTile)
+          tile<T>(path, std::min(kRowsTile, run_rows - row), count, xr + row * k + k0, k, kc, in_place,
+                  block_values, panel, sums + row * stride, stride, k0 == 0);
+      }
+    }
+    const int64_t first = block * kBlock, last = std::min(out_features, (block + count) * kBlock);
+    for (int64_t r = 0; r < run_rows; ++r) {
+      float* out = y + (run + r) * out_features;
+      const float* values = sums + r * stride;
+      if (bias) {
+        for (int64_t n = first; n < last; ++n) out[n] = values[n - first] + bias[n];
+      } else {
+        std::memcpy(out + first, values, (last - first) * sizeof(float));
+      }
+    }
+  };
+  if constexpr (!packed) {
+    if (row_runs > 1) {  // rows read in place by several runs: each column tile packed once, then multiplied by each
+      at::parallel_for(0, column_tiles, 1, [&](int64_t begin, int64_t end) {
+        alignas(64) float sums[kRowsRun * 4 * kBlock];
+        alignas(64) float panel[kPanelInputs * 4 * kBlock];
+        std::vector<T> scratch(blocks_tile * block_values);
+        for (int64_t task = begin; task < end; ++task) {
+          const int64_t block = task * blocks_tile, count = std::min(blocks_tile, blocks - block);
+          source.pack(block, count, k, scratch.data());
+          const PackedBlocks<T> tile_weights{scratch.data(), block_values};
+          for (int64_t run = 0; run < rows; run += kRowsRun) run_tile(tile_weights, 0, block, count, run, sums, panel);
+        }
+      });
+      return;
+    }
+  }
   at::parallel_for(0, column_tiles * row_runs, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float sums[kRowsRun * 4 * kBlock];
     alignas(64) float panel[kPanelInputs * 4 * kBlock];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t block = task / row_runs * blocks_tile, run = task % row_runs * kRowsRun;
-      const int64_t run_rows = std::min(kRowsRun, rows - run), tile_blocks = std::min(blocks_tile, blocks - block);
-      const int64_t stride = blocks_tile * kBlock;  // of sums
-      const float* xr = x + run * k;
-      if (run_rows > kRowsTile || !source.tile_in_registers(path, run_rows, block, tile_blocks, xr, k, sums, stride)) {
-        for (int64_t k0 = 0; k0 < k; k0 += kPanelInputs) {
-          const int64_t kc = std::min(kPanelInputs, k - k0);
-          const T* in_place = source.panel_in_place(block, k0);
-          if (!in_place) source.widen(block, tile_blocks, k0, kc, panel);
-          for (int64_t row = 0; row < run_rows; row += kRowsTile)
-            tile<T>(path, std::min(kRowsTile, run_rows - row), tile_blocks, xr + row * k + k0, k, kc, in_place,
-                    block_values, panel, sums + row * stride, stride, k0 == 0);
-        }
-      }
-      const int64_t first = block * kBlock, last = std::min(out_features, (block + tile_blocks) * kBlock);
-      for (int64_t r = 0; r < run_rows; ++r) {
-        float* out = y + (run + r) * out_features;
-        const float* values = sums + r * stride;
-        if (bias) {
-          for (int64_t n = first; n < last; ++n) out[n] = values[n - first] + bias[n];
-        } else {
-          std::memcpy(out + first, values, (last - first) * sizeof(float));
-        }
-      }
+      run_tile(source, block, block, std::min(blocks_tile, blocks - block), run, sums, panel);
     }
   });
 }
