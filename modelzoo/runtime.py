@@ -17,7 +17,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from modelzoo.cpu.gemm import GemmPlan, JobWork, apply_bf16_kernels, apply_gemm_backend, apply_half_kernels, weight_bytes
+from modelzoo.cpu.gemm import (GemmPlan, JobWork, apply_bf16_kernels, apply_gemm_backend, apply_half_kernels,
+                               weight_bytes)
 from modelzoo.cpu.int8_compute import apply_int8_backend
 from modelzoo.cpu.kernels import cpu_kernels, kernel_build_dir, machine_dir
 from modelzoo.cpu.precision import PrecisionPolicy, apply_half_gemm, keep_gemm_weights, precision_policy
@@ -392,8 +393,8 @@ class Runtime:
     def _choose_gemm(self, spare_bytes: int, cached_layout: bool = False) -> None:
         """Puts every float linear layer in the layout of the GEMM backend chosen for it (runconfig.gemm_backend;
         MKL's second copy of the weights only within `spare_bytes`), and every int8 one in its backend's
-        (int8_backend); `self.gemm` says what was chosen. cached_layout: the layout goes to the weight cache (16-bit
-        weights packed wherever faster, whatever this job's size)."""
+        (int8_backend); `self.gemm` says what was chosen. cached_layout: the layout goes to the weight cache (every
+        16-bit weight packed, whatever this job's size)."""
         model, weight_dtype, spec = self.model, self.spec.weight_dtype, self.spec.speculative
         rows = self.rows_in_flight
         # Compiled, torch's own GEMMs: the re-laid-out weights of the other backends cannot be traced.

@@ -152,8 +152,9 @@ def test_fused_weights_kept_as_their_parts(tmp_path):
 def test_a_fused_weights_part_of_the_wrong_shape_is_named(tmp_path):
     folder = save_tiny_model(narrow_llama_config(num_hidden_layers=1), tmp_path / "llama")
     weights = load_file(folder / "model.safetensors")
-    for name, tensor, message in (("model.layers.0.self_attn.k_proj.weight", lambda w: w[:, :-1], "k_proj.weight"),
-                                  ("model.layers.0.mlp.up_proj.weight", lambda w: w[:-16], "up_proj.weight have 112 rows")):
+    for name, tensor, message in (
+            ("model.layers.0.self_attn.k_proj.weight", lambda w: w[:, :-1], "k_proj.weight"),
+            ("model.layers.0.mlp.up_proj.weight", lambda w: w[:-16], "up_proj.weight have 112 rows")):
         broken = dict(weights, **{name: tensor(weights[name]).contiguous()})
         save_file(broken, folder / "model.safetensors")
         with pytest.raises(UserError, match=message):

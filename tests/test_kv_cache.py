@@ -197,8 +197,8 @@ def test_16_bit_weights_read_in_place_are_the_checkpoints_pages(tmp_path):
     packed = load()
     apply_half_gemm(packed)
     with torch.inference_mode():
-        for name in ("model.layers.1.self_attn.qkv_proj", "model.layers.1.mlp.gate_up_proj", "model.layers.1.mlp.down_proj",
-                     "lm_head"):
+        for name in ("model.layers.1.self_attn.qkv_proj", "model.layers.1.mlp.gate_up_proj",
+                     "model.layers.1.mlp.down_proj", "lm_head"):
             in_place, laid_out = model.get_submodule(name), packed.get_submodule(name)
             assert isinstance(laid_out, HalfLinear)
             x = torch.randn(3, in_place.in_features)

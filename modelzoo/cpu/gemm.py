@@ -321,7 +321,8 @@ def measured_shapes(shapes: dict[str, tuple[int, int]], dtype: torch.dtype, back
         if key not in cache or set(cache[key]["gflops"]) | set(cache[key]["rejected"]) != set(backends):
             start = time.perf_counter()
             cache[key] = asdict(measure_shape(in_features, out_features, dtype, backends, timed_rows, build))
-            log.info("%s measured in %.1fs: %s", key, time.perf_counter() - start, rates_text(cache[key], rows=timed_rows))
+            log.info("%s measured in %.1fs: %s", key, time.perf_counter() - start,
+                     rates_text(cache[key], rows=timed_rows))
             measured[key] = cache[key]
     error = write_machine_choices(choices, CACHE_VERSION, cache) if measured else None
     if error is not None:

@@ -306,7 +306,8 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, plan:
             raise UserError(f"weights {' + '.join(fused[target])} have {rows} rows in the checkpoint but the config "
                             f"implies {expected[target].shape[0]}")
         owner, attribute = target.removesuffix(".weight").rsplit(".", 1)
-        setattr(model.get_submodule(owner), attribute, JoinedLinear(parts, loaded.get(f"{owner}.{attribute}.bias")))
+        bias = loaded.get(f"{owner}.{attribute}.bias")  # loaded as ever: load_state_dict assigns it again
+        setattr(model.get_submodule(owner), attribute, JoinedLinear(parts, bias))
     model.load_state_dict(loaded, assign=True)
     for name, source in tied.items():  # keep the tie after assign (one tensor, not two copies)
         if name in loaded and loaded[name] is loaded[source]:
