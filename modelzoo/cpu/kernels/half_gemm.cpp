@@ -252,14 +252,14 @@ inline void widen_pairs<c10::BFloat16, __m256i>(__m256i pairs, __m256i& low, __m
   low = _mm256_slli_epi32(pairs, 16);
   high = _mm256_and_si256(pairs, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
 }
+// The low 16 bits of 8 words below 2^16 (exact through unsigned saturation), side by side.
+inline __m128i low_halves(__m256i words) {
+  return _mm_packus_epi32(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
+}
 template <>
 inline void widen_pairs<c10::Half, __m256i>(__m256i pairs, __m256i& low, __m256i& high) {
-  const auto halves = [](__m256i words) {  // the low 16 bits of 8 words, exact through unsigned saturation
-    return _mm256_castps_si256(_mm256_cvtph_ps(
-        _mm_packus_epi32(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1))));
-  };
-  low = halves(_mm256_and_si256(pairs, _mm256_set1_epi32(0xFFFF)));
-  high = halves(_mm256_srli_epi32(pairs, 16));
+  low = _mm256_castps_si256(_mm256_cvtph_ps(low_halves(_mm256_and_si256(pairs, _mm256_set1_epi32(0xFFFF)))));
+  high = _mm256_castps_si256(_mm256_cvtph_ps(low_halves(_mm256_srli_epi32(pairs, 16))));
 }
 
 // v[r] (8 words of row r) -> v[j] (word j of the 8 rows).
@@ -334,50 +334,18 @@ void widen_rows(const T* const rows[kBlock], int64_t k0, int64_t kc, float* pane
     for (int64_t r = 0; r < kBlock; ++r) panel[i * step + r] = static_cast<float>(rows[r][k0 + i]);
 }
 
-// 16 rows (row r at rows[r]) of k inputs packed into one block (k, 16) of pack_half_weight's layout: the rows' 32-bit
-// words transposed in registers as widen_rows does, each word's two values then stored to their own input's line.
-template <typename T>
-void pack_rows(const T* const rows[kBlock], int64_t k, T* out, Path path) {
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  if (path == Path::kAvx512) {
-    for (; i + 2 * kBlock <= k; i += 2 * kBlock) {
-      __m512i v[kBlock];
-#pragma GCC unroll 16
-      for (int64_t r = 0; r < kBlock; ++r) v[r] = _mm512_loadu_si512(rows[r] + i);
-      transpose16_words(v);
-#pragma GCC unroll 16
-      for (int64_t j = 0; j < kBlock; ++j) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (i + 2 * j) * kBlock), _mm512_cvtepi32_epi16(v[j]));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (i + 2 * j + 1) * kBlock),
-                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(v[j], 16)));
-      }
-    }
+// One block: `rows` (<= 16) rows of k values, `stride` apart from in, -> out (k, 16), zero rows padding it: the 16
+// rows read side by side, each output line written whole (pack_half_weight's layout).
+template <typename E>
+void pack_block(const E* in, int64_t stride, int64_t rows, int64_t k, E* out) {
+  if (rows < kBlock) {
+    std::memset(out, 0, k * kBlock * sizeof(E));
+    for (int64_t i = 0; i < k; ++i)
+      for (int64_t r = 0; r < rows; ++r) out[i * kBlock + r] = in[r * stride + i];
+    return;
   }
-#endif
-  if (path == Path::kAvx2) {
-    const auto halves = [](__m256i words) {  // the low 16 bits of 8 words, exact through unsigned saturation
-      return _mm_packus_epi32(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
-    };
-    for (; i + kBlock <= k; i += kBlock) {
-      for (int64_t half = 0; half < 2; ++half) {
-        __m256i v[8];
-#pragma GCC unroll 8
-        for (int64_t r = 0; r < 8; ++r)
-          v[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[8 * half + r] + i));
-        transpose8_words(v);
-#pragma GCC unroll 8
-        for (int64_t j = 0; j < 8; ++j) {
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(out + (i + 2 * j) * kBlock + 8 * half),
-                           halves(_mm256_and_si256(v[j], _mm256_set1_epi32(0xFFFF))));
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(out + (i + 2 * j + 1) * kBlock + 8 * half),
-                           halves(_mm256_srli_epi32(v[j], 16)));
-        }
-      }
-    }
-  }
-  for (; i < k; ++i)
-    for (int64_t r = 0; r < kBlock; ++r) out[i * kBlock + r] = rows[r][i];
+  for (int64_t i = 0; i < k; ++i)
+    for (int64_t r = 0; r < kBlock; ++r) out[i * kBlock + r] = in[r * stride + i];
 }
 
 // A weight read where it lies: rows of one or more row-major parts, in blocks of 16 rows, a source of `multiply` (see
@@ -404,9 +372,8 @@ struct RowBlocks {
   // count blocks from `block`, all k inputs, packed into out (count, k, 16)
   void pack(int64_t block, int64_t count, int64_t k, T* out) const {
     for (int64_t b = 0; b < count; ++b) {
-      const T* rows[kBlock];
-      row_pointers(block + b, rows);
-      pack_rows<T>(rows, k, out + b * k * kBlock, path);
+      const RowBlock<T>& source = blocks[block + b];
+      pack_block(source.first, source.stride, source.rows, k, out + b * k * kBlock);
     }
   }
 #if defined(__AVX512F__)
@@ -644,19 +611,6 @@ void check_half_weight(const torch::Tensor& weight) {
               "weight must be a bfloat16, float16 or float32 CPU tensor (N, K)");
 }
 
-// One block: `rows` (<= 16) rows of k values -> (k, 16), zero rows padding it.
-template <typename E>
-void pack_block(const E* in, int64_t rows, int64_t k, E* out) {
-  if (rows < kBlock) {
-    std::memset(out, 0, k * kBlock * sizeof(E));
-    for (int64_t i = 0; i < k; ++i)
-      for (int64_t r = 0; r < rows; ++r) out[i * kBlock + r] = in[r * k + i];
-    return;
-  }
-  for (int64_t i = 0; i < k; ++i)  // 16 rows read side by side, each output line written whole
-    for (int64_t r = 0; r < kBlock; ++r) out[i * kBlock + r] = in[r * k + i];
-}
-
 }  // namespace
 
 torch::Tensor pack_half_weight(const torch::Tensor& weight, const c10::optional<torch::Tensor>& out) {
@@ -674,7 +628,7 @@ torch::Tensor pack_half_weight(const torch::Tensor& weight, const c10::optional<
     auto* dst = packed.data_ptr<scalar_t>();
     at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b)
-        pack_block(src + b * kBlock * k, std::min(kBlock, n - b * kBlock), k, dst + b * k * kBlock);
+        pack_block(src + b * kBlock * k, k, std::min(kBlock, n - b * kBlock), k, dst + b * k * kBlock);
     });
   });
   return packed;
