@@ -69,8 +69,8 @@ def test_packed_weights_are_laid_out_side_by_side_on_huge_pages(layout):
     from modelzoo.cpu.precision import (PackedLinear, apply_bf16_gemm, apply_half_gemm, pack_bf16_weight,
                                         pack_half_weight)
 
-    if layout != "bf16_linear" and cpu_kernels() is None:
-        pytest.skip("the C++ kernels cannot be built here")
+    if cpu_kernels() is None or (layout == "bf16_linear" and not cpu_kernels().bf16_dot_available()):
+        pytest.skip("the C++ kernels cannot be built here" if cpu_kernels() is None else "bf16_linear needs AVX512-BF16")
     torch.manual_seed(0)
     dtype = torch.float32 if layout == "packed" else torch.bfloat16
     model = nn.Sequential(nn.Linear(1024, 1040, bias=False, dtype=dtype), nn.Linear(1040, 24, bias=False, dtype=dtype))
@@ -87,11 +87,10 @@ def test_packed_weights_are_laid_out_side_by_side_on_huge_pages(layout):
     first, second = (layer.packed.data_ptr() for layer in model)  # in the order a forward pass reads them
     assert first % HUGE_PAGE_BYTES == 0 and second - first == -(-model[0].packed_bytes() // 64) * 64
     assert "hg" in vm_flags(first)  # the whole 2 MiB pages (the last, partial one is not advised)
-    if layout != "bf16_linear" or "avx512_bf16" in open("/proc/cpuinfo").read():
-        inputs = x.bfloat16() if layout == "bf16_linear" else x  # bf16_linear multiplies bfloat16 inputs
-        with torch.inference_mode():
-            want = inputs.double() @ weights[0].double().T
-            torch.testing.assert_close(model[0](x).double(), want, rtol=1e-5, atol=1e-5)
+    inputs = x.bfloat16() if layout == "bf16_linear" else x  # bf16_linear multiplies bfloat16 inputs
+    with torch.inference_mode():
+        want = inputs.double() @ weights[0].double().T
+        torch.testing.assert_close(model[0](x).double(), want, rtol=1e-5, atol=1e-5)
 
 
 @linux
@@ -137,26 +136,41 @@ def bfloat16_checkpoint(tmp_path, num_key_value_heads: int):
     return folder
 
 
-@linux
-@pytest.mark.parametrize("keep_parts", [False, True])
-def test_laying_out_16_bit_weights_holds_one_copy_of_them(tmp_path, keep_parts):
-    """apply_half_gemm over a loaded bfloat16 checkpoint (its weights views of the file's pages or, fused, of their
-    own memory): the peak resident memory grows by the packed weights and a layer or two in flight, never by a
-    second copy of the model; with the fused weights' parts kept apart (keep_parts), by the packed weights alone."""
+def sixteen_bit_layout(gemm: str) -> tuple:
+    """(lay out (model, shape keys read in place), packed layer class, in-place layer class) of a 16-bit GEMM, or a
+    skip where it is not built here."""
     from modelzoo.cpu.kernels import cpu_kernels
-    from modelzoo.cpu.precision import HalfLinear, apply_half_gemm
-    from modelzoo.models.checkpoint import load_model
+    from modelzoo.cpu import precision
 
     if cpu_kernels() is None:
         pytest.skip("the C++ kernels cannot be built here")
+    if gemm == "half_linear":
+        return precision.apply_half_gemm, precision.HalfLinear, precision.InPlaceHalfLinear
+    if not cpu_kernels().bf16_dot_available():
+        pytest.skip("bf16_linear needs AVX512-BF16")
+    return ((lambda model, in_place=(): precision.apply_bf16_gemm(model, in_place=in_place)), precision.BF16Linear,
+            precision.InPlaceBF16Linear)
+
+
+@linux
+@pytest.mark.parametrize("gemm", ["half_linear", "bf16_linear"])
+@pytest.mark.parametrize("keep_parts", [False, True])
+def test_laying_out_16_bit_weights_holds_one_copy_of_them(tmp_path, keep_parts, gemm):
+    """half_linear's or bf16_linear's layout of a loaded bfloat16 checkpoint (its weights views of the file's pages
+    or, fused, of their own memory): the peak resident memory grows by the packed weights and a layer or two in
+    flight, never by a second copy of the model; with the fused weights' parts kept apart (keep_parts), by the packed
+    weights alone."""
+    from modelzoo.models.checkpoint import load_model
+
+    lay_out, packed_layer, _ = sixteen_bit_layout(gemm)
     folder = bfloat16_checkpoint(tmp_path, num_key_value_heads=8)
-    apply_half_gemm(load_model(folder, torch.bfloat16, torch.device("cpu"))[0])  # code and allocator warmed up
+    lay_out(load_model(folder, torch.bfloat16, torch.device("cpu"))[0])  # code and allocator warmed up
     model, _ = load_model(folder, torch.bfloat16, torch.device("cpu"), keep_parts=keep_parts)
     with open("/proc/self/clear_refs", "w") as handle:
         handle.write("5")  # resets VmHWM to the current resident size
     before = status_kib("VmRSS")
-    apply_half_gemm(model)
-    packed_kib = sum(layer.packed_bytes() for layer in model.modules() if isinstance(layer, HalfLinear)) // 1024
+    lay_out(model)
+    packed_kib = sum(layer.packed_bytes() for layer in model.modules() if isinstance(layer, packed_layer)) // 1024
     largest_layer_kib = 2 * 2048 * 512 * 2 // 1024  # a fused gate | up weight
     assert packed_kib > 20 * 1024
     grown = status_kib("VmHWM") - before
@@ -164,42 +178,40 @@ def test_laying_out_16_bit_weights_holds_one_copy_of_them(tmp_path, keep_parts):
 
 
 @linux
-def test_16_bit_weights_read_in_place_are_the_checkpoints_pages(tmp_path):
+@pytest.mark.parametrize("gemm", ["half_linear", "bf16_linear"])
+def test_16_bit_weights_read_in_place_are_the_checkpoints_pages(tmp_path, gemm):
     """A bfloat16 checkpoint loaded with its fused weights' parts kept apart (keep_parts) and every layer laid out in
-    place (InPlaceHalfLinear): each layer's weight, q | k | v and gate | up part by part, is a view of the file's memory
-    map, nothing is copied (the resident memory grows by less than a layer from loading to laid out), and the layers
-    multiply as the packed ones do, bit for bit."""
-    from modelzoo.cpu.kernels import cpu_kernels
+    place (half_linear_rows, or bf16_linear_rows and bf16_silu_gate_rows): each layer's weight, q | k | v and gate | up
+    part by part, is a view of the file's memory map, nothing is copied (the resident memory grows by less than a
+    layer from loading to laid out), and the layers multiply as the packed ones do, bit for bit."""
     from modelzoo.cpu.memory import _mapping_of
-    from modelzoo.cpu.precision import (HalfLinear, InPlaceHalfLinear, JoinedLinear, apply_half_gemm, linear_like,
-                                        linear_shape_key)
+    from modelzoo.cpu.precision import JoinedLinear, linear_like, linear_shape_key
     from modelzoo.models.checkpoint import load_model
 
-    if cpu_kernels() is None:
-        pytest.skip("the C++ kernels cannot be built here")
+    lay_out, packed_layer, in_place_layer = sixteen_bit_layout(gemm)
     folder = bfloat16_checkpoint(tmp_path, num_key_value_heads=4)
     load = lambda: load_model(folder, torch.bfloat16, torch.device("cpu"), keep_parts=True)[0]
     every_shape = lambda model: {linear_shape_key(m, m.weight.dtype) for m in model.modules() if linear_like(m)}
     warm = load()
-    apply_half_gemm(warm, every_shape(warm))  # code and allocator warmed up
+    lay_out(warm, every_shape(warm))  # code and allocator warmed up
     with open("/proc/self/clear_refs", "w") as handle:
         handle.write("5")  # resets VmHWM to the current resident size
     before = status_kib("VmRSS")
     model = load()
     assert isinstance(model.model.layers[0].self_attn.qkv_proj, JoinedLinear)
     assert [part.shape[0] for part in model.model.layers[0].mlp.gate_up_proj.parts] == [2048, 2048]
-    apply_half_gemm(model, every_shape(model))
+    lay_out(model, every_shape(model))
     grown = status_kib("VmHWM") - before
-    layers = [m for m in model.modules() if isinstance(m, InPlaceHalfLinear)]
-    assert len(layers) == 4 * 4 + 1 and not any(isinstance(m, (HalfLinear, JoinedLinear)) for m in model.modules())
+    layers = [m for m in model.modules() if isinstance(m, in_place_layer)]
+    assert len(layers) == 4 * 4 + 1 and not any(isinstance(m, (packed_layer, JoinedLinear)) for m in model.modules())
     assert all(_mapping_of(part) is not None for layer in layers for part in layer.parts)
     assert grown < 2048 * 512 * 2 // 1024, grown  # less than the gate (or up) weight alone, in KiB
     packed = load()
-    apply_half_gemm(packed)
+    lay_out(packed)
     with torch.inference_mode():
         for name in ("model.layers.1.self_attn.qkv_proj", "model.layers.1.mlp.gate_up_proj",
                      "model.layers.1.mlp.down_proj", "lm_head"):
             in_place, laid_out = model.get_submodule(name), packed.get_submodule(name)
-            assert isinstance(laid_out, HalfLinear)
+            assert isinstance(laid_out, packed_layer)
             x = torch.randn(3, in_place.in_features)
             assert torch.equal(in_place(x), laid_out(x))

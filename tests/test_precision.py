@@ -52,12 +52,40 @@ def test_without_the_kernels_16_bit_weights_are_widened_at_load(monkeypatch, dty
     assert precision.precision_policy(dtype, torch.device("cpu")) == WIDENED[dtype]
 
 
+def bf16_layout(weight: torch.Tensor) -> torch.Tensor:
+    """bf16_linear's layout of W (N, K), spelled in PyTorch: packed[b, p, r, h] = W[16 b + r, 2 p + h], zeros past N
+    and K."""
+    out_features, in_features = weight.shape
+    rows, cols = -(-out_features // 16) * 16, in_features + in_features % 2
+    padded = torch.zeros(rows, cols, dtype=BF16)
+    padded[:out_features, :in_features] = weight
+    return padded.view(rows // 16, 16, cols // 2, 2).transpose(1, 2).contiguous()
+
+
+@needs_bf16
 def test_packed_bf16_weight_layout():
     weight = torch.arange(17 * 5, dtype=torch.float32).view(17, 5)  # N = 17, K = 5: both padded
     packed = precision.pack_bf16_weight(weight)
     assert packed.shape == (2, 3, 16, 2) and packed.dtype == BF16
     assert packed[0, 1, 3, 0] == weight[3, 2] and packed[0, 1, 3, 1] == weight[3, 3]
     assert packed[1, 0, 0, 1] == weight[16, 1] and packed[0, 2, 0, 1] == 0 and packed[1, 0, 1].abs().sum() == 0
+
+
+@needs_bf16
+@pytest.mark.parametrize("part_rows, in_features", [((17,), 5), ((48,), 64), ((48, 32, 17), 71), ((16, 16), 33),
+                                                    ((64, 96), 600)])
+def test_bf16_weight_packed_from_its_parts_where_they_lie(part_rows, in_features):
+    """pack_bf16_parts packs parts (one strided, at an odd 2-byte offset) straight into the layout of their stack; a
+    gate | up pair into bf16_silu_gate's tiles (32 gate rows, then the same features' up rows)."""
+    generator = torch.Generator().manual_seed(in_features)
+    wide = torch.randn(part_rows[0], in_features + 3, generator=generator).to(BF16)
+    parts = [wide[:, 1:in_features + 1]] + [torch.randn(n, in_features, generator=generator).to(BF16)
+                                            for n in part_rows[1:]]
+    assert torch.equal(precision.pack_bf16_parts(parts), bf16_layout(torch.cat(parts)))
+    gate, up = torch.randn(2, 64, in_features, generator=generator).to(BF16)
+    tiles = torch.cat([torch.cat([gate[i:i + 32], up[i:i + 32]]) for i in (0, 32)])
+    assert torch.equal(precision.pack_bf16_parts([gate, up], silu_gate=True), bf16_layout(tiles))
+    assert torch.equal(precision.pack_bf16_parts([torch.cat([gate, up])], silu_gate=True), bf16_layout(tiles))
 
 
 @needs_bf16
@@ -173,7 +201,8 @@ def test_only_a_silu_gated_mlps_gate_up_projection_is_fused(amx):
     for name in ("gelu", "bias", "narrow"):  # another activation, a bias, 48 features (not whole 32-feature tiles)
         assert type(model[name].gate_up_proj) is precision.BF16Linear
     prefix = "amx_" if amx else ""
-    assert f"{prefix}bf16_silu_gate" in shapes.values() and shapes["bfloat16 64x96"] == f"{prefix}bf16_linear"
+    assert model["silu"].gate_up_proj.kernel == f"{prefix}bf16_silu_gate"  # its shape key is the others' too
+    assert shapes["bfloat16 64x96"] == f"{prefix}bf16_linear"
     assert shapes["bfloat16 96x64"] == shapes["bfloat16 48x64"] == "bf16_linear"
     assert all(mlp.down_proj.amx is False and mlp.gate_up_proj.amx is amx for mlp in model.values())
     for name, mlp in model.items():
@@ -350,6 +379,61 @@ def test_half_linear_rows_has_half_linears_bits_over_the_parts_where_they_lie(dt
             assert torch.equal(kernels.half_linear_rows(x, parts), kernels.half_linear(x, packed, None, len(bias)))
     finally:
         kernels.half_gemm_path(chosen)
+
+
+@needs_bf16
+@pytest.mark.parametrize("part_rows, in_features", [((48,), 64), ((48, 32, 17), 71), ((16, 16), 33), ((5,), 1),
+                                                    ((64, 96), 600)])
+@pytest.mark.parametrize("rows", [1, 4, 6, 7, 50])
+def test_bf16_linear_rows_has_bf16_linears_bits_over_the_parts_where_they_lie(part_rows, in_features, rows):
+    """bf16_linear_rows over row-major parts (one strided, at an odd 2-byte offset; a partial last block; an odd K)
+    equals bf16_linear over the packed stack bit for bit, with either broadcast, at one row tile (transposed in
+    registers) and more (each column tile packed once); bf16_silu_gate_rows equals bf16_silu_gate."""
+    kernels = cpu_kernels()
+    chosen = kernels.bf16_gemm_broadcast()
+    generator = torch.Generator().manual_seed(rows)
+    wide = torch.randn(part_rows[0], in_features + 3, generator=generator).to(BF16)
+    parts = [wide[:, 1:in_features + 1]]
+    parts += [torch.randn(n, in_features, generator=generator).to(BF16) for n in part_rows[1:]]
+    stacked = torch.cat(parts)
+    bias = torch.randn(stacked.shape[0], generator=generator)
+    x = torch.randn(rows, in_features, generator=generator)
+    packed = precision.pack_bf16_weight(stacked)
+    gate, up = torch.randn(2, 64, in_features, generator=generator).to(BF16)
+    gated = precision.pack_bf16_parts([gate, up], silu_gate=True)
+    try:
+        for broadcast in ("embedded", "register"):
+            kernels.bf16_gemm_broadcast(broadcast)
+            want = kernels.bf16_linear(x, packed, bias, stacked.shape[0])
+            assert torch.equal(kernels.bf16_linear_rows(x, parts, bias), want)
+            assert torch.equal(kernels.bf16_linear_rows(x, parts), kernels.bf16_linear(x, packed, None, len(bias)))
+            assert torch.equal(kernels.bf16_silu_gate_rows(x, gate, up), kernels.bf16_silu_gate(x, gated, 64))
+    finally:
+        kernels.bf16_gemm_broadcast(chosen)
+
+
+@needs_bf16
+def test_bf16_linear_rows_rejects_bad_parts():
+    kernels = cpu_kernels()
+    x = torch.randn(2, 32)
+    with pytest.raises(RuntimeError, match="at least one weight"):
+        kernels.bf16_linear_rows(x, [])
+    for bad in ([torch.randn(16, 32)], [torch.randn(16, 32, dtype=F16)], [torch.randn(32, 16, dtype=BF16).T],
+                [torch.randn(16, 30, dtype=BF16)]):
+        with pytest.raises(RuntimeError, match="every part must be a bfloat16 CPU tensor"):
+            kernels.bf16_linear_rows(x, bad)
+    with pytest.raises(RuntimeError, match="multiple of 16 rows"):
+        kernels.bf16_linear_rows(x, [torch.randn(17, 32, dtype=BF16), torch.randn(16, 32, dtype=BF16)])
+    with pytest.raises(RuntimeError, match="bias must be contiguous float32"):
+        kernels.bf16_linear_rows(x, [torch.randn(16, 32, dtype=BF16)], torch.zeros(17))
+    with pytest.raises(RuntimeError, match="x must be a float32, bfloat16 or float16"):
+        kernels.bf16_linear_rows(x.int(), [torch.randn(16, 32, dtype=BF16)])
+    for gate, up in ((torch.randn(16, 32, dtype=BF16),) * 2, (torch.randn(32, 32, dtype=BF16),
+                                                              torch.randn(64, 32, dtype=BF16))):
+        with pytest.raises(RuntimeError, match="two parts, gate and up, of the same shape"):
+            kernels.bf16_silu_gate_rows(x, gate, up)
+    with pytest.raises(RuntimeError, match=r"out must be a contiguous bfloat16 CPU tensor \(ceil\(N/16\)"):
+        kernels.pack_bf16_rows([torch.randn(16, 32, dtype=BF16)], False, torch.empty(1, 15, 16, 2, dtype=BF16))
 
 
 @needs_kernels

@@ -117,7 +117,8 @@ class JoinedLinear(nn.Module):
     apart as the loader read them (modelzoo/models/checkpoint.py, keep_parts): `parts` (N_i, K), views of the
     checkpoint's memory map, so that a layout packs or reads each part where it lies instead of a stacked copy.
     `weight` is a meta tensor of the stacked shape and dtype (what the layer is, without values); the layer's own
-    forward stacks the parts at every call (right but slow: apply_half_gemm's layouts replace it)."""
+    forward stacks the parts at every call (right but slow: apply_half_gemm's or apply_bf16_gemm's layouts replace
+    it)."""
 
     def __init__(self, parts: list[torch.Tensor], bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -198,6 +199,8 @@ class BF16Linear(PackedLinear):
     tiles: the same packed weight and inputs, sums in another order): its weight packed into (N/16, K/2, 16, 2)
     bfloat16, a float32 bias, float32 (or 16-bit) inputs, float32 outputs."""
 
+    applies_silu_gate = False
+
     def __init__(self, layer: nn.Module, amx: bool = False, arena: PackedWeightArena | None = None) -> None:
         self.amx = amx
         super().__init__(layer, arena)
@@ -207,8 +210,8 @@ class BF16Linear(PackedLinear):
         """The C++ function this layer calls."""
         return "amx_bf16_linear" if self.amx else "bf16_linear"
 
-    def pack(self, weight: torch.Tensor, memory: Memory) -> torch.Tensor:
-        return pack_bf16_weight(self.arrange(weight), memory)
+    def pack_parts(self, parts: list[torch.Tensor], memory: Memory) -> torch.Tensor:
+        return pack_bf16_parts(parts, memory, self.applies_silu_gate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from modelzoo.cpu.kernels import cpu_kernels
@@ -216,15 +219,11 @@ class BF16Linear(PackedLinear):
         multiply = getattr(cpu_kernels(), self.kernel)
         return multiply(x, self.packed, self.bias, self.out_features)  # (..., N) float32
 
-    def arrange(self, weight: torch.Tensor) -> torch.Tensor:
-        """The weight's rows (N, K) in the order the kernel reads them: as they are."""
-        return weight
-
 
 class SiluGatedBF16Linear(BF16Linear):
     """The gate | up projection of a SwiGLU MLP multiplied by bf16_silu_gate (amx_bf16_silu_gate with `amx`): returns
     silu(gate) * up (..., N/2) float32, with silu_mul's bits, without writing gate | up. Its weight's blocks of 16 rows
-    are reordered so that each tile of 4 blocks holds 32 features' gate rows, then their up rows."""
+    are packed so that each tile of 4 blocks holds 32 features' gate rows, then their up rows (pack_bf16_parts)."""
 
     applies_silu_gate = True  # GatedMLP feeds its output straight to down_proj
 
@@ -236,12 +235,6 @@ class SiluGatedBF16Linear(BF16Linear):
     def kernel(self) -> str:
         return "amx_bf16_silu_gate" if self.amx else "bf16_silu_gate"
 
-    def arrange(self, weight: torch.Tensor) -> torch.Tensor:
-        """gate | up rows (2I, K) tile by tile: each tile's 32 gate rows, then the same features' up rows."""
-        half = weight.shape[0] // 2
-        rows = torch.arange(2 * half).view(2, half // SILU_GATE_TILE, SILU_GATE_TILE)  # (gate | up, tile, feature)
-        return weight[rows.transpose(0, 1).reshape(-1)]
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from modelzoo.cpu.kernels import cpu_kernels
 
@@ -252,7 +245,7 @@ def silu_gate_fusable(parent: nn.Module, name: str, layer: nn.Module) -> bool:
     """Whether `layer` is the gate | up projection of a SiLU GatedMLP whose gate can be applied in the GEMM: no bias
     (none of our families has one there) and a width in whole tiles."""
     return (name == "gate_up_proj" and getattr(parent, "silu_gated", False) and layer.bias is None
-            and isinstance(layer, nn.Linear) and layer.out_features % (2 * SILU_GATE_TILE) == 0)
+            and isinstance(layer, (nn.Linear, JoinedLinear)) and layer.out_features % (2 * SILU_GATE_TILE) == 0)
 
 
 def pack_word_blocks(rows: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
@@ -269,12 +262,24 @@ def pack_word_blocks(rows: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 def pack_bf16_weight(weight: torch.Tensor, memory: Memory = new_memory) -> torch.Tensor:
     """W (N, K) -> (ceil(N/16), ceil(K/2), 16, 2) bfloat16: for each pair of inputs, 16 output rows' two values
     side by side (zero rows and a zero column pad N and K), written into memory(shape, dtype)."""
-    out_features, in_features = weight.shape
-    rows, cols = -(-out_features // GEMM_BLOCK) * GEMM_BLOCK, in_features + in_features % 2
-    weight = weight.to(torch.bfloat16)
-    if (rows, cols) != (out_features, in_features):  # else read as it is
-        weight = F.pad(weight, (0, cols - in_features, 0, rows - out_features))  # (rows, cols)
-    return pack_word_blocks(weight, memory((rows // GEMM_BLOCK, cols // 2, GEMM_BLOCK, 2), torch.bfloat16))
+    return pack_bf16_parts([weight], memory)
+
+
+def pack_bf16_parts(parts: list[torch.Tensor], memory: Memory = new_memory, silu_gate: bool = False) -> torch.Tensor:
+    """pack_bf16_weight of the parts' stack (N_i, K) (with `silu_gate`: of gate | up, each tile of 4 blocks 32
+    features' gate rows then their up rows), packed by the C++ kernels from the parts where they lie (where they are
+    bfloat16 rows, every part but the last in whole blocks of 16 rows; else from one stacked bfloat16 copy), every
+    block in parallel, into memory(shape, dtype)."""
+    from modelzoo.cpu.kernels import cpu_kernels
+
+    if not rows_readable(parts, (torch.bfloat16,)):
+        stacked = torch.cat(parts).to(torch.bfloat16).contiguous()
+        parts = [stacked]
+    if silu_gate and len(parts) == 1:
+        parts = list(parts[0].chunk(2))  # gate, up: views of the stack
+    out_features, in_features = sum(part.shape[0] for part in parts), parts[0].shape[1]
+    shape = (-(-out_features // GEMM_BLOCK), -(-in_features // 2), GEMM_BLOCK, 2)
+    return cpu_kernels().pack_bf16_rows(parts, silu_gate, memory(shape, torch.bfloat16))
 
 
 def replace_linear_layers(model: nn.Module,
@@ -331,16 +336,24 @@ def linear_shape_key(layer: nn.Module, dtype: torch.dtype) -> str:
     return f"{str(dtype).replace('torch.', '')} {in_features}x{out_features}"
 
 
-def apply_bf16_gemm(model: nn.Module, amx: Collection[str] = ()) -> dict[str, str]:
+def apply_bf16_gemm(model: nn.Module, amx: Collection[str] = (), in_place: Collection[str] = ()) -> dict[str, str]:
     """Replaces every linear layer of `model` by a BF16Linear (a SiluGatedBF16Linear for a SiLU GatedMLP's gate | up),
-    multiplying on AMX tiles the layers whose shape key is in `amx`; returns {shape key: kernel} for the GEMM plan."""
-    def pack(parent: nn.Module, name: str, layer: nn.Module, arena: PackedWeightArena) -> tuple[PackedLinear, str]:
+    multiplying on AMX tiles the layers whose shape key is in `amx`, or by an InPlaceBF16Linear (InPlaceSiluGated...)
+    where its shape key is in `in_place` and its weight can be read where it lies; returns {shape key: kernel} for the
+    GEMM plan."""
+    def stays(layer: nn.Module) -> bool:
+        return linear_shape_key(layer, torch.bfloat16) in in_place and reads_in_place(layer, (torch.bfloat16,))
+
+    def pack(parent: nn.Module, name: str, layer: nn.Module, arena: PackedWeightArena) -> tuple[nn.Module, str]:
+        gated = silu_gate_fusable(parent, name, layer)
+        if stays(layer):
+            kept = (InPlaceSiluGatedBF16Linear if gated else InPlaceBF16Linear)(layer)
+            return kept, kept.kernel
         tiles = linear_shape_key(layer, torch.bfloat16) in amx
-        kind = SiluGatedBF16Linear if silu_gate_fusable(parent, name, layer) else BF16Linear
-        packed = kind(layer, tiles, arena)
+        packed = (SiluGatedBF16Linear if gated else BF16Linear)(layer, tiles, arena)
         return packed, packed.kernel
 
-    return replace_linear_layers(model, pack)
+    return replace_linear_layers(model, pack, lambda layer: 0 if stays(layer) else packed_bytes_bound(layer))
 
 
 class HalfLinear(PackedLinear):
@@ -389,19 +402,20 @@ def pack_half_parts(parts: list[torch.Tensor], memory: Memory = new_memory) -> t
     return packed
 
 
-class InPlaceHalfLinear(nn.Module):
-    """A linear layer multiplied by half_linear_rows: its bfloat16 or float16 weight read where it lies, in rows (a
-    view of the checkpoint's memory map, or a JoinedLinear's parts side by side), widened to float32 as the kernel
-    reads it, with half_linear's bits: nothing is written at set-up. A float32 bias, float32 inputs and outputs."""
+class InPlaceLinear(nn.Module):
+    """A linear layer whose 16-bit weight a C++ GEMM reads where it lies, in rows (a view of the checkpoint's memory
+    map, or a JoinedLinear's parts side by side), with the bits of the same GEMM over the packed weight: nothing is
+    written at set-up. A float32 bias, float32 inputs and outputs."""
 
-    kernel = "half_linear_rows"
+    kernel = ""  # the C++ function, called (x, parts, bias)
+    dtypes: tuple[torch.dtype, ...] = ()  # the weight dtypes it reads
     reads_weight_in_place = True  # its checkpoint pages are the weight
 
     def __init__(self, layer: nn.Module) -> None:
         super().__init__()
-        if not reads_in_place(layer):
-            raise ValueError("half_linear_rows reads bfloat16 or float16 rows with unit stride, every part but the "
-                             "last in whole blocks of 16 rows")
+        if not reads_in_place(layer, self.dtypes):
+            raise ValueError(f"{self.kernel} reads {' or '.join(str(d)[6:] for d in self.dtypes)} rows with unit "
+                             "stride, every part but the last in whole blocks of 16 rows")
         self.parts = tuple(weight_parts(layer))
         self.in_features, self.out_features = linear_shape(layer)
         self.shape_key = linear_shape_key(layer, self.parts[0].dtype)
@@ -410,18 +424,60 @@ class InPlaceHalfLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from modelzoo.cpu.kernels import cpu_kernels
 
-        return cpu_kernels().half_linear_rows(x.float(), list(self.parts), self.bias)  # (..., N) float32
+        return getattr(cpu_kernels(), self.kernel)(x.float(), list(self.parts), self.bias)  # (..., N) float32
 
     def packed_bytes(self) -> int:
         """The weight's bytes (held outside the layer's parameters)."""
         return sum(part.numel() * part.element_size() for part in self.parts)
 
 
-def reads_in_place(layer: nn.Module) -> bool:
-    """Whether half_linear_rows can read a linear layer's weight where it lies: 16-bit rows with unit stride (not a
-    Conv1D's (in, out) weight), every part but the last in whole blocks of 16 rows."""
-    parts = weight_parts(layer)
-    return (all(part.dtype in (torch.bfloat16, torch.float16) and part.stride(-1) == 1 for part in parts)
+class InPlaceHalfLinear(InPlaceLinear):
+    """half_linear_rows: a bfloat16 or float16 weight read where it lies, widened to float32 as the kernel reads it,
+    with half_linear's bits."""
+
+    kernel = "half_linear_rows"
+    dtypes = (torch.bfloat16, torch.float16)
+
+
+class InPlaceBF16Linear(InPlaceLinear):
+    """bf16_linear_rows: a bfloat16 weight read where it lies, times the inputs rounded to bfloat16, with bf16_linear's
+    bits."""
+
+    kernel = "bf16_linear_rows"
+    dtypes = (torch.bfloat16,)
+    applies_silu_gate = False
+
+
+class InPlaceSiluGatedBF16Linear(InPlaceBF16Linear):
+    """A SwiGLU MLP's gate | up projection read where it lies by bf16_silu_gate_rows: silu(gate) * up (..., N/2)
+    float32, with bf16_silu_gate's bits."""
+
+    kernel = "bf16_silu_gate_rows"
+    applies_silu_gate = True  # GatedMLP feeds its output straight to down_proj
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__(layer)
+        if len(self.parts) == 1:
+            self.parts = tuple(self.parts[0].chunk(2))  # gate, up: views of the stacked weight
+        self.out_features //= 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from modelzoo.cpu.kernels import cpu_kernels
+
+        return cpu_kernels().bf16_silu_gate_rows(x.float(), *self.parts)  # (..., N/2) float32
+
+
+def reads_in_place(layer: nn.Module, dtypes: Collection[torch.dtype] = (torch.bfloat16, torch.float16)) -> bool:
+    """Whether half_linear_rows (bf16_linear_rows: `dtypes` bfloat16 alone) can read a linear layer's weight where it
+    lies: rows of `dtypes` with unit stride (not a Conv1D's (in, out) weight), every part but the last in whole blocks
+    of 16 rows."""
+    return rows_readable(weight_parts(layer), dtypes)
+
+
+def rows_readable(parts: list[torch.Tensor], dtypes: Collection[torch.dtype]) -> bool:
+    """Whether the C++ kernels read these weight parts (N_i, K) as rows: `dtypes`, unit column stride, every part but
+    the last in whole blocks of 16 rows."""
+    return (all(part.dtype in dtypes and part.stride(-1) == 1 for part in parts)
             and all(part.shape[0] % GEMM_BLOCK == 0 for part in parts[:-1]))
 
 

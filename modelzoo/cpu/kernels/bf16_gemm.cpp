@@ -15,12 +15,17 @@
 // but 24 loads per 24 products), or broadcast into a register once (6 loads, 6 more instructions). Which is faster
 // depends on the CPU's load ports and vector pipes; the sums are the same bits either way.
 //
+// bf16_linear_rows and bf16_silu_gate_rows read the weights where they lie instead (a checkpoint's memory map, parts
+// side by side), in rows of K values: 16 rows' 32-bit words (their pairs) transposed in registers are the packed
+// operands, so the same instructions run on the same values in the same order: the same bits.
+//
 // bf16_silu_gate is the same GEMM for a SwiGLU MLP's gate | up projection, whose SiLU gate it applies to each
 // register tile as it leaves (silu(gate) * up, silu_mul's bits): the tile pairs 32 features' gate and up blocks
 // (modelzoo/precision.py packs them so), and the full gate | up output is never written.
 #include "kernels.h"
 #include "storage.h"
 #include "timed_choice.h"
+#include "word_transpose.h"
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -28,6 +33,7 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <vector>
 
 namespace zoo {
 
@@ -70,6 +76,7 @@ namespace {
 constexpr int64_t kBlock = 16;      // output rows per packed block (one register of float32 sums)
 constexpr int64_t kRowsTile = 6;    // activation rows per register tile
 constexpr int64_t kBlocksTile = 4;  // packed blocks per register tile: 6 x 4 float32 accumulators
+constexpr int64_t kRowsAhead = 128;  // values ahead of its reads that a weight read in rows is prefetched
 
 enum class Broadcast { kEmbedded, kRegister };
 
@@ -121,64 +128,258 @@ void tile_any(int64_t rows, int64_t blocks, const uint32_t* xb, int64_t pairs, c
   }
 }
 
-}  // namespace
+// 16 weight rows read where they lie (bfloat16, k values each, row r at rows[r]; a row of zeros past a weight's last)
+// as bf16_linear's packed operands: pair p of the 16 rows side by side, (pairs, 16, 2).
+inline __m512i column_pair(const uint16_t* const rows[kBlock], int64_t p, int64_t k) {
+  alignas(64) uint32_t words[kBlock];
+  for (int64_t r = 0; r < kBlock; ++r)  // an odd k's last pair: its second value a zero, as packed
+    words[r] = rows[r][2 * p] | (2 * p + 1 < k ? static_cast<uint32_t>(rows[r][2 * p + 1]) << 16 : 0u);
+  return _mm512_load_si512(words);
+}
 
-namespace {
+// Pairs [p, p + 16) of the 16 rows as packed operands: v[j] pair p + j of the 16 rows side by side (their words
+// transposed in registers), each row prefetched kRowsAhead values ahead.
+__attribute__((always_inline)) inline void load_pairs(const uint16_t* const rows[kBlock], int64_t p,
+                                                      __m512i v[kBlock]) {
+#pragma GCC unroll 16
+  for (int64_t r = 0; r < kBlock; ++r) {
+    _mm_prefetch(reinterpret_cast<const char*>(rows[r] + 2 * p + kRowsAhead), _MM_HINT_T0);
+    v[r] = _mm512_loadu_si512(rows[r] + 2 * p);
+  }
+  transpose16_words(v);
+}
 
-// y = x @ W^T (+ bias), or with `silu_gate` silu(gate) * up of the gate | up projection packed by
-// modelzoo/precision.py with each tile's 4 blocks 2 gate blocks then the same 2 features' up blocks: (..., out_features).
-torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
-                       int64_t out_features, bool silu_gate, Broadcast mode) {
-  auto out = bf16_gemm_output(x, packed, bias, out_features, silu_gate);
-  const int64_t blocks = packed.size(0), pairs = packed.size(1), k = x.size(-1);
-  const auto input = x.contiguous();
-  const int64_t rows = k ? input.numel() / k : 0;
+// The 16 rows' pairs into out (pairs, 16, 2), 16 pairs at a time.
+void pack_rows(const uint16_t* const rows[kBlock], int64_t k, uint16_t* out) {
+  const int64_t pairs = (k + 1) / 2, whole = k / 2;
+  int64_t p = 0;
+  for (; p + kBlock <= whole; p += kBlock) {
+    __m512i v[kBlock];
+    load_pairs(rows, p, v);
+#pragma GCC unroll 16
+    for (int64_t j = 0; j < kBlock; ++j) _mm512_storeu_si512(out + (p + j) * 2 * kBlock, v[j]);
+  }
+  for (; p < pairs; ++p) _mm512_storeu_si512(out + p * 2 * kBlock, column_pair(rows, p, k));
+}
+
+// Rows (<= kRowsTile) x the 16 outputs of rows[0 .. 16) over every pair, the rows' words transposed in registers
+// as they are multiplied -> out[r * kBlocksTile * 16 + j].
+template <int64_t Rows>
+void tile16(const uint16_t* const rows[kBlock], const uint32_t* xb, int64_t pairs, int64_t k, float* out) {
+  __m512 sums[Rows];
+#pragma GCC unroll 8
+  for (int64_t r = 0; r < Rows; ++r) sums[r] = _mm512_setzero_ps();
+  const int64_t whole = k / 2;
+  int64_t p = 0;
+  for (; p + kBlock <= whole; p += kBlock) {
+    __m512i v[kBlock];
+    load_pairs(rows, p, v);
+#pragma GCC unroll 16
+    for (int64_t j = 0; j < kBlock; ++j)
+#pragma GCC unroll 8
+      for (int64_t r = 0; r < Rows; ++r)
+        sums[r] = _mm512_dpbf16_ps(sums[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(xb[r * pairs + p + j])),
+                                   (__m512bh)v[j]);
+  }
+  for (; p < pairs; ++p) {
+    const __m512bh column = (__m512bh)column_pair(rows, p, k);
+    for (int64_t r = 0; r < Rows; ++r)
+      sums[r] = _mm512_dpbf16_ps(sums[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(xb[r * pairs + p])), column);
+  }
+#pragma GCC unroll 8
+  for (int64_t r = 0; r < Rows; ++r) _mm512_storeu_ps(out + r * kBlocksTile * kBlock, sums[r]);
+}
+
+template <int64_t Rows = kRowsTile>
+void tile16_any(int64_t rows, const uint16_t* const pointers[kBlock], const uint32_t* xb, int64_t pairs, int64_t k,
+                float* out) {
+  if constexpr (Rows > 1) {
+    if (rows < Rows) return tile16_any<Rows - 1>(rows, pointers, xb, pairs, k, out);
+  }
+  tile16<Rows>(pointers, xb, pairs, k, out);
+}
+
+// A block of 16 weight rows where they lie: its first row, the distance from one row to the next, and how many of its
+// 16 rows the weight has (the rest read as zeros).
+struct RowBlock {
+  const uint16_t* first;
+  int64_t stride;
+  int64_t rows;
+};
+
+// The weights as `multiply` reads them: packed (N/16, K/2, 16, 2), or blocks of rows where they lie (then `zeros`, a
+// row of K zeros, stands in for the rows past a weight's last).
+struct Weights {
+  const uint16_t* packed;
+  const RowBlock* blocks;
+  const uint16_t* zeros;
+
+  void row_pointers(int64_t b, const uint16_t* rows[kBlock]) const {
+    const RowBlock& block = blocks[b];
+    for (int64_t r = 0; r < kBlock; ++r) rows[r] = r < block.rows ? block.first + r * block.stride : zeros;
+  }
+};
+
+// y = x @ W^T (+ bias), or with `silu_gate` silu(gate) * up of the gate | up projection whose tiles of 4 blocks are 2
+// gate blocks then the same 2 features' up blocks (as modelzoo/precision.py packs it): (rows, out_features). Tasks:
+// column tiles (4 blocks) x row tiles (6 rows) over packed weights. Weights in rows: a call of one row tile (decode)
+// transposes them in registers as it multiplies them, a task a column tile; a longer one packs each column tile once
+// into a scratch that all its row tiles read. Either way each output sums its pairs in ascending order from zero.
+void multiply(const uint32_t* xb, int64_t rows, int64_t pairs, int64_t k, const Weights& weights, int64_t blocks,
+              const float* bias, int64_t out_features, bool silu_gate, Broadcast mode, float* y) {
+  const int64_t column_tiles = (blocks + kBlocksTile - 1) / kBlocksTile;
+  const int64_t row_tiles = (rows + kRowsTile - 1) / kRowsTile;
+  const int64_t block_values = pairs * 2 * kBlock;
+  constexpr int64_t kGated = kBlocksTile / 2 * kBlock;  // a gated tile's output features
+  // The row tile from `row` of the column tile from `block`: its sums `result` to y.
+  const auto emit = [&](int64_t row, int64_t block, int64_t tile_blocks, const float* result) {
+    float silu[kGated];
+    for (int64_t r = 0; r < std::min(kRowsTile, rows - row); ++r) {
+      float* out = y + (row + r) * out_features;
+      const float* values = result + r * kBlocksTile * kBlock;
+      if (silu_gate) {  // silu(gate) * up, as silu_mul computes it from the full output
+        const int64_t first = block / 2 * kBlock;
+        silu_row(values, silu, kGated);
+        for (int64_t n = 0; n < kGated; ++n) out[first + n] = silu[n] * values[kGated + n];
+        continue;
+      }
+      const int64_t first = block * kBlock, last = std::min(out_features, (block + tile_blocks) * kBlock);
+      if (bias) {
+        for (int64_t n = first; n < last; ++n) out[n] = values[n - first] + bias[n];
+      } else {
+        std::memcpy(out + first, values, (last - first) * sizeof(float));
+      }
+    }
+  };
+  // A row tile over packed blocks (a branch, not a function pointer: each tile stays inlined, its sums in registers).
+  const auto packed_tile = [&](int64_t row, int64_t tile_blocks, const uint16_t* packed, float* result) {
+    const int64_t count = std::min(kRowsTile, rows - row);
+    if (mode == Broadcast::kRegister) {
+      tile_any<Broadcast::kRegister>(count, tile_blocks, xb + row * pairs, pairs, packed, result);
+    } else {
+      tile_any<Broadcast::kEmbedded>(count, tile_blocks, xb + row * pairs, pairs, packed, result);
+    }
+  };
+  if (weights.packed) {  // output columns outer, rows inner: each thread streams its share of the weights once
+    at::parallel_for(0, column_tiles * row_tiles, 1, [&](int64_t begin, int64_t end) {
+      float result[kRowsTile * kBlocksTile * kBlock];
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t block = task / row_tiles * kBlocksTile, row = task % row_tiles * kRowsTile;
+        const int64_t tile_blocks = std::min(kBlocksTile, blocks - block);
+        packed_tile(row, tile_blocks, weights.packed + block * block_values, result);
+        emit(row, block, tile_blocks, result);
+      }
+    });
+    return;
+  }
+  at::parallel_for(0, column_tiles, 1, [&](int64_t begin, int64_t end) {
+    float result[kRowsTile * kBlocksTile * kBlock];
+    std::unique_ptr<uint16_t[]> scratch(row_tiles > 1 ? new uint16_t[kBlocksTile * block_values] : nullptr);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t block = task * kBlocksTile, tile_blocks = std::min(kBlocksTile, blocks - block);
+      for (int64_t b = 0; b < tile_blocks; ++b) {
+        const uint16_t* pointers[kBlock];
+        weights.row_pointers(block + b, pointers);
+        if (row_tiles > 1) {
+          pack_rows(pointers, k, scratch.get() + b * block_values);
+        } else {
+          tile16_any(rows, pointers, xb, pairs, k, result + b * kBlock);
+        }
+      }
+      for (int64_t row = 0; row < rows; row += kRowsTile) {
+        if (row_tiles > 1) packed_tile(row, tile_blocks, scratch.get(), result);
+        emit(row, block, tile_blocks, result);
+      }
+    }
+  });
+}
+
+// x (..., K) float32, bfloat16 or float16 -> its rows' inputs rounded to bfloat16 pairs (rows, pairs), the last pair
+// of an odd K completed by a zero.
+std::unique_ptr<uint32_t[]> rounded_pairs(const torch::Tensor& input, int64_t rows, int64_t k, int64_t pairs) {
   std::unique_ptr<uint32_t[]> xb(new uint32_t[rows * pairs]);  // every value written below
-  ZOO_DISPATCH_FLOATS(x.scalar_type(), "bf16_linear", [&] {
+  ZOO_DISPATCH_FLOATS(input.scalar_type(), "bf16_linear", [&] {
     const scalar_t* xp = input.data_ptr<scalar_t>();
     at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) round_row(xp + r * k, k, pairs, xb.get() + r * pairs);
     });
   });
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
-  float* yp = out.data_ptr<float>();
-  const int64_t column_tiles = (blocks + kBlocksTile - 1) / kBlocksTile;
-  const int64_t row_tiles = (rows + kRowsTile - 1) / kRowsTile;
-  constexpr int64_t kGated = kBlocksTile / 2 * kBlock;  // a gated tile's output features
-  // Output columns outer, rows inner: each thread streams its share of the weights once.
-  const bool in_register = mode == Broadcast::kRegister;
-  at::parallel_for(0, column_tiles * row_tiles, 1, [&](int64_t begin, int64_t end) {
-    float result[kRowsTile * kBlocksTile * kBlock];
-    float silu[kGated];
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t block = task / row_tiles * kBlocksTile, row = task % row_tiles * kRowsTile;
-      const int64_t tile_rows_count = std::min(kRowsTile, rows - row);
-      const int64_t tile_blocks = std::min(kBlocksTile, blocks - block);
-      const uint16_t* weights = wp + block * pairs * 2 * kBlock;
-      if (in_register) {  // a branch, not a function pointer: each tile stays inlined, its sums in registers
-        tile_any<Broadcast::kRegister>(tile_rows_count, tile_blocks, xb.get() + row * pairs, pairs, weights, result);
-      } else {
-        tile_any<Broadcast::kEmbedded>(tile_rows_count, tile_blocks, xb.get() + row * pairs, pairs, weights, result);
-      }
-      for (int64_t r = 0; r < tile_rows_count; ++r) {
-        float* y = yp + (row + r) * out_features;
-        const float* values = result + r * kBlocksTile * kBlock;
-        if (silu_gate) {  // silu(gate) * up, as silu_mul computes it from the full output
-          const int64_t first = block / 2 * kBlock;
-          silu_row(values, silu, kGated);
-          for (int64_t n = 0; n < kGated; ++n) y[first + n] = silu[n] * values[kGated + n];
-          continue;
-        }
-        const int64_t first = block * kBlock, last = std::min(out_features, (block + tile_blocks) * kBlock);
-        if (bp) {
-          for (int64_t n = first; n < last; ++n) y[n] = values[n - first] + bp[n];
-        } else {
-          std::memcpy(y + first, values, (last - first) * sizeof(float));
-        }
-      }
+  return xb;
+}
+
+torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                            const c10::optional<torch::Tensor>& bias, int64_t out_features, bool silu_gate,
+                            Broadcast mode) {
+  auto out = bf16_gemm_output(x, packed, bias, out_features, silu_gate);
+  const int64_t blocks = packed.size(0), pairs = packed.size(1), k = x.size(-1);
+  const auto input = x.contiguous();
+  const int64_t rows = k ? input.numel() / k : 0;
+  const auto xb = rounded_pairs(input, rows, k, pairs);
+  const Weights weights{reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), nullptr, nullptr};
+  multiply(xb.get(), rows, pairs, k, weights, blocks, bias ? bias->data_ptr<float>() : nullptr, out_features,
+           silu_gate, mode, out.data_ptr<float>());
+  return out;
+}
+
+// The blocks of 16 rows of parts (N_i, K) bfloat16 with unit column stride, part after part (with `silu_gate`: parts
+// gate and up, each tile's 2 gate blocks then its 2 up blocks), checked; out_features: the GEMM's outputs.
+std::vector<RowBlock> row_blocks(const std::vector<torch::Tensor>& parts, int64_t k, bool silu_gate,
+                                 int64_t& out_features) {
+  TORCH_CHECK(!parts.empty(), "parts must hold at least one weight");
+  out_features = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const auto& part = parts[i];
+    TORCH_CHECK(part.device().is_cpu() && part.dim() == 2 && part.scalar_type() == at::kBFloat16 &&
+                    part.size(1) == k && part.size(0) > 0 && (part.stride(1) == 1 || k == 1),
+                "every part must be a bfloat16 CPU tensor (N_i, K), K = x's last dimension, with unit column stride");
+    TORCH_CHECK(i + 1 == parts.size() || part.size(0) % kBlock == 0,
+                "every part but the last must have a multiple of 16 rows");
+    out_features += part.size(0);
+  }
+  std::vector<RowBlock> blocks;
+  const auto add_blocks = [&](const torch::Tensor& part, int64_t row, int64_t count) {
+    const auto* first = reinterpret_cast<const uint16_t*>(part.data_ptr<at::BFloat16>());
+    for (int64_t end = row + count * kBlock; row < end; row += kBlock)
+      blocks.push_back({first + row * part.stride(0), part.stride(0), std::min(kBlock, part.size(0) - row)});
+  };
+  if (silu_gate) {
+    TORCH_CHECK(parts.size() == 2 && parts[0].sizes() == parts[1].sizes() &&
+                    parts[0].size(0) % (kBlocksTile / 2 * kBlock) == 0,
+                "a SiLU-gated weight is two parts, gate and up, of the same shape (I, K), I a multiple of 32");
+    out_features /= 2;
+    for (int64_t row = 0; row < out_features; row += kBlocksTile / 2 * kBlock) {
+      add_blocks(parts[0], row, kBlocksTile / 2);
+      add_blocks(parts[1], row, kBlocksTile / 2);
     }
-  });
+  } else {
+    for (const auto& part : parts) add_blocks(part, 0, (part.size(0) + kBlock - 1) / kBlock);
+  }
+  return blocks;
+}
+
+// bf16_linear (bf16_silu_gate with `silu_gate`: parts gate and up) over weights read where they lie: parts (N_i, K)
+// bfloat16 with unit column stride, side by side.
+torch::Tensor rows_linear(const torch::Tensor& x, const std::vector<torch::Tensor>& parts,
+                          const c10::optional<torch::Tensor>& bias, bool silu_gate, Broadcast mode) {
+  TORCH_CHECK(x.device().is_cpu() && is_storage_type(x.scalar_type()) && x.dim() >= 1,
+              "x must be a float32, bfloat16 or float16 CPU tensor (..., K)");
+  const int64_t k = x.size(-1), pairs = (k + 1) / 2;
+  int64_t out_features;
+  const auto blocks = row_blocks(parts, k, silu_gate, out_features);
+  if (bias) {
+    TORCH_CHECK(!silu_gate && bias->dim() == 1 && bias->size(0) == out_features && bias->scalar_type() == at::kFloat &&
+                    bias->is_contiguous(), "bias must be contiguous float32 (out_features,), and none with a SiLU gate");
+  }
+  auto sizes = x.sizes().vec();
+  sizes.back() = out_features;
+  auto out = torch::empty(sizes, x.options().dtype(at::kFloat));
+  const auto input = x.contiguous();
+  const int64_t rows = k ? input.numel() / k : 0;
+  const auto xb = rounded_pairs(input, rows, k, pairs);
+  const std::vector<uint16_t> zeros(k + 1);
+  const Weights weights{nullptr, blocks.data(), zeros.data()};
+  multiply(xb.get(), rows, pairs, k, weights, blocks.size(), bias ? bias->data_ptr<float>() : nullptr, out_features,
+           silu_gate, mode, out.data_ptr<float>());
   return out;
 }
 
@@ -192,7 +393,7 @@ Broadcast broadcast_mode() {
     const auto x = torch::full({kRows, kIn}, 0.5f);
     const auto packed = torch::full({kOut / kBlock, kIn / 2, kBlock, 2}, 0.25f, torch::dtype(at::kBFloat16));
     return std::function<void(int)>([=](int mode) {
-      multiply(x, packed, c10::nullopt, kOut, false, static_cast<Broadcast>(mode));
+      packed_linear(x, packed, c10::nullopt, kOut, false, static_cast<Broadcast>(mode));
     });
   }, 2));
 }
@@ -201,11 +402,42 @@ Broadcast broadcast_mode() {
 
 torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                           int64_t out_features) {
-  return multiply(x, packed, bias, out_features, false, broadcast_mode());
+  return packed_linear(x, packed, bias, out_features, false, broadcast_mode());
 }
 
 torch::Tensor bf16_silu_gate(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features) {
-  return multiply(x, packed, c10::nullopt, out_features, true, broadcast_mode());
+  return packed_linear(x, packed, c10::nullopt, out_features, true, broadcast_mode());
+}
+
+torch::Tensor bf16_linear_rows(const torch::Tensor& x, const std::vector<torch::Tensor>& parts,
+                               const c10::optional<torch::Tensor>& bias) {
+  return rows_linear(x, parts, bias, false, broadcast_mode());
+}
+
+torch::Tensor bf16_silu_gate_rows(const torch::Tensor& x, const torch::Tensor& gate, const torch::Tensor& up) {
+  return rows_linear(x, {gate, up}, c10::nullopt, true, broadcast_mode());
+}
+
+torch::Tensor pack_bf16_rows(const std::vector<torch::Tensor>& parts, bool silu_gate, const torch::Tensor& out) {
+  TORCH_CHECK(!parts.empty() && parts[0].dim() == 2, "parts must hold at least one weight (N_i, K)");
+  const int64_t k = parts[0].size(1), pairs = (k + 1) / 2;
+  int64_t out_features;
+  const auto blocks = row_blocks(parts, k, silu_gate, out_features);
+  const int64_t count = blocks.size();
+  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kBFloat16 && out.is_contiguous() &&
+                  out.sizes() == at::IntArrayRef({count, pairs, kBlock, 2}),
+              "out must be a contiguous bfloat16 CPU tensor (ceil(N/16), ceil(K/2), 16, 2)");
+  const std::vector<uint16_t> zeros(k + 1);
+  const Weights weights{nullptr, blocks.data(), zeros.data()};
+  auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const uint16_t* rows[kBlock];
+      weights.row_pointers(b, rows);
+      pack_rows(rows, k, dst + b * pairs * 2 * kBlock);
+    }
+  });
+  return out;
 }
 
 std::string bf16_gemm_broadcast(const std::string& use) {
@@ -221,6 +453,19 @@ torch::Tensor bf16_linear(const torch::Tensor&, const torch::Tensor&, const c10:
 
 torch::Tensor bf16_silu_gate(const torch::Tensor&, const torch::Tensor&, int64_t) {
   TORCH_CHECK(false, "bf16_silu_gate needs AVX512-BF16, which this build's CPU lacks");
+}
+
+torch::Tensor bf16_linear_rows(const torch::Tensor&, const std::vector<torch::Tensor>&,
+                               const c10::optional<torch::Tensor>&) {
+  TORCH_CHECK(false, "bf16_linear_rows needs AVX512-BF16, which this build's CPU lacks");
+}
+
+torch::Tensor bf16_silu_gate_rows(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&) {
+  TORCH_CHECK(false, "bf16_silu_gate_rows needs AVX512-BF16, which this build's CPU lacks");
+}
+
+torch::Tensor pack_bf16_rows(const std::vector<torch::Tensor>&, bool, const torch::Tensor&) {
+  TORCH_CHECK(false, "pack_bf16_rows needs AVX512-BF16, which this build's CPU lacks");
 }
 
 std::string bf16_gemm_broadcast(const std::string&) {

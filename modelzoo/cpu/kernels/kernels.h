@@ -38,6 +38,15 @@ torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, c
                           int64_t out_features);
 // The same for a gate | up projection packed in tiles of 2 gate + 2 up blocks: silu(gate) * up (..., out_features).
 torch::Tensor bf16_silu_gate(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features);
+// The two with the weight read where it lies, in rows: x @ [W_0 | W_1 | ...]^T (+ bias) for parts (N_i, K) bfloat16
+// with unit column stride (every N_i but the last a multiple of 16), and silu(gate) * up for gate and up (I, K), I a
+// multiple of 32; the packed GEMMs' bits.
+torch::Tensor bf16_linear_rows(const torch::Tensor& x, const std::vector<torch::Tensor>& parts,
+                               const c10::optional<torch::Tensor>& bias);
+torch::Tensor bf16_silu_gate_rows(const torch::Tensor& x, const torch::Tensor& gate, const torch::Tensor& up);
+// Those parts (gate and up with `silu_gate`) packed into out (N/16 rounded up, K/2 rounded up, 16, 2) bfloat16: the
+// packed GEMMs' layout, zero rows and a zero input padding it.
+torch::Tensor pack_bf16_rows(const std::vector<torch::Tensor>& parts, bool silu_gate, const torch::Tensor& out);
 // How the two GEMMs broadcast each input pair, "embedded" or "register": the faster on this CPU, timed at the first
 // call; `use` ("embedded" or "register") sets it instead. Either gives the same bits.
 std::string bf16_gemm_broadcast(const std::string& use);
