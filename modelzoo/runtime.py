@@ -349,7 +349,7 @@ class Runtime:
         mixed = policy.weights != policy.activations and not weight_dtype
         model, _ = load_model(checkpoint, policy.weights if mixed else self.dtype, self.device,
                               shard_plan(checkpoint, tensor_parallel), weight_dtype, self.spec.int8_group_size,
-                              update, keep_parts=mixed and policy.half_gemm)
+                              update, keep_parts=mixed and policy.packed_gemm)
         if mixed and policy.packed_gemm:
             keep_gemm_weights(model, policy.activations)
         elif mixed:
@@ -403,7 +403,8 @@ class Runtime:
             if backend != "auto":
                 log.warning("runconfig.gemm_backend %s ignored: bfloat16 multiplies with bf16_linear or amx_bf16_linear "
                             "here, as measured (float32 outputs; see modelzoo/cpu/precision.py)", backend)
-            self.gemm = apply_bf16_kernels(model, backend)
+            self.gemm = apply_bf16_kernels(model, backend, rows * (1 + (spec.num_tokens if spec else 0)),
+                                           None if cached_layout else self._job_work())
             return
         if self.policy.half_gemm:
             if backend != "auto":

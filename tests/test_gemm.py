@@ -292,44 +292,56 @@ def test_amx_and_avx512_bf16_gemms_are_measured_checked_and_cached(tmp_path, mon
     assert again.layers == {"bfloat16 64x96": plan.layers["bfloat16 64x96"]}
 
 
-def fake_half_rates(packed: float, in_place: float, rows: int) -> dict:
-    """A measured_shapes answer: half_linear and half_linear_rows at these GFLOP/s, at every row count timed."""
+def fake_layout_rates(packed: float, in_place: float, rows: int, layouts: gemm.Layouts = gemm.HALF_LAYOUTS) -> dict:
+    """A measured_shapes answer: the packed and in-place kernels at these GFLOP/s, at every row count timed."""
     rates = lambda rate: {f"M={gemm.PREFILL_ROWS}": rate, f"M={rows}": rate}
-    return {"backend": "half_linear", "gflops": {"half_linear": rates(packed), "half_linear_rows": rates(in_place)},
-            "invariant": {"half_linear": True, "half_linear_rows": True}, "rejected": {}, "block_rows": {}}
+    return {"backend": layouts.packed, "gflops": {layouts.packed: rates(packed), layouts.in_place: rates(in_place)},
+            "invariant": {layouts.packed: True, layouts.in_place: True}, "rejected": {}, "block_rows": {}}
 
 
 @pytest.mark.skipif(modelzoo.cpu.kernels.cpu_kernels() is None, reason="the C++ kernels cannot be built here")
+@pytest.mark.parametrize("gemm_kernel", ["half_linear", "bf16_linear"])
 @pytest.mark.parametrize("work, in_place_rate, packed", [
     (None, 50.0, True),  # work unknown (the API, the weight cache): packed
     (gemm.JobWork(decode_steps=8, prompt_tokens=64), 90.0, False),  # a small job: packing costs more than it saves
     (gemm.JobWork(decode_steps=10**6, prompt_tokens=10**8), 90.0, True),  # a long one: packing pays
     (gemm.JobWork(decode_steps=10**6, prompt_tokens=10**8), 110.0, False),  # in place is faster: never packed
 ])
-def test_16_bit_weights_are_packed_only_where_the_jobs_work_pays_for_it(work, in_place_rate, packed, monkeypatch):
-    """apply_half_kernels packs a shape where the time the job saves by it (its most work at the measured rates)
-    exceeds the time packing takes (at the measured packing rate), reads it in place otherwise, and packs a Conv1D's
-    (in, out) weight whatever the work: half_linear_rows reads rows."""
-    from modelzoo.cpu.precision import InPlaceHalfLinear
+def test_16_bit_weights_are_packed_only_where_the_jobs_work_pays_for_it(work, in_place_rate, packed, gemm_kernel,
+                                                                         monkeypatch):
+    """apply_half_kernels (apply_bf16_kernels without AMX) packs a shape where the time the job saves by it (its most
+    work at the measured rates) exceeds the time packing takes (at the measured packing rate), reads it in place
+    otherwise, and packs a Conv1D's (in, out) weight whatever the work: the in-place kernels read rows."""
+    from modelzoo.cpu import precision
     from modelzoo.models.gpt2 import Conv1D
 
+    if gemm_kernel == "bf16_linear":
+        if not precision.bf16_kernel_available():
+            pytest.skip("bf16_linear needs AVX512-BF16")
+        monkeypatch.setattr(gemm, "available_bf16_kernels", lambda: ["bf16_linear"])
+        layouts, packed_layer, in_place_layer = gemm.BF16_LAYOUTS, precision.BF16Linear, precision.InPlaceBF16Linear
+        apply = lambda model: gemm.apply_bf16_kernels(model, "auto", 4, work)
+    else:
+        layouts, packed_layer, in_place_layer = gemm.HALF_LAYOUTS, precision.HalfLinear, precision.InPlaceHalfLinear
+        apply = lambda model: gemm.apply_half_kernels(model, 4, work)
     monkeypatch.setattr(gemm, "measured_shapes", lambda shapes, *args, **kwargs: {
-        key: fake_half_rates(100.0, in_place_rate, 4) for key in shapes})
-    monkeypatch.setattr(gemm, "packing_rate", lambda dtype: 1e9)
+        key: fake_layout_rates(100.0, in_place_rate, 4, layouts) for key in shapes})
+    monkeypatch.setattr(gemm, "packing_rate", lambda dtype, pack=None: 1e9)
     model = nn.Sequential(nn.Linear(256, 512, dtype=torch.bfloat16), Conv1D(512, 256).to(torch.bfloat16))
-    plan = gemm.apply_half_kernels(model, 4, work)
-    assert isinstance(model[0], HalfLinear if packed else InPlaceHalfLinear)
-    assert isinstance(model[1], HalfLinear)
-    assert plan.layers == {"bfloat16 256x512": "half_linear" if packed else "half_linear_rows",
-                           "bfloat16 512x256": "half_linear"}
+    plan = apply(model)
+    assert type(model[0]) is (packed_layer if packed else in_place_layer)
+    assert type(model[1]) is packed_layer
+    assert plan.layers == {"bfloat16 256x512": layouts.packed if packed else layouts.in_place,
+                           "bfloat16 512x256": layouts.packed}
 
 
 def test_the_layout_gain_counts_decode_steps_and_prompt_tokens():
     """Seconds saved by packing one weight: decode steps at the rows in flight plus prompt tokens PREFILL_ROWS a call,
     each at the difference of the two kernels' times for the weight's FLOPs."""
-    rates = fake_half_rates(100.0, 50.0, 8)["gflops"]
     flops = 2 * 1000 * 2000
     step = flops * 8 / 50e9 - flops * 8 / 100e9
     prefill = flops * gemm.PREFILL_ROWS / 50e9 - flops * gemm.PREFILL_ROWS / 100e9
-    gain = gemm.half_layout_gain(rates, (1000, 2000), 8, gemm.JobWork(decode_steps=30, prompt_tokens=512))
-    assert gain == pytest.approx(30 * step + 2 * prefill)
+    for layouts in (gemm.HALF_LAYOUTS, gemm.BF16_LAYOUTS):
+        rates = fake_layout_rates(100.0, 50.0, 8, layouts)["gflops"]
+        gain = gemm.layout_gain(rates, (1000, 2000), 8, gemm.JobWork(decode_steps=30, prompt_tokens=512), layouts)
+        assert gain == pytest.approx(30 * step + 2 * prefill)

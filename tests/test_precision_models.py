@@ -32,11 +32,13 @@ def bfloat16_setup(checkpoint, dtype: torch.dtype = BF16):
 
 
 @needs_bf16
-def test_bfloat16_policy_keeps_each_tensor_in_its_dtype(tmp_path):
+def test_bfloat16_policy_keeps_each_tensor_in_its_dtype(tmp_path, monkeypatch):
+    from modelzoo.cpu import gemm
     from modelzoo.generation.engine import Request
     from modelzoo.generation.options import GenerationOptions
     from modelzoo.models.layers import RMSNorm
 
+    monkeypatch.setattr(gemm, "layout_gain", lambda *_: float("inf"))  # every weight packed
     checkpoint = save_tiny_model(tiny_llama_config(), tmp_path / "model")
     setup, model, engine = bfloat16_setup(checkpoint)
     assert setup.policy == MIXED
@@ -55,20 +57,30 @@ def test_bfloat16_policy_keeps_each_tensor_in_its_dtype(tmp_path):
 
 
 @needs_bf16
-def test_bfloat16_job_is_batch_invariant(tmp_path):
+def test_bfloat16_job_is_batch_invariant_whether_its_weights_are_packed_or_read_in_place(tmp_path, monkeypatch):
+    """The bfloat16 policy's rows do not depend on the batch, nor on the weights' layout: packed (bf16_linear,
+    bf16_silu_gate) or read where they lie in the checkpoint's map (bf16_linear_rows, bf16_silu_gate_rows)."""
+    from modelzoo.cpu import gemm
+
     checkpoint = save_tiny_model(tiny_llama_config(), tmp_path / "model")
     rng = np.random.default_rng(5)
     prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in (4, 9, 2, 15, 7, 1, 30)]
     write_h5(tmp_path / "data", prompt_rows(prompts, 48, START))
-    runs = []
-    for batch in (1, 7):
-        params = write_params(tmp_path / f"b{batch}.yaml", checkpoint, tmp_path / "data", batch, START,
+    runs = {}
+    for name, batch in (("b1", 1), ("b7", 7), ("in_place", 7)):
+        packing_pays = name != "in_place"
+        monkeypatch.setattr(gemm, "layout_gain", lambda *_: float("inf") if packing_pays else float("-inf"))
+        params = write_params(tmp_path / f"{name}.yaml", checkpoint, tmp_path / "data", batch, START,
                               dtype="bfloat16", max_tokens=12, rows_in_flight=batch)
-        assert run_job(params, tmp_path / f"b{batch}") == 0
-        runs.append(stacked_predictions(tmp_path / f"b{batch}")[: len(prompts)])
+        assert run_job(params, tmp_path / name) == 0
+        runs[name] = stacked_predictions(tmp_path / name)[: len(prompts)]
     summary = json.loads((tmp_path / "b7" / "artifacts" / "summary.json").read_text())
     assert summary["dtype"] == MIXED.describe()
-    np.testing.assert_array_equal(runs[0], runs[1])
+    assert set(summary["gemm"]["layers"].values()) == {"bf16_linear", "bf16_silu_gate"}
+    summary = json.loads((tmp_path / "in_place" / "artifacts" / "summary.json").read_text())
+    assert set(summary["gemm"]["layers"].values()) == {"bf16_linear_rows", "bf16_silu_gate_rows"}
+    np.testing.assert_array_equal(runs["b1"], runs["b7"])
+    np.testing.assert_array_equal(runs["b7"], runs["in_place"])
 
 
 @needs_bf16
@@ -170,7 +182,7 @@ def test_16_bit_job_without_native_multiplies_is_batch_invariant_and_keeps_today
     runs = {}
     for name, batch in (("b1", 1), ("b7", 7), ("in_place", 7), ("widened", 7)):
         packing_pays = name != "in_place"  # else every weight read where it lies
-        monkeypatch.setattr(gemm, "half_layout_gain", lambda *_: float("inf") if packing_pays else float("-inf"))
+        monkeypatch.setattr(gemm, "layout_gain", lambda *_: float("inf") if packing_pays else float("-inf"))
         if name == "widened":
             monkeypatch.setattr(precision, "half_kernel_available", lambda: False)
         params = write_params(tmp_path / f"{name}.yaml", checkpoint, tmp_path / "data", batch, START, dtype=dtype,

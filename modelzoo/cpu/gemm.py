@@ -49,9 +49,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from modelzoo.cpu.memory import PackedWeightArena, release_freed_memory, release_mapped
-from modelzoo.cpu.precision import (BF16Linear, HalfLinear, InPlaceHalfLinear, apply_bf16_gemm, apply_half_gemm,
-                                    linear_like, linear_shape, linear_shape_key, pack_half_weight, packed_bytes_bound,
-                                    reads_in_place)
+from modelzoo.cpu.precision import (BF16Linear, HalfLinear, InPlaceBF16Linear, InPlaceHalfLinear, apply_bf16_gemm,
+                                    apply_half_gemm, linear_like, linear_shape, linear_shape_key, pack_bf16_weight,
+                                    pack_half_weight, packed_bytes_bound, reads_in_place)
 from modelzoo.errors import UserError
 from modelzoo.cpu.kernels import cpu_kernels, kernel_build_dir, read_machine_choices, write_machine_choices
 
@@ -393,31 +393,39 @@ def available_bf16_kernels() -> list[str]:
     return ["bf16_linear", *(["amx_bf16_linear"] if cpu_kernels().amx_bf16_available() else [])]
 
 
-def apply_bf16_kernels(model: nn.Module, requested: str = "auto") -> GemmPlan:
-    """Packs every linear layer of `model` for the bfloat16 policy's GEMM (bfloat16 weights and inputs, float32 sums
-    and outputs): per shape, the faster batch-invariant of bf16_linear and amx_bf16_linear as measured (and cached)
-    on this machine where both are built, else bf16_linear."""
+def apply_bf16_kernels(model: nn.Module, requested: str = "auto", rows: int = DECODE_ROWS,
+                       work: JobWork | None = None) -> GemmPlan:
+    """Lays out every linear layer of `model` for the bfloat16 policy's GEMM (bfloat16 weights and inputs, float32
+    sums and outputs). Where the CPU has AMX-BF16: per shape, the faster batch-invariant of bf16_linear and
+    amx_bf16_linear as measured (and cached) here, every weight packed. Else bf16_linear, each shape packed or read
+    where it lies (bf16_linear_rows: the same bits) as the job's most `work` pays for (choose_layouts; every weight
+    packed where the work is unknown)."""
     kernels = available_bf16_kernels()
-    plan = GemmPlan(requested)
+    plan, in_place, reasons = GemmPlan(requested), set(), []
     if len(kernels) > 1:
         shapes = {linear_shape_key(module, torch.bfloat16): linear_shape(module) for module in model.modules()
                   if linear_like(module)}
         plan.measured = measured_shapes(shapes, torch.float32, kernels, choices=BF16_GEMM_CHOICES,
                                         build=lambda linear, kernel: BF16Linear(linear, kernel == "amx_bf16_linear"))
         plan.check_invariance({key: measured["backend"] for key, measured in plan.measured.items()})
+    elif work is not None:
+        plan.measured, in_place, reasons = choose_layouts(model, rows, work, BF16_LAYOUTS)
     amx = {key for key, measured in plan.measured.items() if measured["backend"] == "amx_bf16_linear"}
-    plan.layers = apply_bf16_gemm(model, amx)
+    plan.layers = apply_bf16_gemm(model, amx, in_place)
     vector_dots = any(not kernel.startswith("amx_") for kernel in plan.layers.values())
     broadcast = (f" (bf16_linear's input pairs broadcast {cpu_kernels().bf16_gemm_broadcast()}, the faster here as "
                  "timed)" if vector_dots else "")
+    if reasons:
+        log.info("GEMMs: bfloat16 weights and inputs, float32 sums and outputs%s, weights packed or read in place "
+                 "(for the job's at most %d decode steps of %d rows and %d prompt tokens): %s", broadcast,
+                 work.decode_steps, rows, work.prompt_tokens, "; ".join(reasons))
+        return plan
     log.info("GEMMs: bfloat16 weights and inputs, float32 sums and outputs%s: %s", broadcast, "; ".join(
         f"{key} {kernel}" + (f" ({rates_text(plan.measured[key], plan.measured[key]['backend'])})"
                              if key in plan.measured else "") for key, kernel in plan.layers.items()))
     return plan
 
 
-HALF_GEMM_CHOICES = "half_gemm_choices.json"  # half_linear over packed weights against half_linear_rows in place
-HALF_KERNELS = ("half_linear", "half_linear_rows")
 PACKING_PROBE = (2048, 8192)  # the weight (N, K) whose packing into fresh memory times the set-up's packing rate
 
 
@@ -430,65 +438,103 @@ class JobWork:
     prompt_tokens: int
 
 
-def packing_rate(dtype: torch.dtype) -> float:
-    """Bytes a second that pack_half_weight lays out here into fresh memory (a new PackedWeightArena's pages, touched
-    for the first time, as at set-up), timed once on a PACKING_PROBE weight."""
+@dataclass(frozen=True)
+class Layouts:
+    """A GEMM's two layouts of 16-bit weights: `packed` (its kernel, over the weight written at set-up by `pack`
+    (weight, memory) into fresh memory) or `in_place` (its kernel reading the weight where it lies, the same bits);
+    `build` (layer, kernel) the layer of either; their timings cached per machine in `choices`, in the kernels'
+    build folder; `dtypes`: the weight dtypes the in-place kernel reads."""
+
+    packed: str
+    in_place: str
+    build: Callable[[nn.Module, str], nn.Module]
+    pack: Callable[..., torch.Tensor]
+    choices: str
+    dtypes: tuple[torch.dtype, ...]
+
+    @property
+    def kernels(self) -> tuple[str, str]:
+        return self.packed, self.in_place
+
+
+HALF_LAYOUTS = Layouts(
+    "half_linear", "half_linear_rows",
+    lambda linear, kernel: HalfLinear(linear) if kernel == "half_linear" else InPlaceHalfLinear(linear),
+    pack_half_weight, "half_gemm_choices.json", (torch.bfloat16, torch.float16))
+BF16_LAYOUTS = Layouts(
+    "bf16_linear", "bf16_linear_rows",
+    lambda linear, kernel: BF16Linear(linear) if kernel == "bf16_linear" else InPlaceBF16Linear(linear),
+    pack_bf16_weight, "bf16_layout_choices.json", (torch.bfloat16,))
+
+
+def packing_rate(dtype: torch.dtype, pack: Callable[..., torch.Tensor] = pack_half_weight) -> float:
+    """Bytes a second that `pack` (weight, memory) lays out here into fresh memory (a new PackedWeightArena's pages,
+    touched for the first time, as at set-up), timed once on a PACKING_PROBE weight."""
     weight = torch.zeros(PACKING_PROBE, dtype=dtype)
     probe = nn.Linear(PACKING_PROBE[1], PACKING_PROBE[0], bias=False, device="meta", dtype=dtype)
     arena = PackedWeightArena(packed_bytes_bound(probe))
     start = time.perf_counter()
-    pack_half_weight(weight, arena.take)
+    pack(weight, arena.take)
     return weight.numel() * weight.element_size() / (time.perf_counter() - start)
 
 
-def half_layout_gain(rates: dict[str, dict[str, float]], shape: tuple[int, int], rows: int, work: JobWork) -> float:
-    """Seconds packing one weight of `shape` (in, out) saves over `work` (negative: it loses), from the GFLOP/s of
-    half_linear (packed) and half_linear_rows (in place) at M = PREFILL_ROWS and M = rows."""
+def layout_gain(rates: dict[str, dict[str, float]], shape: tuple[int, int], rows: int, work: JobWork,
+                layouts: Layouts | None = None) -> float:
+    """Seconds packing one weight of `shape` (in, out) saves over `work` (negative: it loses), from the GFLOP/s of the
+    packed and in-place kernels (default: half_linear's) at M = PREFILL_ROWS and M = rows."""
+    packed, in_place = (layouts or HALF_LAYOUTS).kernels
     flops = 2 * shape[0] * shape[1]
     seconds = {kernel: {m: flops * m / (rates[kernel][f"M={m}"] * 1e9) for m in (PREFILL_ROWS, rows)}
-               for kernel in HALF_KERNELS}
-    saved = {m: seconds["half_linear_rows"][m] - seconds["half_linear"][m] for m in (PREFILL_ROWS, rows)}
+               for kernel in (packed, in_place)}
+    saved = {m: seconds[in_place][m] - seconds[packed][m] for m in (PREFILL_ROWS, rows)}
     return work.decode_steps * saved[rows] + work.prompt_tokens / PREFILL_ROWS * saved[PREFILL_ROWS]
+
+
+def choose_layouts(model: nn.Module, rows: int, work: JobWork, layouts: Layouts) -> tuple[dict, set[str], list[str]]:
+    """Which shapes of `model`'s linear layers to read in place: both layouts timed here per shape at M = PREFILL_ROWS
+    and M = rows (cached per machine, in the kernels' build), a shape packed where packing saves the job's most `work`
+    more time than packing its weights takes (at packing_rate, measured now), and where its weight is not in rows.
+    Returns ({shape key: measured}, the shape keys read in place, the reason of each choice, to log)."""
+    layers = [module for module in model.modules() if linear_like(module)]
+    keys = [linear_shape_key(layer, layer.weight.dtype) for layer in layers]
+    shapes = dict(zip(keys, (linear_shape(layer) for layer in layers)))
+    dtype, timed = layers[0].weight.dtype, (PREFILL_ROWS, rows)
+    choices = f"{kernel_build_dir().name}/{layouts.choices}"  # timed with the build that runs them
+    timings = measured_shapes({f"{key} at M={rows}": shape for key, shape in shapes.items()}, dtype,
+                              list(layouts.kernels), layouts.build, choices=choices, timed_rows=timed)
+    rate = packing_rate(dtype, layouts.pack)
+    measured, in_place, reasons = {}, set(), []
+    for key, shape in shapes.items():
+        choice = measured[key] = timings[f"{key} at M={rows}"]
+        packing = keys.count(key) * shape[0] * shape[1] * dtype.itemsize / rate
+        if not all(reads_in_place(layer, layouts.dtypes) for layer, other in zip(layers, keys) if other == key):
+            pack, reason = True, "its weight is not in rows"
+        else:
+            gain = keys.count(key) * layout_gain(choice["gflops"], shape, rows, work, layouts)
+            pack, reason = gain > packing, f"saves the job {gain:.1f}s at most, packing takes {packing:.1f}s"
+        if not pack:
+            in_place.add(key)
+        text = rates_text(choice, rows=timed).replace(layouts.in_place, "in place").replace(layouts.packed, "packed")
+        reasons.append(f"{key} {'packed' if pack else 'in place'} ({reason}; {text})")
+    reasons.append(f"packing {rate / 1e9:.1f} GB/s into fresh memory here")
+    return measured, in_place, reasons
 
 
 def apply_half_kernels(model: nn.Module, rows: int, work: JobWork | None) -> GemmPlan:
     """Lays out every linear layer of `model` (16-bit weights) for half_linear: packed (HalfLinear: the weight written
     once into new memory at set-up, the faster layout at most row counts) or read where it lies (InPlaceHalfLinear,
-    half_linear_rows: nothing written; the same bits). With the job's most `work`, both are timed here per shape at
-    M = PREFILL_ROWS and M = rows (cached per machine, in the kernels' build) and a shape is packed where packing saves
-    the job more time than packing its weights takes (at packing_rate, measured now); with no `work` (a model kept for
-    work unknown, or laid out for the weight cache) every weight is packed."""
+    half_linear_rows: nothing written; the same bits), as the job's most `work` pays for (choose_layouts); with no
+    `work` (a model kept for work unknown, or laid out for the weight cache) every weight is packed."""
     if work is None:
         plan = GemmPlan("auto", layers=apply_half_gemm(model))
         log.info("GEMMs: half_linear, weights packed (the job's work unknown, or the layout cached): %s",
                  ", ".join(plan.layers))
         return plan
-    layers = [module for module in model.modules() if linear_like(module)]
-    keys = [linear_shape_key(layer, layer.weight.dtype) for layer in layers]
-    shapes = dict(zip(keys, (linear_shape(layer) for layer in layers)))
-    dtype, timed = layers[0].weight.dtype, (PREFILL_ROWS, rows)
-    build = lambda linear, kernel: HalfLinear(linear) if kernel == "half_linear" else InPlaceHalfLinear(linear)
-    choices = f"{kernel_build_dir().name}/{HALF_GEMM_CHOICES}"  # timed with the build that runs them
-    measured = measured_shapes({f"{key} at M={rows}": shape for key, shape in shapes.items()}, dtype,
-                               list(HALF_KERNELS), build, choices=choices, timed_rows=timed)
-    rate = packing_rate(dtype)
-    plan, in_place, reasons = GemmPlan("auto"), set(), []
-    for key, shape in shapes.items():
-        choice = plan.measured[key] = measured[f"{key} at M={rows}"]
-        packing = keys.count(key) * shape[0] * shape[1] * dtype.itemsize / rate
-        if not all(reads_in_place(layer) for layer, other in zip(layers, keys) if other == key):
-            pack, reason = True, "its weight is not in rows"
-        else:
-            gain = keys.count(key) * half_layout_gain(choice["gflops"], shape, rows, work)
-            pack, reason = gain > packing, f"saves the job {gain:.1f}s at most, packing takes {packing:.1f}s"
-        if not pack:
-            in_place.add(key)
-        rates = rates_text(choice, rows=timed).replace("half_linear_rows", "in place").replace("half_linear", "packed")
-        reasons.append(f"{key} {'packed' if pack else 'in place'} ({reason}; {rates})")
+    plan = GemmPlan("auto")
+    plan.measured, in_place, reasons = choose_layouts(model, rows, work, HALF_LAYOUTS)
     plan.layers = apply_half_gemm(model, in_place)
     log.info("GEMMs: half_linear, weights packed or read in place (for the job's at most %d decode steps of %d rows "
-             "and %d prompt tokens; packing %.1f GB/s into fresh memory here): %s", work.decode_steps, rows,
-             work.prompt_tokens, rate / 1e9, "; ".join(reasons))
+             "and %d prompt tokens): %s", work.decode_steps, rows, work.prompt_tokens, "; ".join(reasons))
     return plan
 
 

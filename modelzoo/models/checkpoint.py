@@ -205,7 +205,8 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, plan:
     scaling * B A), or None; added in float32 before any cast, slicing or quantization.
     keep_parts: a fused linear layer's weight is not concatenated: the layer becomes a JoinedLinear holding its parts
     as read (views of the checkpoint's memory map where no cast was needed), for a layout that packs or reads them
-    where they lie (modelzoo/cpu/precision.py's apply_half_gemm, which must follow); not with int8 or a shard plan.
+    where they lie (modelzoo/cpu/precision.py's apply_half_gemm or apply_bf16_gemm, which must follow); not with int8
+    or a shard plan.
     """
     if weight_dtype not in (None, "int8"):
         raise ValueError(f"weight_dtype must be None or 'int8', got {weight_dtype!r}")
