@@ -123,6 +123,33 @@ def test_max_tokens(tmp_path, tiny_llama, prompts, reference):
     assert list(load_predictions(model_dir)[1]["stop_reason"]) == ["max_tokens"] * 3
 
 
+@pytest.mark.parametrize("cap, per_row, most", [(6, [3, 50, 7, 2, 9, 1, 4], 6), (None, [3, 50, 7, 2, 9, 1, 4], None),
+                                                (6, None, 6)])
+def test_the_jobs_work_counts_each_rows_new_tokens_at_most_max_tokens(tmp_path, tiny_llama, prompts, cap, per_row,
+                                                                      most, monkeypatch):
+    """The most decode steps a job's rows take (what a 16-bit GEMM layout is weighed against): max_tokens a row,
+    rows' own max_tokens being capped by it; unknown (up to max_seq_len) where rows bring their own and no cap."""
+    import h5py
+    from modelzoo.runtime import Runtime
+
+    works = []
+    original = Runtime._job_work
+    monkeypatch.setattr(Runtime, "_job_work", lambda self: works.append(original(self)) or works[-1])
+    data = tmp_path / "data"
+    path = write_h5(data, prompt_rows(prompts, MAX_SEQ_LEN, START))
+    if per_row is not None:
+        with h5py.File(path, "a") as handle:
+            handle.create_dataset("max_tokens", data=np.array(per_row, dtype=np.int32))
+    params = write_params(tmp_path / "params.yaml", tiny_llama, data, BATCH, START, max_tokens=cap, dtype="bfloat16",
+                          rows_in_flight=BATCH)
+    assert run_job(params, tmp_path / "run") == 0
+    if not works:
+        pytest.skip("no 16-bit GEMM layout to weigh here (the C++ kernels are not built)")
+    steps = -(-len(prompts) // BATCH)  # batches of rows in flight
+    new_tokens = most if most is not None else MAX_SEQ_LEN - min(PROMPT_LENGTHS)
+    assert works[0].decode_steps == steps * new_tokens
+
+
 def test_start_token_list_pads_with_first_id(tmp_path, tiny_llama, prompts, reference):
     rows = prompt_rows(prompts, MAX_SEQ_LEN, START)
     rows[1, PROMPT_LENGTHS[1]:] = START + 1  # this row marks its start with the second id of the list
