@@ -99,7 +99,8 @@ def test_a_job_at_avx2_on_an_avx512_cpu_equals_transformers(tmp_path):
         np.testing.assert_array_equal(stacked_predictions(tmp_path / dtype)[: len(prompts)], expected, err_msg=dtype)
     summary = json.loads((tmp_path / "bfloat16" / "artifacts" / "summary.json").read_text())
     assert summary["dtype"] == "bfloat16 weights, float32 arithmetic and KV cache"
-    assert set(summary["gemm"]["layers"].values()) == {"half_linear"}
+    layouts = set(summary["gemm"]["layers"].values())  # packed or read in place, per shape, as measured
+    assert layouts and layouts <= {"half_linear", "half_linear_rows"}, layouts
     probe = ("from modelzoo.cpu.kernels import cpu_kernels; k = cpu_kernels(); "
              "print(k.half_gemm_path(), k.int8_vnni_available(), k.bf16_dot_available())")
     built = subprocess.run([sys.executable, "-c", probe], env=env, cwd=REPO_ROOT, capture_output=True, text=True,

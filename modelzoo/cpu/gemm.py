@@ -479,10 +479,10 @@ def packing_rate(dtype: torch.dtype, pack: Callable[..., torch.Tensor] = pack_ha
 
 
 def layout_gain(rates: dict[str, dict[str, float]], shape: tuple[int, int], rows: int, work: JobWork,
-                layouts: Layouts | None = None) -> float:
-    """Seconds packing one weight of `shape` (in, out) saves over `work` (negative: it loses), from the GFLOP/s of the
-    packed and in-place kernels (default: half_linear's) at M = PREFILL_ROWS and M = rows."""
-    packed, in_place = (layouts or HALF_LAYOUTS).kernels
+                layouts: Layouts) -> float:
+    """Seconds packing one weight of `shape` (in, out) saves over `work` (negative: it loses), from the GFLOP/s of
+    `layouts`' packed and in-place kernels at M = PREFILL_ROWS and M = rows."""
+    packed, in_place = layouts.kernels
     flops = 2 * shape[0] * shape[1]
     seconds = {kernel: {m: flops * m / (rates[kernel][f"M={m}"] * 1e9) for m in (PREFILL_ROWS, rows)}
                for kernel in (packed, in_place)}
