@@ -7,7 +7,10 @@ with before, side by side on this CPU.
 
 For each weight shape (K inputs x N outputs) and row count M, GFLOP/s of:
   - `half_linear` (modelzoo/cpu/kernels/half_gemm.cpp): bfloat16 weights kept in 2 bytes, widened to float32 as they are
-    read, on its AVX2 path and, where built, its AVX-512 one;
+    read, on its AVX2 path and, where built, its AVX-512 one, over the packed weight and (`half_linear_rows`) over the
+    weight where it lies;
+  - `bf16_linear` and `bf16_linear_rows` (modelzoo/cpu/kernels/bf16_gemm.cpp, where the CPU has AVX512-BF16): the
+    bfloat16 policy's GEMM over the packed weight and over the weight where it lies;
   - `float32 weights`: the same values widened once to float32 and multiplied by the fastest float32 GEMM candidate
     (modelzoo/cpu/gemm.py, as `auto` picks): what a 16-bit job ran on before on a CPU without native 16-bit multiplies,
     at twice the bytes of weights;
@@ -38,7 +41,7 @@ from modelzoo.cpu.facts import cpu_flags  # noqa: E402
 from modelzoo.cpu.gemm import _shape_key, available_backends, measured_shapes, wrap  # noqa: E402
 from modelzoo.cpu.int8_compute import _candidate  # noqa: E402
 from modelzoo.cpu.kernels import cpu_kernels  # noqa: E402
-from modelzoo.cpu.precision import HalfLinear  # noqa: E402
+from modelzoo.cpu.precision import BF16Linear, HalfLinear, InPlaceBF16Linear, InPlaceHalfLinear  # noqa: E402
 
 # SmolLM2-135M's MLP, then Llama-3.2-3B's attention output, MLP up and MLP down
 DEFAULT_SHAPES = "576x1536,3072x3072,3072x8192,8192x3072"
@@ -76,8 +79,13 @@ def candidates(in_features: int, out_features: int, x: torch.Tensor) -> dict[str
     choice = measured_shapes({key: (in_features, out_features)}, torch.float32,
                              available_backends(torch.device("cpu"), torch.float32))[key]["backend"]
     float32 = wrap(widened, choice)
-    calls = {f"half_linear {path}": on_path(kernels.half_gemm_path, path, half, x)
-             for path in ("avx2", "avx512") if path == "avx2" or "avx512f" in cpu_flags()}
+    paths = [path for path in ("avx2", "avx512") if path == "avx2" or "avx512f" in cpu_flags()]
+    calls = {f"half_linear {path}": on_path(kernels.half_gemm_path, path, half, x) for path in paths}
+    in_place = InPlaceHalfLinear(linear)
+    calls.update({f"half_linear_rows {path}": on_path(kernels.half_gemm_path, path, in_place, x) for path in paths})
+    if kernels.bf16_dot_available():
+        packed, rows_read = BF16Linear(linear), InPlaceBF16Linear(linear)
+        calls["bf16_linear"], calls["bf16_linear_rows"] = lambda: packed(x), lambda: rows_read(x)
     calls[f"float32 weights ({choice})"] = lambda: float32(x)
     int8 = _candidate(widened, "vnni16", 32)
     calls.update({f"vnni16 {path}": on_path(kernels.int8_gemm_path, path, int8, x)
@@ -88,9 +96,9 @@ def candidates(in_features: int, out_features: int, x: torch.Tensor) -> dict[str
 
 
 def check_paths_agree(calls: dict[str, Callable[[], torch.Tensor]]) -> None:
-    """Each kernel's code paths give the same bits (a failure here is a kernel bug)."""
-    for kernel in ("half_linear", "vnni16"):
-        outputs = [call() for name, call in calls.items() if name.startswith(kernel + " ")]
+    """Each kernel's code paths and layouts give the same bits (a failure here is a kernel bug)."""
+    for kernel in ("half_linear", "vnni16", "bf16_linear"):
+        outputs = [call() for name, call in calls.items() if name.split()[0] in (kernel, kernel + "_rows")]
         if not all(torch.equal(outputs[0], other) for other in outputs[1:]):
             raise SystemExit(f"error: {kernel}'s code paths disagree")
 
