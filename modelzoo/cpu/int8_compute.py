@@ -31,10 +31,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from modelzoo.cpu.memory import Memory, PackedWeightArena, new_memory, release_freed_memory
+from modelzoo.cpu.precision import GEMM_BLOCK
 from modelzoo.errors import UserError
 from modelzoo.cpu.gemm import GemmPlan, measured_shapes, rates_text
 from modelzoo.cpu.kernels import cpu_kernels
-from modelzoo.cpu.precision import pack_word_blocks
 from modelzoo.cpu.quantization import Int8Embedding, Int8Linear, dequantize_rows, group_count, quantize_rows
 
 log = logging.getLogger("zoo-infer")
@@ -63,6 +63,17 @@ def packed_bytes(layer: Int8Linear) -> tuple[int, int]:
     PackedWeightArena."""
     packed, scales = packed_shapes(layer.out_features, layer.in_features, layer.group_size)
     return math.prod(packed) + 64, 4 * math.prod(scales) + 64
+
+
+def pack_word_blocks(rows: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """rows (N, B) of any dtype, N whole blocks of 16 and B bytes whole 4-byte words, into packed (N/16, B/4 words,
+    16, ...): for each word, the 16 rows' words side by side (vnni16's runs of 4 int8 inputs). Moved as int32: a
+    transpose of 4-byte elements (a byte-wise one runs about 6x slower)."""
+    if not rows.is_contiguous() or rows.data_ptr() % 4:  # a view as int32 needs both
+        rows = rows.clone(memory_format=torch.contiguous_format)
+    words = rows.view(torch.int32).view(rows.shape[0] // GEMM_BLOCK, GEMM_BLOCK, -1)  # (blocks, 16, words)
+    packed.view(torch.int32).view(words.shape[0], -1, GEMM_BLOCK).copy_(words.transpose(1, 2))
+    return packed
 
 
 def pack_weight(q: torch.Tensor, scale: torch.Tensor, group_size: int, memory: Memory = new_memory,

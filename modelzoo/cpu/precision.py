@@ -248,17 +248,6 @@ def silu_gate_fusable(parent: nn.Module, name: str, layer: nn.Module) -> bool:
             and isinstance(layer, (nn.Linear, JoinedLinear)) and layer.out_features % (2 * SILU_GATE_TILE) == 0)
 
 
-def pack_word_blocks(rows: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """rows (N, B) of any dtype, N whole blocks of 16 and B bytes whole 4-byte words, into packed (N/16, B/4 words,
-    16, ...): for each word, the 16 rows' words side by side (bf16_linear's input pairs, vnni16's runs of 4 int8
-    inputs). Moved as int32: a transpose of 4-byte elements (a byte-wise one runs about 6x slower)."""
-    if not rows.is_contiguous() or rows.data_ptr() % 4:  # a view as int32 needs both
-        rows = rows.clone(memory_format=torch.contiguous_format)
-    words = rows.view(torch.int32).view(rows.shape[0] // GEMM_BLOCK, GEMM_BLOCK, -1)  # (blocks, 16, words)
-    packed.view(torch.int32).view(words.shape[0], -1, GEMM_BLOCK).copy_(words.transpose(1, 2))
-    return packed
-
-
 def pack_bf16_weight(weight: torch.Tensor, memory: Memory = new_memory) -> torch.Tensor:
     """W (N, K) -> (ceil(N/16), ceil(K/2), 16, 2) bfloat16: for each pair of inputs, 16 output rows' two values
     side by side (zero rows and a zero column pad N and K), written into memory(shape, dtype)."""
@@ -445,7 +434,6 @@ class InPlaceBF16Linear(InPlaceLinear):
 
     kernel = "bf16_linear_rows"
     dtypes = (torch.bfloat16,)
-    applies_silu_gate = False
 
 
 class InPlaceSiluGatedBF16Linear(InPlaceBF16Linear):

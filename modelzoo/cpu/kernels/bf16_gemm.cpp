@@ -25,7 +25,7 @@
 #include "kernels.h"
 #include "storage.h"
 #include "timed_choice.h"
-#include "word_transpose.h"
+#include "weight_rows.h"
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -37,11 +37,31 @@
 
 namespace zoo {
 
+namespace {
+
+// x's and the bias's checks, and the float32 output (..., out_features): any bfloat16 GEMM's, whatever its weights.
+torch::Tensor checked_output(const torch::Tensor& x, const c10::optional<torch::Tensor>& bias, int64_t out_features,
+                             bool silu_gate) {
+  if (bias) {
+    TORCH_CHECK(!silu_gate && bias->dim() == 1 && bias->size(0) == out_features && bias->scalar_type() == at::kFloat &&
+                    bias->is_contiguous(), "bias must be contiguous float32 (out_features,), and none with a SiLU gate");
+  }
+  auto sizes = x.sizes().vec();
+  sizes.back() = out_features;
+  return torch::empty(sizes, x.options().dtype(at::kFloat));
+}
+
+void check_input(const torch::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && is_storage_type(x.scalar_type()) && x.dim() >= 1,
+              "x must be a float32, bfloat16 or float16 CPU tensor (..., K)");
+}
+
+}  // namespace
+
 torch::Tensor bf16_gemm_output(const torch::Tensor& x, const torch::Tensor& packed,
                                const c10::optional<torch::Tensor>& bias, int64_t out_features, bool silu_gate) {
   constexpr int64_t kBlock = 16, kBlocksTile = 4;  // outputs per packed block; blocks per SiLU-gated tile
-  TORCH_CHECK(x.device().is_cpu() && is_storage_type(x.scalar_type()) && x.dim() >= 1,
-              "x must be a float32, bfloat16 or float16 CPU tensor (..., K)");
+  check_input(x);
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.size(2) == kBlock &&
                   packed.size(3) == 2 && packed.is_contiguous(), "packed must be contiguous bfloat16 (N/16, K/2, 16, 2)");
   const int64_t blocks = packed.size(0), pairs = packed.size(1), k = x.size(-1);
@@ -53,13 +73,7 @@ torch::Tensor bf16_gemm_output(const torch::Tensor& x, const torch::Tensor& pack
     TORCH_CHECK(out_features > 0 && out_features <= blocks * kBlock && out_features > (blocks - 1) * kBlock,
                 "out_features does not match the packed weight");
   }
-  if (bias) {
-    TORCH_CHECK(!silu_gate && bias->dim() == 1 && bias->size(0) == out_features && bias->scalar_type() == at::kFloat &&
-                    bias->is_contiguous(), "bias must be contiguous float32 (out_features,), and none with a SiLU gate");
-  }
-  auto sizes = x.sizes().vec();
-  sizes.back() = out_features;
-  return torch::empty(sizes, x.options().dtype(at::kFloat));
+  return checked_output(x, bias, out_features, silu_gate);
 }
 
 bool bf16_dot_available() {
@@ -199,25 +213,14 @@ void tile16_any(int64_t rows, const uint16_t* const pointers[kBlock], const uint
   tile16<Rows>(pointers, xb, pairs, k, out);
 }
 
-// A block of 16 weight rows where they lie: its first row, the distance from one row to the next, and how many of its
-// 16 rows the weight has (the rest read as zeros).
-struct RowBlock {
-  const uint16_t* first;
-  int64_t stride;
-  int64_t rows;
-};
-
 // The weights as `multiply` reads them: packed (N/16, K/2, 16, 2), or blocks of rows where they lie (then `zeros`, a
 // row of K zeros, stands in for the rows past a weight's last).
 struct Weights {
   const uint16_t* packed;
-  const RowBlock* blocks;
+  const RowBlock<uint16_t>* blocks;
   const uint16_t* zeros;
 
-  void row_pointers(int64_t b, const uint16_t* rows[kBlock]) const {
-    const RowBlock& block = blocks[b];
-    for (int64_t r = 0; r < kBlock; ++r) rows[r] = r < block.rows ? block.first + r * block.stride : zeros;
-  }
+  void row_pointers(int64_t b, const uint16_t* rows[kBlock]) const { blocks[b].pointers(zeros, rows); }
 };
 
 // y = x @ W^T (+ bias), or with `silu_gate` silu(gate) * up of the gate | up projection whose tiles of 4 blocks are 2
@@ -323,36 +326,21 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
 
 // The blocks of 16 rows of parts (N_i, K) bfloat16 with unit column stride, part after part (with `silu_gate`: parts
 // gate and up, each tile's 2 gate blocks then its 2 up blocks), checked; out_features: the GEMM's outputs.
-std::vector<RowBlock> row_blocks(const std::vector<torch::Tensor>& parts, int64_t k, bool silu_gate,
-                                 int64_t& out_features) {
-  TORCH_CHECK(!parts.empty(), "parts must hold at least one weight");
-  out_features = 0;
-  for (size_t i = 0; i < parts.size(); ++i) {
-    const auto& part = parts[i];
-    TORCH_CHECK(part.device().is_cpu() && part.dim() == 2 && part.scalar_type() == at::kBFloat16 &&
-                    part.size(1) == k && part.size(0) > 0 && (part.stride(1) == 1 || k == 1),
-                "every part must be a bfloat16 CPU tensor (N_i, K), K = x's last dimension, with unit column stride");
-    TORCH_CHECK(i + 1 == parts.size() || part.size(0) % kBlock == 0,
-                "every part but the last must have a multiple of 16 rows");
-    out_features += part.size(0);
+std::vector<RowBlock<uint16_t>> row_blocks(const std::vector<torch::Tensor>& parts, int64_t k, bool silu_gate,
+                                           int64_t& out_features) {
+  out_features = checked_rows(parts, k, {at::kBFloat16}, "bfloat16");
+  std::vector<RowBlock<uint16_t>> blocks;
+  if (!silu_gate) {
+    for (const auto& part : parts) append_row_blocks(part, blocks);
+    return blocks;
   }
-  std::vector<RowBlock> blocks;
-  const auto add_blocks = [&](const torch::Tensor& part, int64_t row, int64_t count) {
-    const auto* first = reinterpret_cast<const uint16_t*>(part.data_ptr<at::BFloat16>());
-    for (int64_t end = row + count * kBlock; row < end; row += kBlock)
-      blocks.push_back({first + row * part.stride(0), part.stride(0), std::min(kBlock, part.size(0) - row)});
-  };
-  if (silu_gate) {
-    TORCH_CHECK(parts.size() == 2 && parts[0].sizes() == parts[1].sizes() &&
-                    parts[0].size(0) % (kBlocksTile / 2 * kBlock) == 0,
-                "a SiLU-gated weight is two parts, gate and up, of the same shape (I, K), I a multiple of 32");
-    out_features /= 2;
-    for (int64_t row = 0; row < out_features; row += kBlocksTile / 2 * kBlock) {
-      add_blocks(parts[0], row, kBlocksTile / 2);
-      add_blocks(parts[1], row, kBlocksTile / 2);
-    }
-  } else {
-    for (const auto& part : parts) add_blocks(part, 0, (part.size(0) + kBlock - 1) / kBlock);
+  constexpr int64_t kHalfTile = kBlocksTile / 2;  // blocks of gate (then of up) rows per tile
+  TORCH_CHECK(parts.size() == 2 && parts[0].sizes() == parts[1].sizes() && parts[0].size(0) % (kHalfTile * kBlock) == 0,
+              "a SiLU-gated weight is two parts, gate and up, of the same shape (I, K), I a multiple of 32");
+  out_features /= 2;
+  for (int64_t row = 0; row < out_features; row += kHalfTile * kBlock) {
+    append_row_blocks(parts[0], blocks, row, kHalfTile);
+    append_row_blocks(parts[1], blocks, row, kHalfTile);
   }
   return blocks;
 }
@@ -361,18 +349,11 @@ std::vector<RowBlock> row_blocks(const std::vector<torch::Tensor>& parts, int64_
 // bfloat16 with unit column stride, side by side.
 torch::Tensor rows_linear(const torch::Tensor& x, const std::vector<torch::Tensor>& parts,
                           const c10::optional<torch::Tensor>& bias, bool silu_gate, Broadcast mode) {
-  TORCH_CHECK(x.device().is_cpu() && is_storage_type(x.scalar_type()) && x.dim() >= 1,
-              "x must be a float32, bfloat16 or float16 CPU tensor (..., K)");
+  check_input(x);
   const int64_t k = x.size(-1), pairs = (k + 1) / 2;
   int64_t out_features;
   const auto blocks = row_blocks(parts, k, silu_gate, out_features);
-  if (bias) {
-    TORCH_CHECK(!silu_gate && bias->dim() == 1 && bias->size(0) == out_features && bias->scalar_type() == at::kFloat &&
-                    bias->is_contiguous(), "bias must be contiguous float32 (out_features,), and none with a SiLU gate");
-  }
-  auto sizes = x.sizes().vec();
-  sizes.back() = out_features;
-  auto out = torch::empty(sizes, x.options().dtype(at::kFloat));
+  auto out = checked_output(x, bias, out_features, silu_gate);
   const auto input = x.contiguous();
   const int64_t rows = k ? input.numel() / k : 0;
   const auto xb = rounded_pairs(input, rows, k, pairs);

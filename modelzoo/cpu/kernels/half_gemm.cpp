@@ -20,7 +20,7 @@
 #include "kernels.h"
 #include "storage.h"
 #include "timed_choice.h"
-#include "word_transpose.h"
+#include "weight_rows.h"
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -194,15 +194,6 @@ struct PackedBlocks {
   }
 };
 
-// One block of 16 output rows of a weight read where it lies, in rows of K values: its first row, the distance from
-// one row to the next, and how many of its 16 rows the weight has (the rest read as zeros).
-template <typename T>
-struct RowBlock {
-  const T* first;
-  int64_t stride;
-  int64_t rows;
-};
-
 // The two 16-bit values of each 32-bit word of `pairs` widened to float32: the first (lower address) into `low`.
 template <typename T, typename V>
 inline void widen_pairs(V pairs, V& low, V& high);
@@ -307,10 +298,7 @@ struct RowBlocks {
   Path path;
 
   const T* panel_in_place(int64_t, int64_t) const { return nullptr; }
-  void row_pointers(int64_t b, const T* rows[kBlock]) const {
-    const RowBlock<T>& source = blocks[b];
-    for (int64_t r = 0; r < kBlock; ++r) rows[r] = r < source.rows ? source.first + r * source.stride : zeros;
-  }
+  void row_pointers(int64_t b, const T* rows[kBlock]) const { blocks[b].pointers(zeros, rows); }
   void widen(int64_t block, int64_t count, int64_t k0, int64_t kc, float* panel) const {
     for (int64_t b = 0; b < count; ++b) {
       const T* rows[kBlock];
@@ -497,17 +485,7 @@ torch::Tensor rows_linear(const torch::Tensor& x, const std::vector<torch::Tenso
   const int64_t k = x.size(-1);
   const auto dtype = parts[0].scalar_type();
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "the parts must be bfloat16 or float16");
-  int64_t out_features = 0;
-  for (size_t i = 0; i < parts.size(); ++i) {
-    const auto& part = parts[i];
-    TORCH_CHECK(part.device().is_cpu() && part.dim() == 2 && part.scalar_type() == dtype && part.size(1) == k &&
-                    part.size(0) > 0 && (part.stride(1) == 1 || k == 1),
-                "every part must be a CPU tensor (N_i, K) of the first part's dtype, K = x's last dimension, with "
-                "unit column stride");
-    TORCH_CHECK(i + 1 == parts.size() || part.size(0) % kBlock == 0,
-                "every part but the last must have a multiple of 16 rows");
-    out_features += part.size(0);
-  }
+  const int64_t out_features = checked_rows(parts, k, {at::kBFloat16, at::kHalf}, "16-bit");
   check_linear_input(x, bias, out_features);
   const auto input = x.contiguous();
   const int64_t rows = k ? input.numel() / k : 0;
@@ -515,11 +493,7 @@ torch::Tensor rows_linear(const torch::Tensor& x, const std::vector<torch::Tenso
   const float* b = bias ? bias->data_ptr<float>() : nullptr;
   ZOO_DISPATCH_HALVES(dtype, "half_linear_rows", [&] {
     std::vector<RowBlock<scalar_t>> blocks;  // 16 rows each, part after part
-    for (const auto& part : parts) {
-      const auto* first = part.data_ptr<scalar_t>();
-      for (int64_t row = 0; row < part.size(0); row += kBlock)
-        blocks.push_back({first + row * part.stride(0), part.stride(0), std::min(kBlock, part.size(0) - row)});
-    }
+    for (const auto& part : parts) append_row_blocks(part, blocks);
     const std::vector<scalar_t> zeros(k);
     const RowBlocks<scalar_t> source{blocks.data(), zeros.data(), path};
     multiply<scalar_t>(input.data_ptr<float>(), rows, k, source, blocks.size(), b, out_features,
