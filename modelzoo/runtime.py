@@ -384,11 +384,10 @@ class Runtime:
         if not self.rows_to_do:
             return None
         prompts = self.prompts
-        longest = prompts.longest if prompts else self.max_seq_len
         new_tokens = (prompts.most_tokens if prompts and prompts.most_tokens is not None
                       else self.max_seq_len - (prompts.shortest if prompts else 1))
         return JobWork(decode_steps=-(-self.rows_to_do // self.rows_in_flight) * new_tokens,
-                       prompt_tokens=self.rows_to_do * longest)
+                       prompt_tokens=prompts.total if prompts else self.rows_to_do * self.max_seq_len)
 
     def _choose_gemm(self, spare_bytes: int, cached_layout: bool = False) -> None:
         """Puts every float linear layer in the layout of the GEMM backend chosen for it (runconfig.gemm_backend;

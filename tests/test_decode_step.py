@@ -255,7 +255,7 @@ def test_warm_up_captures_every_bucket_the_rows_reach(long_llama, rows, steps_pe
     prompts = [rng.integers(3, VOCAB, size=int(n)) for n in rng.permutation(lengths)]
     engine.decode = recorded = RecordedStep(engine.decode)
     recorded.step.mode = "cuda_graph"  # what the warm-up would capture, asked of the CPU's eager step
-    span = PromptSpan(min(map(len, prompts)), max(map(len, prompts)), 40)
+    span = PromptSpan(min(map(len, prompts)), max(map(len, prompts)), 40, sum(map(len, prompts)))
     warmed = {(-1 if slots is None else len(slots), length) for slots, length in engine.warm_up_shapes(span, rows)}
     recorded.step.mode = "eager"
     assert len(list(engine.generate(Request(i, p) for i, p in enumerate(prompts)))) == rows

@@ -128,7 +128,8 @@ def test_max_tokens(tmp_path, tiny_llama, prompts, reference):
 def test_the_jobs_work_counts_each_rows_new_tokens_at_most_max_tokens(tmp_path, tiny_llama, prompts, cap, per_row,
                                                                       most, monkeypatch):
     """The most decode steps a job's rows take (what a 16-bit GEMM layout is weighed against): max_tokens a row,
-    rows' own max_tokens being capped by it; unknown (up to max_seq_len) where rows bring their own and no cap."""
+    rows' own max_tokens being capped by it; unknown (up to max_seq_len) where rows bring their own and no cap. Its
+    prompt tokens are those of its rows, each prompt its own length (not every row the longest's)."""
     import h5py
     from modelzoo.runtime import Runtime
 
@@ -148,6 +149,7 @@ def test_the_jobs_work_counts_each_rows_new_tokens_at_most_max_tokens(tmp_path, 
     steps = -(-len(prompts) // BATCH)  # batches of rows in flight
     new_tokens = most if most is not None else MAX_SEQ_LEN - min(PROMPT_LENGTHS)
     assert works[0].decode_steps == steps * new_tokens
+    assert works[0].prompt_tokens == sum(PROMPT_LENGTHS)
 
 
 def test_start_token_list_pads_with_first_id(tmp_path, tiny_llama, prompts, reference):
@@ -178,9 +180,10 @@ def test_rows_without_start_token_or_prompt_are_left_as_they_are(tmp_path, tiny_
 
 
 def test_token_check_returns_the_prompt_span(tmp_path, prompts):
-    """The job's token check reads each to-do row once and returns its shortest and longest prompt (rows without a
-    start token or with an empty prompt left out; (0, 0) where none has one): what a captured decode step sizes the
-    buckets it captures ahead by."""
+    """The job's token check reads each to-do row once and returns its shortest and longest prompt and their tokens
+    in all (rows without a start token or with an empty prompt left out; (0, 0, 0) where none has one): what a
+    captured decode step sizes the buckets it captures ahead by, and the prompt work a GEMM layout is weighed
+    against."""
     from modelzoo.job.data import GptHDF5MapDataProcessor
 
     no_start = np.arange(MAX_SEQ_LEN, dtype=np.int32) % 50 + 3
@@ -190,10 +193,11 @@ def test_token_check_returns_the_prompt_span(tmp_path, prompts):
     write_h5(tmp_path / "data", rows)
     data = GptHDF5MapDataProcessor(tmp_path / "data", BATCH, 1, START)
     starts = np.array([START])
-    assert data.check_prompt_tokens([1, 2, 3, 4], VOCAB, starts) == (min(PROMPT_LENGTHS), max(PROMPT_LENGTHS))
-    assert data.check_prompt_tokens([2], VOCAB, starts) == (5, 17)
-    assert data.check_prompt_tokens([3], VOCAB, starts) == (2, 2)
-    assert data.check_prompt_tokens([4], VOCAB, starts) == (0, 0)
+    assert data.check_prompt_tokens([1, 2, 3, 4], VOCAB, starts) == (min(PROMPT_LENGTHS), max(PROMPT_LENGTHS),
+                                                                      sum(PROMPT_LENGTHS))
+    assert data.check_prompt_tokens([2], VOCAB, starts) == (5, 17, 17 + 5 + 12)
+    assert data.check_prompt_tokens([3], VOCAB, starts) == (2, 2, 2)
+    assert data.check_prompt_tokens([4], VOCAB, starts) == (0, 0, 0)
     data.close()
 
 

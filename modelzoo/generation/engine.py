@@ -49,12 +49,13 @@ STEPS_PER_READ_CUDA = 4
 
 @dataclass(frozen=True)
 class PromptSpan:
-    """What a job knows of its prompts before generating: the shortest and longest, and the most tokens a row may
-    generate (None: up to max_seq_len)."""
+    """What a job knows of its prompts before generating: the shortest and longest, the most tokens a row may
+    generate (None: up to max_seq_len), and the prompt tokens of all its rows."""
 
     shortest: int
     longest: int
     most_tokens: int | None
+    total: int
 
 
 @dataclass

@@ -235,11 +235,12 @@ class GptHDF5MapDataProcessor:
             raise UserError(f"the data in {self.data_dir} was tokenized with a vocabulary of {int(attrs['vocab_size'])} "
                             f"tokens ({attrs.get('tokenizer', '?')}) but the model has {vocab_size}")
 
-    def check_prompt_tokens(self, steps: list[int], vocab_size: int, start_tokens: np.ndarray) -> tuple[int, int]:
+    def check_prompt_tokens(self, steps: list[int], vocab_size: int,
+                            start_tokens: np.ndarray) -> tuple[int, int, int]:
         """Reads the samples of `steps` once, in large slices, and raises on the first prompt token
         outside 0..vocab_size-1 (what follows a row's first start token is never read as a prompt). Returns the
-        shortest and longest prompt read (0, 0 where no row has one)."""
-        shortest, longest = None, 0
+        shortest and longest prompt read and the prompt tokens of all of them ((0, 0, 0) where no row has one)."""
+        shortest, longest, total = None, 0, 0
         for start, stop in self._sample_ranges(steps):
             rows = self.read(start, stop)  # (n, max_seq_len)
             starts, has_start = start_positions(rows, start_tokens)
@@ -254,7 +255,8 @@ class GptHDF5MapDataProcessor:
             if lengths.size:
                 shortest = int(lengths.min()) if shortest is None else min(shortest, int(lengths.min()))
                 longest = max(longest, int(lengths.max()))
-        return shortest or 0, longest
+                total += int(lengths.sum())
+        return shortest or 0, longest, total
 
     def _sample_ranges(self, steps: list[int]) -> Iterator[tuple[int, int]]:
         """[start, stop) sample ranges covering `steps`: runs of consecutive steps, cut to about 8 MiB

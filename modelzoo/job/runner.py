@@ -172,11 +172,11 @@ class InferenceJob:
                      len(self.steps_of_shard))
         if self.writes and self.output.unwritable:
             raise self.output.unwritable
-        shortest, longest = self.data.check_prompt_tokens(self.todo, self.vocab_size, self.start_tokens)
+        shortest, longest, total = self.data.check_prompt_tokens(self.todo, self.vocab_size, self.start_tokens)
         # a row's own max_tokens is capped by the defaults' (Batch.options): the most any row makes, where known
         cap = self.defaults.max_tokens
         most_tokens = cap if cap or "max_tokens" not in self.data.per_row else None
-        self.prompts = PromptSpan(shortest, longest, most_tokens) if longest else None
+        self.prompts = PromptSpan(shortest, longest, most_tokens, total) if longest else None
         self.output_taken = True
         if self.writes:
             self.output.prepare(self.todo, params_yaml)
