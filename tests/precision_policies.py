@@ -22,3 +22,13 @@ needs_kernels = pytest.mark.skipif(cpu_kernels() is None, reason="the C++ kernel
 
 HALF = {dtype: precision.PrecisionPolicy(dtype, F32, F32, half_gemm=True) for dtype in (BF16, F16)}
 WIDENED = {dtype: precision.PrecisionPolicy(dtype, F32, F32) for dtype in (BF16, F16)}  # weights widened at load
+
+
+def bf16_layout(weight: torch.Tensor) -> torch.Tensor:
+    """bf16_linear's layout of W (N, K), spelled in PyTorch: packed[b, p, r, h] = W[16 b + r, 2 p + h], zeros past N
+    and K."""
+    out_features, in_features = weight.shape
+    rows, cols = -(-out_features // 16) * 16, in_features + in_features % 2
+    padded = torch.zeros(rows, cols, dtype=BF16)
+    padded[:out_features, :in_features] = weight
+    return padded.view(rows // 16, 16, cols // 2, 2).transpose(1, 2).contiguous()

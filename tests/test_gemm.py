@@ -11,8 +11,9 @@ from torch import nn
 
 import modelzoo.cpu.gemm as gemm
 import modelzoo.cpu.kernels
+from modelzoo.cpu import precision
 from modelzoo.cpu.precision import HalfLinear
-from precision_policies import amx_tiles
+from precision_policies import amx_tiles, bf16_layout
 from modelzoo.errors import UserError
 from modelzoo.cpu.gemm import (INVARIANCE_ROWS, MKLPackedLinear, OneDNNLinear, RowBlockLinear, apply_gemm_backend,
                            available_backends, linear_layers, measure_shape, weight_bytes, wrap)
@@ -240,8 +241,15 @@ def test_row_block_size_is_measured_and_the_fastest_kept(backend, monkeypatch):
 
 def without_the_bf16_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """The plan's log line names how bf16_linear broadcasts, which only a CPU with AVX512-BF16 can time: stood in for,
-    so that the plan's logic is tested on any CPU (packing needs no kernel)."""
+    so that the plan's logic is tested on any CPU; so is packing (the C++ packer's, AVX512-BF16 too) where the CPU
+    lacks it, by the layout's PyTorch spelling."""
     monkeypatch.setattr(gemm, "cpu_kernels", lambda: types.SimpleNamespace(bf16_gemm_broadcast=lambda: "embedded"))
+    if not precision.bf16_kernel_available():
+        def pack_bf16_parts(parts: list[torch.Tensor], memory=None, silu_gate: bool = False) -> torch.Tensor:
+            assert not silu_gate, "these plans have no SiLU-gated MLP"
+            return bf16_layout(torch.cat(parts))
+
+        monkeypatch.setattr(precision, "pack_bf16_parts", pack_bf16_parts)
 
 
 def test_bfloat16_policy_gemm_follows_the_measured_choice_per_shape(monkeypatch):
@@ -312,7 +320,6 @@ def test_16_bit_weights_are_packed_only_where_the_jobs_work_pays_for_it(work, in
     """apply_half_kernels (apply_bf16_kernels without AMX) packs a shape where the time the job saves by it (its most
     work at the measured rates) exceeds the time packing takes (at the measured packing rate), reads it in place
     otherwise, and packs a Conv1D's (in, out) weight whatever the work: the in-place kernels read rows."""
-    from modelzoo.cpu import precision
     from modelzoo.models.gpt2 import Conv1D
 
     if gemm_kernel == "bf16_linear":

@@ -9,7 +9,8 @@ from torch import nn
 
 from modelzoo.cpu import precision
 from modelzoo.cpu.kernels import cpu_kernels
-from precision_policies import BF16, BF16_GEMMS, F16, F32, HALF, MIXED, WIDENED, needs_bf16, needs_kernels
+from precision_policies import (BF16, BF16_GEMMS, F16, F32, HALF, MIXED, WIDENED, bf16_layout, needs_bf16,
+                                needs_kernels)
 
 
 def assert_rows_do_not_depend_on_the_batch(layer: nn.Module, x: torch.Tensor, got: torch.Tensor,
@@ -50,16 +51,6 @@ def test_without_the_kernels_16_bit_weights_are_widened_at_load(monkeypatch, dty
     monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset())
     monkeypatch.setattr(precision, "half_kernel_available", lambda: False)
     assert precision.precision_policy(dtype, torch.device("cpu")) == WIDENED[dtype]
-
-
-def bf16_layout(weight: torch.Tensor) -> torch.Tensor:
-    """bf16_linear's layout of W (N, K), spelled in PyTorch: packed[b, p, r, h] = W[16 b + r, 2 p + h], zeros past N
-    and K."""
-    out_features, in_features = weight.shape
-    rows, cols = -(-out_features // 16) * 16, in_features + in_features % 2
-    padded = torch.zeros(rows, cols, dtype=BF16)
-    padded[:out_features, :in_features] = weight
-    return padded.view(rows // 16, 16, cols // 2, 2).transpose(1, 2).contiguous()
 
 
 @needs_bf16
