@@ -216,7 +216,7 @@ def test_bf16_silu_gate_rejects_a_weight_not_in_gated_tiles(amx):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [BF16, F16, F32])
-@pytest.mark.parametrize("out_features, in_features", [(17, 5), (48, 3), (33, 130)])
+@pytest.mark.parametrize("out_features, in_features", [(17, 5), (48, 3), (33, 130), (64, 48)])
 def test_packed_half_weight_layout(dtype, out_features, in_features):
     """packed[b, k, r] = W[16 b + r, k]; the rows past N are zeros."""
     weight = torch.randn(out_features, in_features).to(dtype)

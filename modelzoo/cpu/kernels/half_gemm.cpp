@@ -257,8 +257,10 @@ void widen_rows(const T* const rows[kBlock], int64_t k0, int64_t kc, float* pane
       for (int64_t half = 0; half < 2; ++half) {
         __m256i v[8];
 #pragma GCC unroll 8
-        for (int64_t r = 0; r < 8; ++r)
+        for (int64_t r = 0; r < 8; ++r) {
+          _mm_prefetch(reinterpret_cast<const char*>(rows[8 * half + r] + k0 + i + kRowsAhead), _MM_HINT_T0);
           v[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[8 * half + r] + k0 + i));
+        }
         transpose8_words(v);
 #pragma GCC unroll 8
         for (int64_t j = 0; j < 8; ++j) {
@@ -274,8 +276,45 @@ void widen_rows(const T* const rows[kBlock], int64_t k0, int64_t kc, float* pane
     for (int64_t r = 0; r < kBlock; ++r) panel[i * step + r] = static_cast<float>(rows[r][k0 + i]);
 }
 
+// The 16 x 16 block of 16-bit values at in (16 rows `stride` apart, 16 inputs each) -> out (16 inputs, 16 rows): the
+// rows' words (pairs of inputs) transposed 8 rows at a time, then each word split into its two inputs' lines.
+template <typename E>
+inline void transpose_halves(const E* in, int64_t stride, E* out) {
+  __m256i low[8], high[8];  // rows 0-7, rows 8-15
+#pragma GCC unroll 8
+  for (int64_t r = 0; r < 8; ++r) {
+    low[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + r * stride));
+    high[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + (8 + r) * stride));
+  }
+  transpose8_words(low);
+  transpose8_words(high);
+  const __m256i first = _mm256_set1_epi32(0xFFFF);
+#pragma GCC unroll 8
+  for (int64_t j = 0; j < 8; ++j) {  // word j: inputs 2j (its low half) and 2j + 1 of the 16 rows
+    // packus interleaves 4 rows of each half per 128-bit lane; 0xD8 puts the quarters back in row order
+    const __m256i even = _mm256_packus_epi32(_mm256_and_si256(low[j], first), _mm256_and_si256(high[j], first));
+    const __m256i odd = _mm256_packus_epi32(_mm256_srli_epi32(low[j], 16), _mm256_srli_epi32(high[j], 16));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 2 * j * kBlock), _mm256_permute4x64_epi64(even, 0xD8));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (2 * j + 1) * kBlock), _mm256_permute4x64_epi64(odd, 0xD8));
+  }
+}
+
+// The 16 x 8 block of float32 values at in (16 rows `stride` apart, 8 inputs each) -> out (8 inputs, 16 rows).
+inline void transpose_floats(const float* in, int64_t stride, float* out) {
+  for (int64_t half = 0; half < 2; ++half) {
+    __m256i v[8];
+#pragma GCC unroll 8
+    for (int64_t r = 0; r < 8; ++r)
+      v[r] = _mm256_castps_si256(_mm256_loadu_ps(in + (8 * half + r) * stride));
+    transpose8_words(v);
+#pragma GCC unroll 8
+    for (int64_t j = 0; j < 8; ++j) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j * kBlock + 8 * half), v[j]);
+  }
+}
+
 // One block: `rows` (<= 16) rows of k values, `stride` apart from in, -> out (k, 16), zero rows padding it: the 16
-// rows read side by side, each output line written whole (pack_half_weight's layout).
+// rows read side by side, each output line written whole (pack_half_weight's layout). A whole block is transposed in
+// registers, 16 inputs (float32: 8) at a time.
 template <typename E>
 void pack_block(const E* in, int64_t stride, int64_t rows, int64_t k, E* out) {
   if (rows < kBlock) {
@@ -284,7 +323,16 @@ void pack_block(const E* in, int64_t stride, int64_t rows, int64_t k, E* out) {
       for (int64_t r = 0; r < rows; ++r) out[i * kBlock + r] = in[r * stride + i];
     return;
   }
-  for (int64_t i = 0; i < k; ++i)
+  constexpr int64_t kInputs = sizeof(E) == 2 ? 16 : 8;  // inputs per transpose
+  int64_t i = 0;
+  for (; i + kInputs <= k; i += kInputs) {
+    if constexpr (sizeof(E) == 2) {
+      transpose_halves(in + i, stride, out + i * kBlock);
+    } else {
+      transpose_floats(in + i, stride, out + i * kBlock);
+    }
+  }
+  for (; i < k; ++i)
     for (int64_t r = 0; r < kBlock; ++r) out[i * kBlock + r] = in[r * stride + i];
 }
 
