@@ -49,6 +49,8 @@ AUTO_ROWS_IN_FLIGHT = 256
 # takes as many rows as the memory holds, up to this many (thousands for a 1.1B model on 80 GB).
 AUTO_ROWS_IN_FLIGHT_CUDA = 4096
 KV_CACHE_SHARE = 0.5
+# A weight layout at least this long is worth pointing the user to runconfig.weight_cache (a hint in the log).
+CACHE_HINT_SECONDS = 2.0
 
 # Rows of the scorer's own cache beside an engine that generates at the same time: continuations scored together at
 # most.
@@ -192,6 +194,11 @@ class Runtime:
                             "kv_cache_and_decode_step": round(time.perf_counter() - laid_out, 3)}
         log.info("set-up parts: load %.1fs, GEMM choice and weight layout %.1fs, KV cache and decode step %.1fs",
                  *self.setup_parts.values())
+        if (not spec.weight_cache and self.device.type == "cpu" and (self.policy.packed_gemm or spec.weight_dtype == "int8")
+                and self.setup_parts["gemm_layout"] >= CACHE_HINT_SECONDS):
+            log.info("the weight layout took %.1fs: with runconfig.weight_cache: FOLDER, later jobs of this checkpoint "
+                     "map the laid-out model instead (docs/performance.md, 'Start-up of large models')",
+                     self.setup_parts["gemm_layout"])
 
     def dtype_name(self) -> str:
         """The precision policy in words (modelzoo/cpu/precision.py)."""
