@@ -194,7 +194,8 @@ class Runtime:
                             "kv_cache_and_decode_step": round(time.perf_counter() - laid_out, 3)}
         log.info("set-up parts: load %.1fs, GEMM choice and weight layout %.1fs, KV cache and decode step %.1fs",
                  *self.setup_parts.values())
-        if (not spec.weight_cache and self.device.type == "cpu" and (self.policy.packed_gemm or spec.weight_dtype == "int8")
+        laid_out_weights = self.policy.packed_gemm or spec.weight_dtype == "int8"
+        if (not spec.weight_cache and self.device.type == "cpu" and laid_out_weights
                 and self.setup_parts["gemm_layout"] >= CACHE_HINT_SECONDS):
             log.info("the weight layout took %.1fs: with runconfig.weight_cache: FOLDER, later jobs of this checkpoint "
                      "map the laid-out model instead (docs/performance.md, 'Start-up of large models')",
