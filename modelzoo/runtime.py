@@ -194,9 +194,8 @@ class Runtime:
                             "kv_cache_and_decode_step": round(time.perf_counter() - laid_out, 3)}
         log.info("set-up parts: load %.1fs, GEMM choice and weight layout %.1fs, KV cache and decode step %.1fs",
                  *self.setup_parts.values())
-        laid_out_weights = self.policy.packed_gemm or spec.weight_dtype == "int8"
-        if (not spec.weight_cache and self.device.type == "cpu" and laid_out_weights
-                and self.setup_parts["gemm_layout"] >= CACHE_HINT_SECONDS):
+        if (not spec.weight_cache and self.setup_parts["gemm_layout"] >= CACHE_HINT_SECONDS
+                and self._why_no_weight_cache(tp) is None and weight_cache.unsaveable(self.model) is None):
             log.info("the weight layout took %.1fs: with runconfig.weight_cache: FOLDER, later jobs of this checkpoint "
                      "map the laid-out model instead (docs/performance.md, 'Start-up of large models')",
                      self.setup_parts["gemm_layout"])
@@ -367,18 +366,21 @@ class Runtime:
             model = model.to(self.dtype)
         return model
 
+    def _why_no_weight_cache(self, tp: TensorParallelGroup) -> str | None:
+        """Why this job could not use a weight cache (modelzoo/weight_cache.py), set or not; None where it could."""
+        return ("it caches CPU layouts" if self.device.type != "cpu" else
+                "its layouts are the C++ kernels', not built here" if cpu_kernels() is None else
+                "tensor parallel ranks load their own shares" if tp.size > 1 else
+                "LoRA adapters change the weights per job" if self.adapters is not None else
+                "a compiled decode step lays out no weights" if self.plan.decode_step_mode == "compiled" else None)
+
     def _weight_cache_key(self, tp: TensorParallelGroup) -> str | None:
         """The weight cache's key for this model (modelzoo/weight_cache.py), or None where runconfig.weight_cache is
         not set or does not apply (logged why)."""
         spec = self.spec
         if not spec.weight_cache:
             return None
-        kernels = cpu_kernels()
-        why_not = ("it caches CPU layouts" if self.device.type != "cpu" else
-                   "its layouts are the C++ kernels', not built here" if kernels is None else
-                   "tensor parallel ranks load their own shares" if tp.size > 1 else
-                   "LoRA adapters change the weights per job" if self.adapters is not None else
-                   "a compiled decode step lays out no weights" if self.plan.decode_step_mode == "compiled" else None)
+        why_not = self._why_no_weight_cache(tp)
         if why_not:
             log.info("weight cache: not used (%s)", why_not)
             return None

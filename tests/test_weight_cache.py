@@ -216,14 +216,20 @@ def test_the_file_holds_each_tensors_bytes_and_the_packed_weights_arena_once(tmp
     assert loaded.tied.data_ptr() == loaded.first.data_ptr() and torch.equal(loaded.norm, model.norm)
 
 
-@pytest.mark.parametrize("weight_cache", [False, True])
-def test_a_long_layout_points_to_the_weight_cache(tmp_path, checkpoint, data, caplog, monkeypatch, weight_cache):
-    """A 16-bit job whose weight layout takes CACHE_HINT_SECONDS or more, without runconfig.weight_cache, says in its
-    log how later jobs skip it; with the cache set it does not."""
+@pytest.mark.parametrize("options, hinted", [
+    ({"dtype": "bfloat16"}, True),
+    ({"dtype": "float32", "weight_dtype": "int8"}, True),
+    ({"dtype": "bfloat16", "weight_cache": "cache"}, False),  # the cache is set already
+    ({"dtype": "float32", "gemm_backend": "onednn"}, False),  # an opaque layout, which the cache cannot write
+])
+def test_a_long_layout_points_to_the_weight_cache(tmp_path, checkpoint, data, caplog, monkeypatch, options, hinted):
+    """A job whose weight layout takes CACHE_HINT_SECONDS or more, without runconfig.weight_cache, says in its log how
+    later jobs skip it, where the cache could hold that layout; otherwise it does not."""
     import modelzoo.runtime
 
     monkeypatch.setattr(modelzoo.runtime, "CACHE_HINT_SECONDS", 0.0)  # any layout is long enough
-    options = {"weight_cache": str(tmp_path / "cache")} if weight_cache else {}
+    if "weight_cache" in options:
+        options = {**options, "weight_cache": str(tmp_path / options["weight_cache"])}
     with caplog.at_level(logging.INFO, logger="zoo-infer"):
-        job(tmp_path, "job", checkpoint, data, dtype="bfloat16", **options)
-    assert ("later jobs of this checkpoint map the laid-out model" in caplog.text) is not weight_cache
+        job(tmp_path, "job", checkpoint, data, **options)
+    assert ("later jobs of this checkpoint map the laid-out model" in caplog.text) is hinted
