@@ -4,8 +4,8 @@ A 16-bit or int8 model's set-up on the CPU reads the checkpoint, fuses, casts or
 each into its kernel's layout: every weight is written once into fresh memory, seconds per GB. With
 `runconfig.weight_cache: FOLDER`, the first job writes the model as it stands after that (its modules and packed
 weights, `torch.save`) to FOLDER; a later job with the same key maps that file (`torch.load(mmap=True)`): nothing
-is copied, the weights are the file's pages in the page cache, shared by every process that maps them, read as the
-first forward meets them (as llama.cpp maps a GGUF).
+is copied, the weights are the file's pages in the page cache, shared by every process that maps them, read in at
+set-up where they fit in the memory left (as llama.cpp maps a GGUF and reads it ahead).
 
 The key covers everything the saved model depends on: the checkpoint's config and weight files (names, sizes,
 modification times), the precision policy, the options that shape the weights (dtype, int8 and its group size, the
@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 import modelzoo
+from modelzoo.cpu.memory import available_host_memory, populate
 from modelzoo.files import remove_dead_temps, write_atomic
 
 log = logging.getLogger("zoo-infer")
@@ -139,7 +140,23 @@ def load(folder: Path, key: str) -> CachedLayout | None:
         return None
     log.info("weight cache: mapped %s (%.2f GiB) in %.1fs instead of loading and laying out the checkpoint", path,
              path.stat().st_size / 2**30, time.perf_counter() - started)
+    _read_in(path, cached.model)
     return cached
+
+
+def _read_in(path: Path, model: nn.Module) -> None:
+    """Reads the mapped model's pages in now, where they fit in the memory left (memory.populate): a file not in the
+    page cache (a cold node, a shared file system) would otherwise be read a page fault at a time by the first
+    forwards, whose threads each wait on their own faults."""
+    size, room = path.stat().st_size, available_host_memory()
+    if size > room:
+        log.info("weight cache: %.2f GiB do not fit in the %.2f GiB of memory left: its pages are read as the forwards "
+                 "meet them", size / 2**30, room / 2**30)
+        return
+    started = time.perf_counter()
+    if populate([tensor for *_, tensor in _tensors(model)]):
+        seconds = time.perf_counter() - started
+        log.info("weight cache: its pages read in in %.1fs (%.2f GiB/s)", seconds, size / 2**30 / max(seconds, 1e-3))
 
 
 def save(folder: Path, key: str, layout: CachedLayout) -> Path | None:

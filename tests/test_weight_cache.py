@@ -233,3 +233,62 @@ def test_a_long_layout_points_to_the_weight_cache(tmp_path, checkpoint, data, ca
     with caplog.at_level(logging.INFO, logger="zoo-infer"):
         job(tmp_path, "job", checkpoint, data, **options)
     assert ("later jobs of this checkpoint map the laid-out model" in caplog.text) is hinted
+
+
+def _resident_kib(address: int) -> int:
+    """This process's resident KiB of the memory mapping holding `address` (/proc/self/smaps' Rss)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5:  # a mapping's first line: start-end perms offset dev inode [path]
+            start, end = (int(part, 16) for part in fields[0].split("-"))
+            inside = start <= address < end
+        elif inside and fields[0] == "Rss:":
+            return int(fields[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _mapped_model(tmp_path: Path):
+    """A module of two 4 MiB tensors saved and mapped back as the cache maps its files (nothing read yet)."""
+    import mmap
+
+    import torch
+    from torch import nn
+
+    model = nn.Module()
+    model.first, model.second = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    path = tmp_path / "model.pt"
+    torch.save({"model": model}, path)
+    with torch.serialization.set_default_mmap_options(mmap.MAP_PRIVATE):
+        return path, torch.load(path, mmap=True, weights_only=False)["model"]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads Linux's /proc/self/smaps")
+def test_a_mapped_cache_is_read_in_at_set_up(tmp_path, caplog):
+    """Mapping reads nothing; the cache's read-in then puts every page of the model's tensors in this process (no page
+    fault left for the first forwards), and says how long it took."""
+    from modelzoo import weight_cache
+    from modelzoo.cpu import memory
+
+    path, model = _mapped_model(tmp_path)
+    address = model.first.data_ptr()
+    assert _resident_kib(address) < 1024  # not read yet: at most the pages of the file's header and pickle
+    with caplog.at_level(logging.INFO, logger="zoo-infer"):
+        weight_cache._read_in(path, model)
+    if not memory.populate([model.first]):
+        pytest.skip("this kernel has no MADV_POPULATE_READ (Linux 5.14)")
+    assert _resident_kib(address) >= 2 * 4096 and "weight cache: its pages read in in " in caplog.text
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads Linux's /proc/self/smaps")
+def test_a_cache_larger_than_the_memory_left_is_not_read_in(tmp_path, caplog, monkeypatch):
+    """Where the file would not fit in the memory left (it would evict its own pages), nothing is read ahead, and the
+    log says its pages come as the forwards meet them."""
+    from modelzoo import weight_cache
+
+    path, model = _mapped_model(tmp_path)
+    monkeypatch.setattr(weight_cache, "available_host_memory", lambda: path.stat().st_size - 1)
+    with caplog.at_level(logging.INFO, logger="zoo-infer"):
+        weight_cache._read_in(path, model)
+    assert "do not fit in the" in caplog.text and "its pages read in" not in caplog.text
+    assert _resident_kib(model.first.data_ptr()) < 1024
