@@ -61,7 +61,8 @@ def test_bfloat16_job_is_batch_invariant_whether_its_weights_are_packed_or_read_
     """The bfloat16 policy's rows do not depend on the batch, nor on the weights' layout: packed (bf16_linear,
     bf16_silu_gate) or read where they lie in the checkpoint's map (bf16_linear_rows, bf16_silu_gate_rows). An AMX
     CPU packs every weight for whichever of bf16_linear and amx_bf16_linear it times faster, so the job is held to
-    bf16_linear there; the AMX kernels' invariance is test_smollm2's."""
+    bf16_linear there; the AMX kernels' invariance is tests/test_smollm2.py's
+    test_rows_do_not_depend_on_the_batch_or_a_resume."""
     from modelzoo.cpu import gemm
 
     monkeypatch.setattr(gemm, "available_bf16_kernels", lambda: ["bf16_linear"])
