@@ -81,20 +81,24 @@ def test_bf16_weight_packed_from_its_parts_where_they_lie(part_rows, in_features
 
 @needs_bf16
 @pytest.mark.parametrize("amx", BF16_GEMMS)
-@pytest.mark.parametrize("rows, in_features, out_features", [(1, 64, 48), (7, 575, 1531), (40, 96, 33),
-                                                             (17, 40, 80), (33, 1000, 16)])
-def test_bf16_linear_sums_bf16_inputs_in_float32_and_is_batch_invariant(rows, in_features, out_features, amx):
+@pytest.mark.parametrize("rows, in_features, out_features, bias", [(1, 64, 48, True), (7, 575, 1531, True),
+                                                                   (40, 96, 33, True), (17, 40, 80, True),
+                                                                   (33, 1000, 16, True), (80, 96, 80, False),
+                                                                   (64, 40, 128, False)])
+def test_bf16_linear_sums_bf16_inputs_in_float32_and_is_batch_invariant(rows, in_features, out_features, bias, amx):
     """Both GEMMs, on every tile shape: 1-6 rows of a register tile or 1-32 of AMX tiles (17 and 33: 16 and 32 and one
-    more), 1-4 blocks, input pairs in whole AMX tiles of 16 or not (40 inputs: 20 pairs; 1000: 500)."""
+    more), 1-4 blocks, input pairs in whole AMX tiles of 16 or not (40 inputs: 20 pairs; 1000: 500); without a bias,
+    whole AMX tasks of 32 rows x 4 blocks (stored straight into the output) beside partial ones (80 rows, 5 blocks)."""
     generator = torch.Generator().manual_seed(rows)
-    linear = nn.Linear(in_features, out_features, dtype=BF16)
-    with torch.no_grad():
-        linear.bias.normal_(generator=generator)
+    linear = nn.Linear(in_features, out_features, bias=bias, dtype=BF16)
+    if bias:
+        with torch.no_grad():
+            linear.bias.normal_(generator=generator)
     layer = precision.BF16Linear(linear, amx)
     x = torch.randn(rows, in_features, generator=generator)
     got = layer(x)
     assert got.dtype == F32 and got.shape == (rows, out_features)
-    want = x.to(BF16).double() @ linear.weight.double().T + linear.bias.double()
+    want = x.to(BF16).double() @ linear.weight.double().T + (linear.bias.double() if bias else 0)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     assert (got.double() - want).abs().max() < (got.to(BF16).double() - want).abs().max()  # finer than a bf16 output
     assert_rows_do_not_depend_on_the_batch(layer, x, got, generator)

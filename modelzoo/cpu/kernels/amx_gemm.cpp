@@ -4,15 +4,18 @@
 // Weights: bf16_linear's packed (N/16, K/2, 16, 2) bfloat16 (modelzoo/cpu/precision.py), read as it is: 16 input
 // pairs of one block of 16 outputs are 16 consecutive rows of 64 bytes, one AMX B tile in the layout tdpbf16ps takes.
 // Inputs: each row rounded to bfloat16 into a buffer padded with zeros to whole tasks of 32 rows and whole tiles of
-// 16 pairs: an A tile is 16 rows x 16 pairs. A weight whose K/2 is not a multiple of 16 has its last B tile copied, zero-padded.
+// 16 pairs: an A tile is 16 rows x 16 pairs. A weight whose K/2 is not a multiple of 16 has its last B tile copied,
+// zero-padded.
 //
 // Each output is one float32 accumulator summing its row's input pairs in ascending order (tile by tile, and within
 // a tile as tdpbf16ps does), whatever the other rows of the call: the result does not depend on the batch. The zero
 // pairs padding K add nothing.
 //
 // Tiles (palette 1, every tile 16 rows x 64 bytes): C tiles 0-3 (output rows half r, block b -> 2r + b), A tiles 4-5
-// (the two halves of 32 rows), B tiles 6-7 (two blocks): each step loads 4 tiles for 4 tile products, and prefetches
-// the weights a few steps on (a prefetch past a tensor's end is harmless: it never faults).
+// (the two halves of 32 rows), B tiles 6-7 (two blocks): each step loads 4 tiles for 4 tile products, and, for the
+// first row tile of a group (the later ones find the weights in L2), prefetches the weights a few steps on (a prefetch
+// past a tensor's end is harmless: it never faults). A task of whole tiles with no bias or gate stores its C tiles
+// straight into the output; the others through a scratch.
 //
 // amx_bf16_silu_gate is bf16_silu_gate's counterpart: the gate | up weight packed in tiles of 2 gate + 2 up blocks,
 // silu(gate) * up written with silu_mul's bits.
@@ -69,10 +72,11 @@ void configure_tiles() {
 }
 
 // C (Halves * 16 rows, Blocks * 16 outputs) of the rows at `a` (stride a_stride bytes, `chunks` tiles of pairs) times
-// the blocks at b[0], b[1] (the last chunk from tail[] where the weight's pairs end mid-tile) -> out (stride 32 floats).
-template <int Halves, int Blocks>
-void tile_product(const uint16_t* a, int64_t a_stride, int64_t chunks, const uint16_t* const* b, const uint16_t* const* tail,
-                  float* out) {
+// the blocks at b[0], b[1] (the last chunk from tail[] where the weight's pairs end mid-tile) -> out (out_stride
+// floats a row). Fetch: prefetch the weights kAhead tiles on.
+template <int Halves, int Blocks, bool Fetch>
+void tile_product(const uint16_t* a, int64_t a_stride, int64_t chunks, const uint16_t* const* b,
+                  const uint16_t* const* tail, float* out, int64_t out_stride) {
   _tile_zero(0);
   if constexpr (Blocks == 2) _tile_zero(1);
   if constexpr (Halves == 2) _tile_zero(2);
@@ -81,7 +85,7 @@ void tile_product(const uint16_t* a, int64_t a_stride, int64_t chunks, const uin
   const auto step = [&](int64_t c, const uint16_t* b0, const uint16_t* b1) {  // input pairs [16 c, 16 c + 16)
     _tile_loadd(4, a + c * 2 * kChunk, a_stride);
     if constexpr (Halves == 2) _tile_loadd(5, second_half + c * 4 * kChunk, a_stride);
-    for (int line = 0; line < 16; ++line) {  // the weights kAhead tiles on (from memory for a group's first rows)
+    for (int line = 0; Fetch && line < 16; ++line) {
       _mm_prefetch(reinterpret_cast<const char*>(b0 + kAhead * kChunk * 2 * kBlock) + 64 * line, _MM_HINT_T0);
       if constexpr (Blocks == 2)
         _mm_prefetch(reinterpret_cast<const char*>(b1 + kAhead * kChunk * 2 * kBlock) + 64 * line, _MM_HINT_T0);
@@ -96,21 +100,29 @@ void tile_product(const uint16_t* a, int64_t a_stride, int64_t chunks, const uin
   const int64_t whole = tail ? chunks - 1 : chunks;
   for (int64_t c = 0; c < whole; ++c) step(c, b[0] + c * kChunk * 2 * kBlock, b[1] + c * kChunk * 2 * kBlock);
   if (tail) step(whole, tail[0], tail[1]);
-  constexpr int64_t stride = 2 * kBlock * sizeof(float);
+  const int64_t stride = out_stride * sizeof(float);
   _tile_stored(0, out, stride);
   if constexpr (Blocks == 2) _tile_stored(1, out + kBlock, stride);
-  if constexpr (Halves == 2) _tile_stored(2, out + kHalfRows * 2 * kBlock, stride);
-  if constexpr (Halves == 2 && Blocks == 2) _tile_stored(3, out + kHalfRows * 2 * kBlock + kBlock, stride);
+  if constexpr (Halves == 2) _tile_stored(2, out + kHalfRows * out_stride, stride);
+  if constexpr (Halves == 2 && Blocks == 2) _tile_stored(3, out + kHalfRows * out_stride + kBlock, stride);
 }
 
-void tile_any(int64_t halves, int64_t blocks, const uint16_t* a, int64_t a_stride, int64_t chunks,
-              const uint16_t* const* b, const uint16_t* const* tail, float* out) {
+template <bool Fetch>
+void tile_fetching(int64_t halves, int64_t blocks, const uint16_t* a, int64_t a_stride, int64_t chunks,
+                   const uint16_t* const* b, const uint16_t* const* tail, float* out, int64_t out_stride) {
   if (halves == 2) {
-    return blocks == 2 ? tile_product<2, 2>(a, a_stride, chunks, b, tail, out)
-                       : tile_product<2, 1>(a, a_stride, chunks, b, tail, out);
+    return blocks == 2 ? tile_product<2, 2, Fetch>(a, a_stride, chunks, b, tail, out, out_stride)
+                       : tile_product<2, 1, Fetch>(a, a_stride, chunks, b, tail, out, out_stride);
   }
-  return blocks == 2 ? tile_product<1, 2>(a, a_stride, chunks, b, tail, out)
-                     : tile_product<1, 1>(a, a_stride, chunks, b, tail, out);
+  return blocks == 2 ? tile_product<1, 2, Fetch>(a, a_stride, chunks, b, tail, out, out_stride)
+                     : tile_product<1, 1, Fetch>(a, a_stride, chunks, b, tail, out, out_stride);
+}
+
+// fetch: prefetch the weights (a thread's first rows of a group meet them in memory, the later ones in its L2 cache).
+void tile_any(bool fetch, int64_t halves, int64_t blocks, const uint16_t* a, int64_t a_stride, int64_t chunks,
+              const uint16_t* const* b, const uint16_t* const* tail, float* out, int64_t out_stride) {
+  return fetch ? tile_fetching<true>(halves, blocks, a, a_stride, chunks, b, tail, out, out_stride)
+               : tile_fetching<false>(halves, blocks, a, a_stride, chunks, b, tail, out, out_stride);
 }
 
 torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
@@ -165,6 +177,7 @@ torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, cons
       const int64_t tile_rows_count = std::min(kTileRows, rows - row);
       const int64_t tile_blocks = std::min(kTileBlocks, blocks - block);
       const int64_t halves = tile_rows_count > kHalfRows ? 2 : 1;
+      const bool fetch = task == begin || in_group % group_size == 0;
       if (tail_pairs && tail_for != block) {
         for (int64_t b = 0; b < tile_blocks; ++b) {
           const uint16_t* last = wp + ((block + b) * pairs + pairs - tail_pairs) * 2 * kBlock;
@@ -174,13 +187,23 @@ torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, cons
         tail_for = block;
       }
       const uint16_t* a = reinterpret_cast<const uint16_t*>(xb.get() + row * padded_pairs);
+      // The C tiles go straight to the output where they hold only its values (whole tiles of rows and outputs,
+      // nothing to add): else through `result`.
+      const bool direct = !silu_gate && !bp && tile_rows_count == halves * kHalfRows &&
+                          (block + tile_blocks) * kBlock <= out_features;
       for (int64_t half = 0; half * 2 < tile_blocks; ++half) {
         const int64_t first = block + 2 * half, count = std::min<int64_t>(2, tile_blocks - 2 * half);
         const uint16_t* b[2] = {wp + first * pairs * 2 * kBlock, wp + (first + count - 1) * pairs * 2 * kBlock};
         const uint16_t* tail[2] = {tail_copy[2 * half], tail_copy[2 * half + count - 1]};
-        tile_any(halves, count, a, a_stride, chunks, b, tail_pairs ? tail : nullptr, result[half]);
+        const uint16_t* const* tails = tail_pairs ? tail : nullptr;
+        if (direct) {
+          tile_any(fetch, halves, count, a, a_stride, chunks, b, tails, yp + row * out_features + first * kBlock,
+                   out_features);
+        } else {
+          tile_any(fetch, halves, count, a, a_stride, chunks, b, tails, result[half], 2 * kBlock);
+        }
       }
-      for (int64_t r = 0; r < tile_rows_count; ++r) {
+      for (int64_t r = 0; r < (direct ? 0 : tile_rows_count); ++r) {
         float* y = yp + (row + r) * out_features;
         const float* gate = result[0] + r * 2 * kBlock;
         if (silu_gate) {  // silu(gate) * up, as silu_mul computes it from the full output
