@@ -111,6 +111,21 @@ inline __m512 load8x2(const c10::BFloat16* a, const c10::BFloat16* b) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(load_halves(a, b)), 16));
 }
 inline __m512 load8x2(const c10::Half* a, const c10::Half* b) { return _mm512_cvtph_ps(load_halves(a, b)); }
+
+// lane_sums of the two 8-lane halves of a, b, c and d at once, in 512-bit shuffles (half as many as lane_sums needs
+// for the same sums, which compete with the fused multiply-adds for a port): the same additions of the same lanes,
+// so the same bits. Returns a's lanes 0-7 sum, a's lanes 8-15 sum, then b's, c's and d's.
+inline __m256 pair_lane_sums(__m512 a, __m512 b, __m512 c, __m512 d) {
+  // Each 128-bit lane i: x + y of the even and odd elements: [a(4i) + a(4i+1), a(4i+2) + a(4i+3), b(4i) + .., ..].
+  const __m512 ab = _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
+  const __m512 cd = _mm512_add_ps(_mm512_shuffle_ps(c, d, 0x88), _mm512_shuffle_ps(c, d, 0xDD));
+  // 128-bit lane i: [a(4i..4i+3), b(..), c(..), d(..)], each (x0 + x1) + (x2 + x3).
+  const __m512 quads = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x88), _mm512_shuffle_ps(ab, cd, 0xDD));
+  // 128-bit lanes 0 and 2: lanes 0-3 plus lanes 4-7 of each half (addition commutes exactly).
+  const __m512 sums = _mm512_add_ps(quads, _mm512_shuffle_f32x4(quads, quads, 0xB1));
+  const __m512i order = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, sums));
+}
 #endif
 // 16-feature groups of the values summed at once by a tile of R query heads.
 template <int R>
@@ -118,10 +133,9 @@ constexpr int kValueGroups = std::clamp(kAccumulators / (R * P), 1, 8);
 
 // The scores of R query heads q (R, D) against K consecutive keys (K <= 4; key k at keys + k * D), each one fused
 // multiply-add chain from zero per lane of 8 features (feature d in lane d % 8), the lanes then added by
-// lane_sums. tile: score (r, k) at tile[r * 16 + k]. The keys are read in place, in their own type.
+// lane_sums (pair_lane_sums: the same sums). tile: score (r, k) at tile[r * 16 + k]. The keys are read in place, in their own type.
 template <typename T, int R, int K>
 inline void score_keys(const float* q, const T* keys, int64_t D, float* tile) {
-  __m256 acc[R * K];  // (r, k) at r * K + k
 #if defined(__AVX512F__)
   if constexpr (K % 2 == 0) {  // keys 2p and 2p + 1 side by side in one register: each lane's chain as below
     constexpr int P2 = K / 2;
@@ -135,13 +149,19 @@ inline void score_keys(const float* q, const T* keys, int64_t D, float* tile) {
         for (int p = 0; p < P2; ++p) pairs[r * P2 + p] = _mm512_fmadd_ps(x, key[p], pairs[r * P2 + p]);
       }
     }
-    for (int i = 0; i < R * P2; ++i) {
-      acc[2 * i] = _mm512_castps512_ps256(pairs[i]);
-      acc[2 * i + 1] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(pairs[i]), 1));
+    float sums[(R * P2 + 3) / 4 * 8];  // score (r, k) at r * K + k: pair i = r * P2 + p holds keys 2p and 2p + 1
+    for (int i = 0; i < R * P2; i += 4) {
+      const int last = R * P2 - 1;
+      _mm256_storeu_ps(sums + 2 * i, pair_lane_sums(pairs[i], pairs[std::min(i + 1, last)],
+                                                    pairs[std::min(i + 2, last)], pairs[std::min(i + 3, last)]));
     }
-  } else
+    for (int r = 0; r < R; ++r)
+      for (int k = 0; k < K; ++k) tile[r * W + k] = sums[r * K + k];
+    return;
+  }
 #endif
   {
+    __m256 acc[R * K];  // (r, k) at r * K + k
     for (int i = 0; i < R * K; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t c = 0; c < D; c += 8) {
       __m256 key[K];
@@ -151,15 +171,15 @@ inline void score_keys(const float* q, const T* keys, int64_t D, float* tile) {
         for (int k = 0; k < K; ++k) acc[r * K + k] = _mm256_fmadd_ps(x, key[k], acc[r * K + k]);
       }
     }
+    float sums[(R * K + 3) / 4 * 4];
+    for (int i = 0; i < R * K; i += 4) {
+      const int last = R * K - 1;
+      _mm_storeu_ps(sums + i, lane_sums(acc[i], acc[std::min(i + 1, last)], acc[std::min(i + 2, last)],
+                                        acc[std::min(i + 3, last)]));
+    }
+    for (int r = 0; r < R; ++r)
+      for (int k = 0; k < K; ++k) tile[r * W + k] = sums[r * K + k];
   }
-  float sums[(R * K + 3) / 4 * 4];
-  for (int i = 0; i < R * K; i += 4) {
-    const int last = R * K - 1;
-    _mm_storeu_ps(sums + i, lane_sums(acc[i], acc[std::min(i + 1, last)], acc[std::min(i + 2, last)],
-                                      acc[std::min(i + 3, last)]));
-  }
-  for (int r = 0; r < R; ++r)
-    for (int k = 0; k < K; ++k) tile[r * W + k] = sums[r * K + k];
 }
 
 // outs[r][c, c + 16 G) (values of O) = the sum over keys j < n of weights[r * stride + j] * values[j][c, c + 16 G),
