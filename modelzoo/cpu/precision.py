@@ -219,6 +219,18 @@ class BF16Linear(PackedLinear):
         multiply = getattr(cpu_kernels(), self.kernel)
         return multiply(x, self.packed, self.bias, self.out_features)  # (..., N) float32
 
+    @property
+    def fuses_greedy(self) -> bool:
+        """Whether `greedy` picks each row's largest output inside the GEMM (AMX tiles), never writing the outputs."""
+        return self.amx and not self.applies_silu_gate
+
+    def greedy(self, x: torch.Tensor) -> torch.Tensor:
+        """forward(x).max(-1).indices (...) long, the outputs never written: each row's first largest output (the first
+        NaN where there is one), from the same float32 sums (amx_bf16_greedy). Only where `fuses_greedy`."""
+        from modelzoo.cpu.kernels import cpu_kernels
+
+        return cpu_kernels().amx_bf16_greedy(x, self.packed, self.bias, self.out_features)
+
 
 class SiluGatedBF16Linear(BF16Linear):
     """The gate | up projection of a SwiGLU MLP multiplied by bf16_silu_gate (amx_bf16_silu_gate with `amx`): returns

@@ -192,6 +192,14 @@ class DecodeStep:
         self._compiled: Callable[[torch.Tensor | None, int], None] | None = None
         self._graphs: StepGraphs | None = None  # the captured steps, once `capture` has run
 
+    @property
+    def head_picks(self) -> bool:
+        """Whether the step takes each row's token from the head's own argmax, its logits never written: plain greedy
+        with nothing else reading the logits (no log-probabilities, no token mask), eager (the fused head is a C++
+        call, which a compiled graph cannot hold), and a head that fuses it (CausalLM.fuses_greedy_head)."""
+        return (self.mode == "eager" and self.choice is None and self.token_mask is None and self.state.logprobs is None
+                and bool(getattr(self.model, "fuses_greedy_head", lambda: False)()))
+
     def run(self, slots: torch.Tensor | None, length: int) -> None:
         """tokens (R, 1) fed from each row's last token at its position; the chosen token appended in place.
         Idle rows (not active) feed position 0 and keep their state."""
@@ -199,6 +207,10 @@ class DecodeStep:
         active = state.active[rows]  # (R,)
         tokens = state.last_token[rows][:, None]  # (R, 1)
         positions = torch.where(active, state.seq_len[rows] - 1, 0)[:, None]  # (R, 1): where the fed token sits
+        if self.head_picks:
+            token = self.model(tokens, positions, self.cache, slots, length=length, greedy=True)  # (R,)
+            state.append(token, active, self.stops, slots, None, None)
+            return
         logits = self.model(tokens, positions, self.cache, slots, length=length)  # (R, vocab)
         if self.token_mask is not None:
             logits = apply_token_bitmask(logits, self.token_mask[rows])

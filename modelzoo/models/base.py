@@ -90,14 +90,23 @@ class CausalLM(nn.Module):
                 return "cpu_kernel"
         return "sdpa_grouped_queries" if c.num_kv_heads < c.num_heads else "sdpa"
 
+    def fuses_greedy_head(self) -> bool:
+        """Whether forward(greedy=True) can pick each row's largest logit inside the head's GEMM, so that the logits
+        are never written: a head that offers it (a bfloat16 head on AMX tiles, modelzoo/cpu/precision.py) and that
+        no hook wraps."""
+        head = self.get_submodule(self.head_name)
+        return bool(getattr(head, "fuses_greedy", False)) and not head._forward_hooks and not head._forward_pre_hooks
+
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                slots: torch.Tensor | None, last: torch.Tensor | None = None, length: int | None = None) -> torch.Tensor:
+                slots: torch.Tensor | None, last: torch.Tensor | None = None, length: int | None = None,
+                greedy: bool = False) -> torch.Tensor:
         """tokens, positions: (B, T); slots: (B,) cache rows, None for all, or (1, T) for packed
         prompts; last: (B,) index into T, or (B, N) for N positions per row; length: the cache
         positions attended over (ForwardContext.build), None to derive it from the positions.
 
         Returns the logits (B, vocab) of position `last` of each row (default: the final one), or
-        (B, N, vocab).
+        (B, N, vocab); with `greedy` (where fuses_greedy_head()), their argmax (B,) or (B, N) long instead: the
+        first largest logit's index, the logits never written.
         """
         if self.adapter_bank is not None:  # each row's (or packed token's) LoRA adapter, its cache slot's
             self.adapter_bank.select(cache.slot_adapter, slots, tokens.shape)
@@ -105,4 +114,5 @@ class CausalLM(nn.Module):
         for layer, ctx in zip(self.get_submodule(self.layers_name), contexts):
             x = layer(x, *extra, ctx)
         x = self.finish(last_token_states(x, last))  # (B, hidden)
-        return self.get_submodule(self.head_name)(x)  # (B, vocab)
+        head = self.get_submodule(self.head_name)
+        return head.greedy(x) if greedy else head(x)  # (B,) or (B, vocab)

@@ -18,7 +18,8 @@
 // straight into the output; the others through a scratch.
 //
 // amx_bf16_silu_gate is bf16_silu_gate's counterpart: the gate | up weight packed in tiles of 2 gate + 2 up blocks,
-// silu(gate) * up written with silu_mul's bits.
+// silu(gate) * up written with silu_mul's bits. amx_bf16_greedy writes no outputs: each task keeps its rows' first
+// largest output (as torch.max(-1) picks it) among its own, and the rows' picks over the tasks end the call.
 #include "amx_tiles.h"
 #include "kernels.h"
 #include "storage.h"
@@ -29,8 +30,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <memory>
+#include <utility>
 
 namespace zoo {
 
@@ -125,10 +129,38 @@ void tile_any(bool fetch, int64_t halves, int64_t blocks, const uint16_t* a, int
                : tile_fetching<false>(halves, blocks, a, a_stride, chunks, b, tail, out, out_stride);
 }
 
+// The first largest of values[0, n) (+ bias[0, n) where given; n <= 64), as torch.max(-1) picks it: the first NaN
+// where there is one, else the first index of the largest value. Returns its value and index.
+std::pair<float, int64_t> first_largest(const float* values, const float* bias, int64_t n) {
+  __m512 v[4];
+  __mmask16 nan = 0;
+  for (int i = 0; i < 4; ++i) {
+    const int64_t left = std::clamp<int64_t>(n - 16 * i, 0, 16);
+    const __mmask16 lanes = static_cast<__mmask16>((1u << left) - 1);  // lanes past n: -inf, never picked first
+    v[i] = _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), lanes, values + 16 * i);
+    if (bias) v[i] = _mm512_mask_add_ps(v[i], lanes, v[i], _mm512_maskz_loadu_ps(lanes, bias + 16 * i));
+    nan |= _mm512_cmp_ps_mask(v[i], v[i], _CMP_UNORD_Q);
+  }
+  const float largest = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(v[0], v[1]), _mm512_max_ps(v[2], v[3])));
+  for (int i = 0; i < 4; ++i) {
+    const __mmask16 hits = nan ? _mm512_cmp_ps_mask(v[i], v[i], _CMP_UNORD_Q)
+                               : _mm512_cmp_ps_mask(v[i], _mm512_set1_ps(largest), _CMP_EQ_OQ);
+    if (hits) return {v[i][__builtin_ctz(hits)], 16 * i + __builtin_ctz(hits)};
+  }
+  return {largest, 0};  // not reached: n >= 1 and the largest is one of the values
+}
+
+// What multiply() writes: x @ W^T (+ bias), silu(gate) * up, or each row's first largest output's index.
+enum class Epilogue { kOutputs, kSiluGate, kGreedy };
+
 torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
-                       int64_t out_features, bool silu_gate) {
+                       int64_t out_features, Epilogue epilogue) {
   TORCH_CHECK(amx_tiles_granted(), "Linux did not grant this process the AMX tiles (arch_prctl)");
-  auto out = bf16_gemm_output(x, packed, bias, out_features, silu_gate);
+  const bool silu_gate = epilogue == Epilogue::kSiluGate, greedy = epilogue == Epilogue::kGreedy;
+  check_bf16_gemm(x, packed, bias, out_features, silu_gate);
+  // (..., out_features) float32 outputs, or (...) int64 picks
+  auto out = greedy ? torch::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kLong))
+                    : bf16_gemm_output(x, packed, bias, out_features, silu_gate);
   const int64_t blocks = packed.size(0), pairs = packed.size(1), k = x.size(-1);
   const auto input = x.contiguous();
   const int64_t rows = k ? input.numel() / k : 0;
@@ -153,8 +185,11 @@ torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, cons
   });
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
-  float* yp = out.data_ptr<float>();
+  float* yp = greedy ? nullptr : out.data_ptr<float>();
   const int64_t column_tiles = (blocks + kTileBlocks - 1) / kTileBlocks;
+  // Greedy: each row's first largest output among each column tile's, (rows, column_tiles).
+  std::unique_ptr<float[]> picked_values(greedy ? new float[rows * column_tiles] : nullptr);
+  std::unique_ptr<int64_t[]> picked(greedy ? new int64_t[rows * column_tiles] : nullptr);
   const int64_t tail_pairs = pairs % kChunk;
   const int64_t a_stride = padded_pairs * 4;  // bytes per row of xb
   constexpr int64_t kGated = kTileBlocks / 2 * kBlock;  // a gated tile's output features
@@ -189,7 +224,7 @@ torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, cons
       const uint16_t* a = reinterpret_cast<const uint16_t*>(xb.get() + row * padded_pairs);
       // The C tiles go straight to the output where they hold only its values (whole tiles of rows and outputs,
       // nothing to add): else through `result`.
-      const bool direct = !silu_gate && !bp && tile_rows_count == halves * kHalfRows &&
+      const bool direct = epilogue == Epilogue::kOutputs && !bp && tile_rows_count == halves * kHalfRows &&
                           (block + tile_blocks) * kBlock <= out_features;
       for (int64_t half = 0; half * 2 < tile_blocks; ++half) {
         const int64_t first = block + 2 * half, count = std::min<int64_t>(2, tile_blocks - 2 * half);
@@ -204,6 +239,17 @@ torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, cons
         }
       }
       for (int64_t r = 0; r < (direct ? 0 : tile_rows_count); ++r) {
+        if (greedy) {  // the task's outputs [first, last): its two halves' 32 each, side by side in `result`
+          const int64_t first = block * kBlock, last = std::min(out_features, (block + tile_blocks) * kBlock);
+          alignas(64) float values[2 * 2 * kBlock];
+          for (int64_t half = 0; half * 2 < tile_blocks; ++half)
+            std::memcpy(values + half * 2 * kBlock, result[half] + r * 2 * kBlock, 2 * kBlock * sizeof(float));
+          const auto [value, index] = first_largest(values, bp ? bp + first : nullptr, last - first);
+          const int64_t at = (row + r) * column_tiles + block / kTileBlocks;
+          picked_values[at] = value;
+          picked[at] = first + index;
+          continue;
+        }
         float* y = yp + (row + r) * out_features;
         const float* gate = result[0] + r * 2 * kBlock;
         if (silu_gate) {  // silu(gate) * up, as silu_mul computes it from the full output
@@ -227,6 +273,19 @@ torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, cons
     }
     _tile_release();
   });
+  if (greedy) {  // each row's pick: the column tiles' in ascending order, a later one only where strictly larger
+    int64_t* tokens = out.data_ptr<int64_t>();
+    at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const float* values = picked_values.get() + r * column_tiles;
+        int64_t best = 0;
+        for (int64_t t = 1; t < column_tiles && !std::isnan(values[best]); ++t) {
+          if (std::isnan(values[t]) || values[t] > values[best]) best = t;
+        }
+        tokens[r] = picked[r * column_tiles + best];
+      }
+    });
+  }
   return out;
 }
 
@@ -236,17 +295,27 @@ bool amx_bf16_available() { return amx_tiles_granted(); }
 
 torch::Tensor amx_bf16_linear(const torch::Tensor& x, const torch::Tensor& packed,
                               const c10::optional<torch::Tensor>& bias, int64_t out_features) {
-  return multiply(x, packed, bias, out_features, false);
+  return multiply(x, packed, bias, out_features, Epilogue::kOutputs);
+}
+
+torch::Tensor amx_bf16_greedy(const torch::Tensor& x, const torch::Tensor& packed,
+                              const c10::optional<torch::Tensor>& bias, int64_t out_features) {
+  return multiply(x, packed, bias, out_features, Epilogue::kGreedy);
 }
 
 torch::Tensor amx_bf16_silu_gate(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features) {
-  return multiply(x, packed, c10::nullopt, out_features, true);
+  return multiply(x, packed, c10::nullopt, out_features, Epilogue::kSiluGate);
 }
 #else
 bool amx_bf16_available() { return false; }
 
 torch::Tensor amx_bf16_linear(const torch::Tensor&, const torch::Tensor&, const c10::optional<torch::Tensor>&, int64_t) {
   TORCH_CHECK(false, "amx_bf16_linear needs AMX-BF16, which this build's CPU lacks");
+}
+
+torch::Tensor amx_bf16_greedy(const torch::Tensor&, const torch::Tensor&, const c10::optional<torch::Tensor>&,
+                              int64_t) {
+  TORCH_CHECK(false, "amx_bf16_greedy needs AMX-BF16, which this build's CPU lacks");
 }
 
 torch::Tensor amx_bf16_silu_gate(const torch::Tensor&, const torch::Tensor&, int64_t) {

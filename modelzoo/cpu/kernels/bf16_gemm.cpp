@@ -39,13 +39,17 @@ namespace zoo {
 
 namespace {
 
-// x's and the bias's checks, and the float32 output (..., out_features): any bfloat16 GEMM's, whatever its weights.
-torch::Tensor checked_output(const torch::Tensor& x, const c10::optional<torch::Tensor>& bias, int64_t out_features,
-                             bool silu_gate) {
+void check_bias(const c10::optional<torch::Tensor>& bias, int64_t out_features, bool silu_gate) {
   if (bias) {
     TORCH_CHECK(!silu_gate && bias->dim() == 1 && bias->size(0) == out_features && bias->scalar_type() == at::kFloat &&
                     bias->is_contiguous(), "bias must be contiguous float32 (out_features,), and none with a SiLU gate");
   }
+}
+
+// x's and the bias's checks, and the float32 output (..., out_features): any bfloat16 GEMM's, whatever its weights.
+torch::Tensor checked_output(const torch::Tensor& x, const c10::optional<torch::Tensor>& bias, int64_t out_features,
+                             bool silu_gate) {
+  check_bias(bias, out_features, silu_gate);
   auto sizes = x.sizes().vec();
   sizes.back() = out_features;
   return torch::empty(sizes, x.options().dtype(at::kFloat));
@@ -58,8 +62,8 @@ void check_input(const torch::Tensor& x) {
 
 }  // namespace
 
-torch::Tensor bf16_gemm_output(const torch::Tensor& x, const torch::Tensor& packed,
-                               const c10::optional<torch::Tensor>& bias, int64_t out_features, bool silu_gate) {
+void check_bf16_gemm(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
+                     int64_t out_features, bool silu_gate) {
   constexpr int64_t kBlock = 16, kBlocksTile = 4;  // outputs per packed block; blocks per SiLU-gated tile
   check_input(x);
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.size(2) == kBlock &&
@@ -73,6 +77,12 @@ torch::Tensor bf16_gemm_output(const torch::Tensor& x, const torch::Tensor& pack
     TORCH_CHECK(out_features > 0 && out_features <= blocks * kBlock && out_features > (blocks - 1) * kBlock,
                 "out_features does not match the packed weight");
   }
+  check_bias(bias, out_features, silu_gate);
+}
+
+torch::Tensor bf16_gemm_output(const torch::Tensor& x, const torch::Tensor& packed,
+                               const c10::optional<torch::Tensor>& bias, int64_t out_features, bool silu_gate) {
+  check_bf16_gemm(x, packed, bias, out_features, silu_gate);
   return checked_output(x, bias, out_features, silu_gate);
 }
 

@@ -58,6 +58,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "bf16_linear on AMX tiles: x (..., K) rounded to bfloat16 @ W^T (+ bias) for bf16_linear's packed W, summed "
         "and returned in float32 (..., out_features)",
         py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(), py::arg("out_features"));
+  m.def("amx_bf16_greedy", &zoo::amx_bf16_greedy,
+        "amx_bf16_linear(x, packed, bias, out_features).max(-1).indices without writing the outputs: each row's "
+        "first largest output (the first NaN where there is one); int64 (...)",
+        py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(), py::arg("out_features"));
   m.def("amx_bf16_silu_gate", &zoo::amx_bf16_silu_gate,
         "bf16_silu_gate on AMX tiles: silu(gate) * up for the gate | up weight packed as bf16_silu_gate's; float32 "
         "(..., out_features), silu_mul's bits",

@@ -30,8 +30,10 @@ std::vector<std::string> int8_gemm_paths();
 std::string int8_gemm_path(const std::string& use, int64_t group, int64_t rows);
 // bf16_gemm.cpp: bfloat16 weights times activations rounded to bfloat16, float32 sums and outputs, on AVX512-BF16.
 bool bf16_dot_available();
-// Both bfloat16 GEMMs' (bf16_linear's and amx_bf16_linear's) arguments checked (a TORCH_CHECK error if one fails) and
-// their uninitialised float32 output (..., out_features).
+// Both bfloat16 GEMMs' (bf16_linear's and amx_bf16_linear's) arguments checked (a TORCH_CHECK error if one fails);
+// bf16_gemm_output also returns their uninitialised float32 output (..., out_features).
+void check_bf16_gemm(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
+                     int64_t out_features, bool silu_gate);
 torch::Tensor bf16_gemm_output(const torch::Tensor& x, const torch::Tensor& packed,
                                const c10::optional<torch::Tensor>& bias, int64_t out_features, bool silu_gate);
 torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
@@ -57,6 +59,10 @@ bool amx_bf16_available();
 torch::Tensor amx_bf16_linear(const torch::Tensor& x, const torch::Tensor& packed,
                               const c10::optional<torch::Tensor>& bias, int64_t out_features);
 torch::Tensor amx_bf16_silu_gate(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features);
+// amx_bf16_linear's outputs never written: each row's index of its first largest output (the first NaN where there is
+// one), as torch.max(-1) picks it from amx_bf16_linear's; (...) int64.
+torch::Tensor amx_bf16_greedy(const torch::Tensor& x, const torch::Tensor& packed,
+                              const c10::optional<torch::Tensor>& bias, int64_t out_features);
 // half_gemm.cpp: bfloat16 or float16 weights widened to float32 as they are read (float32 weights read as they are),
 // times float32 activations, float32 sums and outputs (AVX2, or AVX-512 where built).
 torch::Tensor half_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
