@@ -9,7 +9,7 @@ from torch import nn
 
 from modelzoo.cpu import precision
 from modelzoo.cpu.kernels import cpu_kernels
-from precision_policies import (BF16, BF16_GEMMS, F16, F32, HALF, MIXED, WIDENED, amx_tiles, bf16_layout, needs_bf16,
+from precision_policies import (BF16, BF16_GEMMS, F16, F32, HALF, MIXED, WIDENED, bf16_layout, needs_bf16,
                                 needs_kernels)
 
 
@@ -218,22 +218,20 @@ def test_bf16_silu_gate_rejects_a_weight_not_in_gated_tiles(amx):
         gated(torch.randn(2, 30))
 
 
-needs_amx = pytest.mark.skipif(not amx_tiles, reason="amx_bf16_greedy needs an AMX-BF16 CPU, Linux granting its tiles")
-
-
-@needs_amx
+@needs_bf16
+@pytest.mark.parametrize("amx", BF16_GEMMS)
 @pytest.mark.parametrize("rows, in_features, out_features", [(1, 64, 48), (7, 575, 1531), (40, 96, 33),
                                                              (164, 576, 4096), (33, 1000, 16), (64, 40, 128)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_greedy_head_picks_amx_bf16_linears_argmax(rows, in_features, out_features, bias):
-    """The head's fused argmax is torch.max(-1)'s index of amx_bf16_linear's outputs, on every tile shape (partial
-    tiles of rows and of outputs), with a bias and without; whatever rows share the call."""
+def test_greedy_head_picks_its_outputs_argmax(rows, in_features, out_features, bias, amx):
+    """The head's fused argmax is torch.max(-1)'s index of its GEMM's outputs, on every tile shape (partial tiles of
+    rows and of outputs), with a bias and without; whatever rows share the call."""
     generator = torch.Generator().manual_seed(rows)
     linear = nn.Linear(in_features, out_features, bias=bias, dtype=BF16)
     if bias:
         with torch.no_grad():
             linear.bias.normal_(generator=generator)
-    layer = precision.BF16Linear(linear, amx=True)
+    layer = precision.BF16Linear(linear, amx)
     assert layer.fuses_greedy
     x = torch.randn(rows, in_features, generator=generator)
     got = layer.greedy(x)
@@ -243,8 +241,9 @@ def test_greedy_head_picks_amx_bf16_linears_argmax(rows, in_features, out_featur
     assert_rows_do_not_depend_on_the_batch(layer.greedy, x, got, generator)
 
 
-@needs_amx
-def test_greedy_head_breaks_ties_and_nan_as_torch_max():
+@needs_bf16
+@pytest.mark.parametrize("amx", BF16_GEMMS)
+def test_greedy_head_breaks_ties_and_nan_as_torch_max(amx):
     """Equal largest outputs: the first; a NaN output: the first NaN (torch.max counts NaN as the largest); every
     output -inf: index 0; +inf twice: the first; a row of NaN inputs: index 0."""
     generator = torch.Generator().manual_seed(0)
@@ -263,32 +262,32 @@ def test_greedy_head_breaks_ties_and_nan_as_torch_max():
             linear.weight.copy_(w)
             if bias is not None:
                 linear.bias.copy_(bias)
-        layer = precision.BF16Linear(linear, amx=True)
+        layer = precision.BF16Linear(linear, amx)
         outputs = layer(x)
         got = layer.greedy(x)
         assert torch.equal(got, outputs.max(-1).indices)
         assert got[3] == 0  # the row of NaN inputs: every output NaN
     assert (got[torch.arange(50) != 3] == 90).all()
-    nan_layer = precision.BF16Linear(nn.Linear(64, 200, bias=False, dtype=BF16), amx=True)
+    nan_layer = precision.BF16Linear(nn.Linear(64, 200, bias=False, dtype=BF16), amx)
     with torch.no_grad():
         nan_layer.packed.copy_(precision.pack_bf16_weight(nan_weight))
     assert (nan_layer.greedy(x) == torch.where(torch.arange(50) == 3, 0, 77)).all()
 
 
-@needs_amx
-def test_greedy_head_rejects_bad_inputs():
+@needs_bf16
+@pytest.mark.parametrize("amx", BF16_GEMMS)
+def test_greedy_head_rejects_bad_inputs(amx):
     from modelzoo.cpu.kernels import cpu_kernels
 
-    layer = precision.BF16Linear(nn.Linear(32, 48, dtype=BF16), amx=True)
-    greedy = cpu_kernels().amx_bf16_greedy
+    layer = precision.BF16Linear(nn.Linear(32, 48, dtype=BF16), amx)
+    greedy = cpu_kernels().amx_bf16_greedy if amx else cpu_kernels().bf16_greedy
     with pytest.raises(RuntimeError, match="does not match the packed weight"):
         greedy(torch.randn(2, 30), layer.packed, layer.bias, 48)
     with pytest.raises(RuntimeError, match="out_features does not match"):
         greedy(torch.randn(2, 32), layer.packed, None, 64)
     with pytest.raises(RuntimeError, match="bias must be contiguous float32"):
         greedy(torch.randn(2, 32), layer.packed, torch.zeros(47), 48)
-    assert not precision.SiluGatedBF16Linear(nn.Linear(32, 64, bias=False, dtype=BF16), amx=True).fuses_greedy
-    assert not precision.BF16Linear(nn.Linear(32, 48, dtype=BF16), amx=False).fuses_greedy
+    assert not precision.SiluGatedBF16Linear(nn.Linear(32, 64, bias=False, dtype=BF16), amx).fuses_greedy
 
 
 @needs_kernels

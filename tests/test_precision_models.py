@@ -13,7 +13,7 @@ from harness import (family_prompts, hf_last_logits, last_logits, prompt_rows, r
                      stacked_predictions, write_h5, write_params)
 from modelzoo.cpu import precision
 from modelzoo.cpu.kernels import cpu_kernels
-from precision_policies import BF16, F16, F32, HALF, MIXED, amx_tiles, needs_bf16, needs_kernels
+from precision_policies import BF16, F16, F32, HALF, MIXED, needs_bf16, needs_kernels
 from tiny_configs import INT8_FAMILIES, VOCAB, tiny_llama_config
 
 START = VOCAB  # outside the vocabulary, as recommended
@@ -131,9 +131,9 @@ def test_bfloat16_draft_model_speculation_equals_plain_greedy(tmp_path):
     assert json.loads((tmp_path / "spec" / "artifacts" / "summary.json").read_text())["speculative_acceptance_rate"] > 0.9
 
 
-@pytest.mark.skipif(not amx_tiles, reason="the fused greedy head needs an AMX-BF16 CPU and Linux granting its tiles")
+@needs_bf16
 def test_plain_greedy_steps_take_their_tokens_from_the_heads_own_argmax(tmp_path, monkeypatch):
-    """On AMX tiles a plain greedy decode step takes each row's token from the head's fused argmax (its logits never
+    """A plain greedy decode step takes each row's token from the bfloat16 head's fused argmax (its logits never
     written): the same rows as the logits' own argmax. Log-probabilities, sampling or a hook on the head keep the
     logits."""
     from modelzoo.generation.engine import Request
@@ -149,14 +149,14 @@ def test_plain_greedy_steps_take_their_tokens_from_the_heads_own_argmax(tmp_path
     options = GenerationOptions(max_tokens=12, stop_sequences=())
     requests = [Request(i, rng.integers(3, VOCAB, size=int(n)), options) for i, n in enumerate(rng.integers(1, 20, 10))]
     rows = {}
-    for amx in (True, False):
-        head.amx = amx  # the same packed weight either way
-        assert engine.decode.head_picks is amx
+    for fused in (True, False):
+        monkeypatch.setattr(type(head), "fuses_greedy", fused)
+        assert engine.decode.head_picks is fused
         fused_calls.clear()
-        rows[amx] = {c.index: c.tokens.tolist() for c in engine.generate(requests)}
-        assert bool(fused_calls) is amx
+        rows[fused] = {c.index: c.tokens.tolist() for c in engine.generate(requests)}
+        assert bool(fused_calls) is fused
     assert rows[True] == rows[False] and all(len(tokens) == 12 for tokens in rows[True].values())
-    head.amx = True
+    monkeypatch.setattr(type(head), "fuses_greedy", True)
     handle = head.register_forward_hook(lambda *_: None)
     assert not engine.decode.head_picks
     handle.remove()

@@ -221,15 +221,16 @@ class BF16Linear(PackedLinear):
 
     @property
     def fuses_greedy(self) -> bool:
-        """Whether `greedy` picks each row's largest output inside the GEMM (AMX tiles), never writing the outputs."""
-        return self.amx and not self.applies_silu_gate
+        """Whether `greedy` can pick each row's largest output inside the GEMM, never writing the outputs."""
+        return not self.applies_silu_gate
 
     def greedy(self, x: torch.Tensor) -> torch.Tensor:
         """forward(x).max(-1).indices (...) long, the outputs never written: each row's first largest output (the first
-        NaN where there is one), from the same float32 sums (amx_bf16_greedy). Only where `fuses_greedy`."""
+        NaN where there is one), from the same float32 sums (amx_bf16_greedy or bf16_greedy)."""
         from modelzoo.cpu.kernels import cpu_kernels
 
-        return cpu_kernels().amx_bf16_greedy(x, self.packed, self.bias, self.out_features)
+        pick = cpu_kernels().amx_bf16_greedy if self.amx else cpu_kernels().bf16_greedy
+        return pick(x, self.packed, self.bias, self.out_features)
 
 
 class SiluGatedBF16Linear(BF16Linear):

@@ -18,9 +18,10 @@
 // straight into the output; the others through a scratch.
 //
 // amx_bf16_silu_gate is bf16_silu_gate's counterpart: the gate | up weight packed in tiles of 2 gate + 2 up blocks,
-// silu(gate) * up written with silu_mul's bits. amx_bf16_greedy writes no outputs: each task keeps its rows' first
-// largest output (as torch.max(-1) picks it) among its own, and the rows' picks over the tasks end the call.
+// silu(gate) * up written with silu_mul's bits. amx_bf16_greedy writes no outputs, only each row's pick
+// (greedy_picks.h).
 #include "amx_tiles.h"
+#include "greedy_picks.h"
 #include "kernels.h"
 #include "storage.h"
 
@@ -30,11 +31,8 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
-#include <limits>
 #include <memory>
-#include <utility>
 
 namespace zoo {
 
@@ -129,27 +127,6 @@ void tile_any(bool fetch, int64_t halves, int64_t blocks, const uint16_t* a, int
                : tile_fetching<false>(halves, blocks, a, a_stride, chunks, b, tail, out, out_stride);
 }
 
-// The first largest of values[0, n) (+ bias[0, n) where given; n <= 64), as torch.max(-1) picks it: the first NaN
-// where there is one, else the first index of the largest value. Returns its value and index.
-std::pair<float, int64_t> first_largest(const float* values, const float* bias, int64_t n) {
-  __m512 v[4];
-  __mmask16 nan = 0;
-  for (int i = 0; i < 4; ++i) {
-    const int64_t left = std::clamp<int64_t>(n - 16 * i, 0, 16);
-    const __mmask16 lanes = static_cast<__mmask16>((1u << left) - 1);  // lanes past n: -inf, never picked first
-    v[i] = _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), lanes, values + 16 * i);
-    if (bias) v[i] = _mm512_mask_add_ps(v[i], lanes, v[i], _mm512_maskz_loadu_ps(lanes, bias + 16 * i));
-    nan |= _mm512_cmp_ps_mask(v[i], v[i], _CMP_UNORD_Q);
-  }
-  const float largest = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(v[0], v[1]), _mm512_max_ps(v[2], v[3])));
-  for (int i = 0; i < 4; ++i) {
-    const __mmask16 hits = nan ? _mm512_cmp_ps_mask(v[i], v[i], _CMP_UNORD_Q)
-                               : _mm512_cmp_ps_mask(v[i], _mm512_set1_ps(largest), _CMP_EQ_OQ);
-    if (hits) return {v[i][__builtin_ctz(hits)], 16 * i + __builtin_ctz(hits)};
-  }
-  return {largest, 0};  // not reached: n >= 1 and the largest is one of the values
-}
-
 // What multiply() writes: x @ W^T (+ bias), silu(gate) * up, or each row's first largest output's index.
 enum class Epilogue { kOutputs, kSiluGate, kGreedy };
 
@@ -187,9 +164,7 @@ torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, cons
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   float* yp = greedy ? nullptr : out.data_ptr<float>();
   const int64_t column_tiles = (blocks + kTileBlocks - 1) / kTileBlocks;
-  // Greedy: each row's first largest output among each column tile's, (rows, column_tiles).
-  std::unique_ptr<float[]> picked_values(greedy ? new float[rows * column_tiles] : nullptr);
-  std::unique_ptr<int64_t[]> picked(greedy ? new int64_t[rows * column_tiles] : nullptr);
+  std::unique_ptr<GreedyPicks> picks(greedy ? new GreedyPicks(rows, column_tiles) : nullptr);
   const int64_t tail_pairs = pairs % kChunk;
   const int64_t a_stride = padded_pairs * 4;  // bytes per row of xb
   constexpr int64_t kGated = kTileBlocks / 2 * kBlock;  // a gated tile's output features
@@ -244,10 +219,7 @@ torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, cons
           alignas(64) float values[2 * 2 * kBlock];
           for (int64_t half = 0; half * 2 < tile_blocks; ++half)
             std::memcpy(values + half * 2 * kBlock, result[half] + r * 2 * kBlock, 2 * kBlock * sizeof(float));
-          const auto [value, index] = first_largest(values, bp ? bp + first : nullptr, last - first);
-          const int64_t at = (row + r) * column_tiles + block / kTileBlocks;
-          picked_values[at] = value;
-          picked[at] = first + index;
+          picks->keep(row + r, block / kTileBlocks, values, bp ? bp + first : nullptr, first, last - first);
           continue;
         }
         float* y = yp + (row + r) * out_features;
@@ -273,19 +245,7 @@ torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, cons
     }
     _tile_release();
   });
-  if (greedy) {  // each row's pick: the column tiles' in ascending order, a later one only where strictly larger
-    int64_t* tokens = out.data_ptr<int64_t>();
-    at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        const float* values = picked_values.get() + r * column_tiles;
-        int64_t best = 0;
-        for (int64_t t = 1; t < column_tiles && !std::isnan(values[best]); ++t) {
-          if (std::isnan(values[t]) || values[t] > values[best]) best = t;
-        }
-        tokens[r] = picked[r * column_tiles + best];
-      }
-    });
-  }
+  if (greedy) picks->write(out.data_ptr<int64_t>());
   return out;
 }
 

@@ -22,6 +22,7 @@
 // bf16_silu_gate is the same GEMM for a SwiGLU MLP's gate | up projection, whose SiLU gate it applies to each
 // register tile as it leaves (silu(gate) * up, silu_mul's bits): the tile pairs 32 features' gate and up blocks
 // (modelzoo/precision.py packs them so), and the full gate | up output is never written.
+#include "greedy_picks.h"
 #include "kernels.h"
 #include "storage.h"
 #include "timed_choice.h"
@@ -239,7 +240,8 @@ struct Weights {
 // transposes them in registers as it multiplies them, a task a column tile; a longer one packs each column tile once
 // into a scratch that all its row tiles read. Either way each output sums its pairs in ascending order from zero.
 void multiply(const uint32_t* xb, int64_t rows, int64_t pairs, int64_t k, const Weights& weights, int64_t blocks,
-              const float* bias, int64_t out_features, bool silu_gate, Broadcast mode, float* y) {
+              const float* bias, int64_t out_features, bool silu_gate, Broadcast mode, float* y,
+              GreedyPicks* picks = nullptr) {
   const int64_t column_tiles = (blocks + kBlocksTile - 1) / kBlocksTile;
   const int64_t row_tiles = (rows + kRowsTile - 1) / kRowsTile;
   const int64_t block_values = pairs * 2 * kBlock;
@@ -248,8 +250,13 @@ void multiply(const uint32_t* xb, int64_t rows, int64_t pairs, int64_t k, const 
   const auto emit = [&](int64_t row, int64_t block, int64_t tile_blocks, const float* result) {
     float silu[kGated];
     for (int64_t r = 0; r < std::min(kRowsTile, rows - row); ++r) {
-      float* out = y + (row + r) * out_features;
       const float* values = result + r * kBlocksTile * kBlock;
+      if (picks) {  // greedy: no output written, the row's pick among the tile's
+        const int64_t first = block * kBlock, last = std::min(out_features, (block + tile_blocks) * kBlock);
+        picks->keep(row + r, block / kBlocksTile, values, bias ? bias + first : nullptr, first, last - first);
+        continue;
+      }
+      float* out = y + (row + r) * out_features;
       if (silu_gate) {  // silu(gate) * up, as silu_mul computes it from the full output
         const int64_t first = block / 2 * kBlock;
         silu_row(values, silu, kGated);
@@ -400,6 +407,23 @@ torch::Tensor bf16_silu_gate(const torch::Tensor& x, const torch::Tensor& packed
   return packed_linear(x, packed, c10::nullopt, out_features, true, broadcast_mode());
 }
 
+torch::Tensor bf16_greedy(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
+                          int64_t out_features) {
+  check_bf16_gemm(x, packed, bias, out_features, false);
+  auto tokens = torch::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kLong));  // (...)
+  const int64_t blocks = packed.size(0), pairs = packed.size(1), k = x.size(-1);
+  const auto input = x.contiguous();
+  const int64_t rows = k ? input.numel() / k : 0;
+  if (rows == 0) return tokens;
+  const auto xb = rounded_pairs(input, rows, k, pairs);
+  const Weights weights{reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), nullptr, nullptr};
+  GreedyPicks picks(rows, (blocks + kBlocksTile - 1) / kBlocksTile);
+  multiply(xb.get(), rows, pairs, k, weights, blocks, bias ? bias->data_ptr<float>() : nullptr, out_features, false,
+           broadcast_mode(), nullptr, &picks);
+  picks.write(tokens.data_ptr<int64_t>());
+  return tokens;
+}
+
 torch::Tensor bf16_linear_rows(const torch::Tensor& x, const std::vector<torch::Tensor>& parts,
                                const c10::optional<torch::Tensor>& bias) {
   return rows_linear(x, parts, bias, false, broadcast_mode());
@@ -444,6 +468,10 @@ torch::Tensor bf16_linear(const torch::Tensor&, const torch::Tensor&, const c10:
 
 torch::Tensor bf16_silu_gate(const torch::Tensor&, const torch::Tensor&, int64_t) {
   TORCH_CHECK(false, "bf16_silu_gate needs AVX512-BF16, which this build's CPU lacks");
+}
+
+torch::Tensor bf16_greedy(const torch::Tensor&, const torch::Tensor&, const c10::optional<torch::Tensor>&, int64_t) {
+  TORCH_CHECK(false, "bf16_greedy needs AVX512-BF16, which this build's CPU lacks");
 }
 
 torch::Tensor bf16_linear_rows(const torch::Tensor&, const std::vector<torch::Tensor>&,

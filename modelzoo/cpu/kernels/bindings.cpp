@@ -52,6 +52,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "product) or 'register' (broadcast once), the faster of the two timed at the first call; `use` sets it "
         "instead. The outputs are the same bits either way.",
         py::arg("use") = "");
+  m.def("bf16_greedy", &zoo::bf16_greedy,
+        "bf16_linear(x, packed, bias, out_features).max(-1).indices without writing the outputs: each row's first "
+        "largest output (the first NaN where there is one); int64 (...)",
+        py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(), py::arg("out_features"));
   m.def("amx_bf16_available", &zoo::amx_bf16_available,
         "Whether amx_bf16_linear was built (AMX-BF16) and Linux grants this process the AMX tiles");
   m.def("amx_bf16_linear", &zoo::amx_bf16_linear,

@@ -40,6 +40,10 @@ torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, c
                           int64_t out_features);
 // The same for a gate | up projection packed in tiles of 2 gate + 2 up blocks: silu(gate) * up (..., out_features).
 torch::Tensor bf16_silu_gate(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features);
+// bf16_linear's outputs never written: each row's index of its first largest output (the first NaN where there is
+// one), as torch.max(-1) picks it from bf16_linear's (greedy_picks.h); (...) int64. amx_bf16_greedy below likewise.
+torch::Tensor bf16_greedy(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
+                          int64_t out_features);
 // The two with the weight read where it lies, in rows: x @ [W_0 | W_1 | ...]^T (+ bias) for parts (N_i, K) bfloat16
 // with unit column stride (every N_i but the last a multiple of 16), and silu(gate) * up for gate and up (I, K), I a
 // multiple of 32; the packed GEMMs' bits.
@@ -59,8 +63,7 @@ bool amx_bf16_available();
 torch::Tensor amx_bf16_linear(const torch::Tensor& x, const torch::Tensor& packed,
                               const c10::optional<torch::Tensor>& bias, int64_t out_features);
 torch::Tensor amx_bf16_silu_gate(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features);
-// amx_bf16_linear's outputs never written: each row's index of its first largest output (the first NaN where there is
-// one), as torch.max(-1) picks it from amx_bf16_linear's; (...) int64.
+// amx_bf16_linear's outputs never written: bf16_greedy's pick from amx_bf16_linear's; (...) int64.
 torch::Tensor amx_bf16_greedy(const torch::Tensor& x, const torch::Tensor& packed,
                               const c10::optional<torch::Tensor>& bias, int64_t out_features);
 // half_gemm.cpp: bfloat16 or float16 weights widened to float32 as they are read (float32 weights read as they are),
