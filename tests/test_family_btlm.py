@@ -25,6 +25,7 @@ from harness import (expected_rows, family_prompts, hf_greedy, hf_last_logits, o
 from modelzoo.models.checkpoint import load_hf_config
 from modelzoo.errors import UserError
 from modelzoo.models.btlm import BTLMLMHeadModel
+from precision_policies import needs_bf16
 
 VOCAB, EMBD, LAYERS, HEADS, INNER = 80, 48, 2, 6, 64  # 6 heads: the non-power-of-two ALiBi slopes
 MAX_SEQ_LEN, BATCH, MAX_TOKENS = 64, 3, 12
@@ -176,3 +177,24 @@ def test_btlm_config_fields(tmp_path):
         bad_checkpoint = write_checkpoint(tmp_path / "bad", {**BTLM_CONFIG, **bad}, {})
         with pytest.raises(UserError):
             BTLMLMHeadModel.config_from_hf(load_hf_config(bad_checkpoint))
+
+
+@needs_bf16
+def test_btlm_bfloat16_job_decodes_greedily_through_its_scaled_logits(tmp_path):
+    """Its head's logits are scaled afterwards (muP), so its bfloat16 head, which could pick greedy tokens itself,
+    does not: the job reads the scaled logits, and its rows are those of its logits' argmax step by step."""
+    from modelzoo.runtime import Runtime, RuntimePlan
+    from modelzoo.runtime_spec import RuntimeSpec
+
+    checkpoint = write_checkpoint(tmp_path / "checkpoint", BTLM_CONFIG, random_btlm_weights())
+    runtime = Runtime(RuntimePlan.of(RuntimeSpec(str(checkpoint), dtype="bfloat16", device="cpu", max_seq_len=64,
+                                                 rows_in_flight=BATCH)), rows_to_do=BATCH)
+    assert getattr(runtime.model.lm_head, "fuses_greedy", False)  # a bfloat16 head that could
+    assert not runtime.model.fuses_greedy_head() and not runtime.engine.decode.head_picks
+    prompts = family_prompts(VOCAB)
+    write_h5(tmp_path / "data", prompt_rows(prompts, MAX_SEQ_LEN, VOCAB))
+    params = write_params(tmp_path / "params.yaml", checkpoint, tmp_path / "data", batch_size=BATCH,
+                          start_token=VOCAB, max_tokens=MAX_TOKENS, dtype="bfloat16")
+    assert run_job(params, tmp_path / "run") == 0
+    rows = stacked_predictions(tmp_path / "run")[: len(prompts)]
+    assert ((rows != VOCAB).sum(axis=1) > np.array([len(p) for p in prompts])).all()  # every row generated
