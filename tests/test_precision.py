@@ -390,6 +390,41 @@ def test_half_linear_is_float32_arithmetic_over_16_bit_weights_and_batch_invaria
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [BF16, F16, F32])
+@pytest.mark.parametrize("rows, in_features, out_features", [(1, 64, 48), (5, 575, 1531), (40, 96, 33),
+                                                             (164, 64, 4096)])
+def test_half_greedy_picks_half_linears_argmax(dtype, rows, in_features, out_features):
+    """On every code path (a decode call of up to 6 rows takes column tiles of one block on AVX2, longer ones of 4):
+    torch.max(-1)'s index of half_linear's outputs, with ties and a NaN output picked as torch.max picks them."""
+    kernels = cpu_kernels()
+    chosen = kernels.half_gemm_path()
+    generator = torch.Generator().manual_seed(rows)
+    linear = nn.Linear(in_features, out_features, dtype=dtype)
+    with torch.no_grad():
+        linear.bias.normal_(generator=generator)
+        linear.weight[out_features - 1] = linear.weight[out_features // 2]  # two equal outputs in every row
+        linear.bias[out_features - 1] = linear.bias[out_features // 2] = 50.0  # the largest, tied
+    nan_linear = nn.Linear(in_features, out_features, dtype=dtype)
+    with torch.no_grad():
+        nan_linear.weight[out_features // 3, 0] = float("nan")
+    x = torch.randn(rows, in_features, generator=generator)
+    try:
+        for path in half_gemm_paths():
+            assert kernels.half_gemm_path(path) == path
+            for layer in (precision.HalfLinear(linear), precision.HalfLinear(nan_linear)):
+                assert layer.fuses_greedy
+                got = layer.greedy(x)
+                assert got.dtype == torch.long and torch.equal(got, layer(x).max(-1).indices)
+                assert_rows_do_not_depend_on_the_batch(layer.greedy, x, got, generator)
+            assert (precision.HalfLinear(linear).greedy(x) == out_features // 2).all()
+            assert (precision.HalfLinear(nan_linear).greedy(x) == out_features // 3).all()
+    finally:
+        kernels.half_gemm_path(chosen)
+    with pytest.raises(RuntimeError, match="out_features does not match"):
+        kernels.half_greedy(x, precision.HalfLinear(linear).packed, None, out_features + 16)
+
+
+@needs_kernels
 def test_half_linear_of_a_conv1d_layer_takes_its_in_out_weight():
     from modelzoo.models.gpt2 import Conv1D
 

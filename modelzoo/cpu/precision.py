@@ -376,6 +376,14 @@ class HalfLinear(PackedLinear):
 
         return cpu_kernels().half_linear(x.float(), self.packed, self.bias, self.out_features)  # (..., N) float32
 
+    fuses_greedy = True  # `greedy` picks each row's largest output inside the GEMM, never writing the outputs
+
+    def greedy(self, x: torch.Tensor) -> torch.Tensor:
+        """forward(x).max(-1).indices (...) long, the outputs never written (half_greedy; BF16Linear.greedy)."""
+        from modelzoo.cpu.kernels import cpu_kernels
+
+        return cpu_kernels().half_greedy(x.float(), self.packed, self.bias, self.out_features)
+
 
 def pack_half_weight(weight: torch.Tensor, memory: Memory = new_memory) -> torch.Tensor:
     """W (N, K) bfloat16, float16 or float32 -> (ceil(N/16), K, 16) in its dtype: for each input, 16 output rows'

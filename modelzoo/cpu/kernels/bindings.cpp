@@ -75,6 +75,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "modelzoo/precision.py, widened to float32 as it is read: one fused multiply-add per input in ascending order, "
         "(..., out_features) float32",
         py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(), py::arg("out_features"));
+  m.def("half_greedy", &zoo::half_greedy,
+        "half_linear(x, packed, bias, out_features).max(-1).indices without writing the outputs: each row's first "
+        "largest output (the first NaN where there is one); int64 (...)",
+        py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(), py::arg("out_features"));
   m.def("half_linear_rows", &zoo::half_linear_rows,
         "half_linear with the weight read where it lies: x (..., K) float32 @ [W_0 | W_1 | ...]^T (+ bias) for parts "
         "(N_i, K) bfloat16 or float16 with unit column stride (a memory-mapped checkpoint's rows; every N_i but the "

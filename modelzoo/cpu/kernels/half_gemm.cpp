@@ -17,6 +17,7 @@
 // Two code paths: AVX2 + FMA (+ F16C for float16; every AVX2 CPU has it) with tiles of 6 rows x 16 outputs, and,
 // where the build has AVX-512, tiles of 6 rows x 64 outputs. The faster on this CPU is timed once per process
 // (`half_gemm_path`); tests set each.
+#include "greedy_picks.h"
 #include "kernels.h"
 #include "storage.h"
 #include "timed_choice.h"
@@ -27,6 +28,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <utility>
 
@@ -427,12 +429,14 @@ struct RowBlocks {
 constexpr int64_t kRowsRun = 8 * kRowsTile;
 constexpr int64_t kPanelInputs = 128;
 
+// With `tokens` (greedy), y is not written: each row's pick among its outputs (greedy_picks.h) goes to tokens (rows,).
 template <typename T, typename Source>
 void multiply(const float* x, int64_t rows, int64_t k, const Source& source, int64_t blocks, const float* bias,
-              int64_t out_features, float* y, Path path) {
+              int64_t out_features, float* y, Path path, int64_t* tokens = nullptr) {
   constexpr bool packed = std::is_same_v<Source, PackedBlocks<T>>;
   const int64_t blocks_tile = path == Path::kAvx512 || rows > kRowsTile || !packed ? 4 : 1;
   const int64_t column_tiles = (blocks + blocks_tile - 1) / blocks_tile;
+  std::unique_ptr<GreedyPicks> picks(tokens ? new GreedyPicks(rows, column_tiles) : nullptr);
   const int64_t row_runs = (rows + kRowsRun - 1) / kRowsRun;
   const int64_t block_values = k * kBlock;
   const int64_t stride = blocks_tile * kBlock;  // of sums
@@ -453,8 +457,12 @@ void multiply(const float* x, int64_t rows, int64_t k, const Source& source, int
     }
     const int64_t first = block * kBlock, last = std::min(out_features, (block + count) * kBlock);
     for (int64_t r = 0; r < run_rows; ++r) {
-      float* out = y + (run + r) * out_features;
       const float* values = sums + r * stride;
+      if (picks) {
+        picks->keep(run + r, block / blocks_tile, values, bias ? bias + first : nullptr, first, last - first);
+        continue;
+      }
+      float* out = y + (run + r) * out_features;
       if (bias) {
         for (int64_t n = first; n < last; ++n) out[n] = values[n - first] + bias[n];
       } else {
@@ -475,6 +483,7 @@ void multiply(const float* x, int64_t rows, int64_t k, const Source& source, int
           for (int64_t run = 0; run < rows; run += kRowsRun) run_tile(tile_weights, 0, block, count, run, sums, panel);
         }
       });
+      if (picks) picks->write(tokens);
       return;
     }
   }
@@ -486,6 +495,7 @@ void multiply(const float* x, int64_t rows, int64_t k, const Source& source, int
       run_tile(source, block, block, std::min(blocks_tile, blocks - block), run, sums, panel);
     }
   });
+  if (picks) picks->write(tokens);
 }
 
 void check_linear_input(const torch::Tensor& x, const c10::optional<torch::Tensor>& bias, int64_t out_features) {
@@ -504,8 +514,9 @@ torch::Tensor linear_output(const torch::Tensor& x, int64_t out_features) {
   return torch::empty(sizes, x.options());
 }
 
+// half_linear (with `greedy`: half_greedy, each row's pick (...) int64 instead of the outputs).
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
-                     int64_t out_features, Path path) {
+                     int64_t out_features, Path path, bool greedy = false) {
   check_linear_input(x, bias, out_features);
   TORCH_CHECK(packed.dim() == 3 && is_storage_type(packed.scalar_type()) && packed.size(2) == kBlock &&
                   packed.is_contiguous(),
@@ -516,11 +527,13 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
               "out_features does not match the packed weight");
   const auto input = x.contiguous();
   const int64_t rows = k ? input.numel() / k : 0;
-  auto out = linear_output(x, out_features);
+  auto out = greedy ? torch::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kLong))
+                    : linear_output(x, out_features);
   const float* b = bias ? bias->data_ptr<float>() : nullptr;
   ZOO_DISPATCH_FLOATS(packed.scalar_type(), "half_linear", [&] {
     const PackedBlocks<scalar_t> source{packed.data_ptr<scalar_t>(), k * kBlock};
-    multiply<scalar_t>(input.data_ptr<float>(), rows, k, source, blocks, b, out_features, out.data_ptr<float>(), path);
+    multiply<scalar_t>(input.data_ptr<float>(), rows, k, source, blocks, b, out_features,
+                       greedy ? nullptr : out.data_ptr<float>(), path, greedy ? out.data_ptr<int64_t>() : nullptr);
   });
   return out;
 }
@@ -568,6 +581,11 @@ Path path_in_use() {
 torch::Tensor half_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                           int64_t out_features) {
   return linear(x, packed, bias, out_features, path_in_use());
+}
+
+torch::Tensor half_greedy(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
+                          int64_t out_features) {
+  return linear(x, packed, bias, out_features, path_in_use(), true);
 }
 
 torch::Tensor half_linear_rows(const torch::Tensor& x, const std::vector<torch::Tensor>& parts,

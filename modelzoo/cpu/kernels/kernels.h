@@ -70,6 +70,9 @@ torch::Tensor amx_bf16_greedy(const torch::Tensor& x, const torch::Tensor& packe
 // times float32 activations, float32 sums and outputs (AVX2, or AVX-512 where built).
 torch::Tensor half_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                           int64_t out_features);
+// half_linear's outputs never written: bf16_greedy's pick from half_linear's; (...) int64.
+torch::Tensor half_greedy(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
+                          int64_t out_features);
 // half_linear with the weight read where it lies, in rows: x @ [W_0 | W_1 | ...]^T (+ bias) for parts (N_i, K)
 // bfloat16 or float16 with unit column stride (every N_i but the last a multiple of 16); half_linear's bits.
 torch::Tensor half_linear_rows(const torch::Tensor& x, const std::vector<torch::Tensor>& parts,
