@@ -3,6 +3,8 @@ bfloat16; its GEMMs (bfloat16 inputs, or 16-bit weights, with float32 outputs), 
 a 16-bit KV cache."""
 from __future__ import annotations
 
+from typing import Iterator
+
 import pytest
 import torch
 from torch import nn
@@ -355,6 +357,18 @@ def half_gemm_paths() -> list[str]:
     return ["avx2", "avx512"] if "avx512f" in precision.cpu_flags() else ["avx2"]
 
 
+def each_half_gemm_path() -> Iterator[str]:
+    """Sets each of half_linear's code paths in turn (yielding its name), then the path chosen before."""
+    kernels = cpu_kernels()
+    chosen = kernels.half_gemm_path()
+    try:
+        for path in half_gemm_paths():
+            assert kernels.half_gemm_path(path) == path
+            yield path
+    finally:
+        kernels.half_gemm_path(chosen)
+
+
 @needs_kernels
 @pytest.mark.parametrize("dtype", [BF16, F16, F32])
 @pytest.mark.parametrize("rows, in_features, out_features",
@@ -364,8 +378,6 @@ def test_half_linear_is_float32_arithmetic_over_16_bit_weights_and_batch_invaria
     """Every code path: float32 sums of float32 inputs times the 16-bit (or float32: the GEMM candidate `packed`)
     weights (as a float32 GEMM over the widened weights, within float32 rounding), the same bits on each path, and a
     row's bits whatever rows share its call."""
-    kernels = cpu_kernels()
-    chosen = kernels.half_gemm_path()
     generator = torch.Generator().manual_seed(rows)
     linear = nn.Linear(in_features, out_features, dtype=dtype)
     with torch.no_grad():
@@ -376,16 +388,12 @@ def test_half_linear_is_float32_arithmetic_over_16_bit_weights_and_batch_invaria
     x = torch.randn(rows, in_features, generator=generator)
     want = x.double() @ linear.weight.double().T + linear.bias.double()
     outputs = []
-    try:
-        for path in half_gemm_paths():
-            assert kernels.half_gemm_path(path) == path
-            got = layer(x)
-            assert got.dtype == F32 and got.shape == (rows, out_features)
-            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
-            assert_rows_do_not_depend_on_the_batch(layer, x, got, generator)
-            outputs.append(got)
-    finally:
-        kernels.half_gemm_path(chosen)
+    for _ in each_half_gemm_path():
+        got = layer(x)
+        assert got.dtype == F32 and got.shape == (rows, out_features)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+        assert_rows_do_not_depend_on_the_batch(layer, x, got, generator)
+        outputs.append(got)
     assert all(torch.equal(outputs[0], other) for other in outputs[1:])
 
 
@@ -396,8 +404,6 @@ def test_half_linear_is_float32_arithmetic_over_16_bit_weights_and_batch_invaria
 def test_half_greedy_picks_half_linears_argmax(dtype, rows, in_features, out_features):
     """On every code path (a decode call of up to 6 rows takes column tiles of one block on AVX2, longer ones of 4):
     torch.max(-1)'s index of half_linear's outputs, with ties and a NaN output picked as torch.max picks them."""
-    kernels = cpu_kernels()
-    chosen = kernels.half_gemm_path()
     generator = torch.Generator().manual_seed(rows)
     linear = nn.Linear(in_features, out_features, dtype=dtype)
     with torch.no_grad():
@@ -408,20 +414,16 @@ def test_half_greedy_picks_half_linears_argmax(dtype, rows, in_features, out_fea
     with torch.no_grad():
         nan_linear.weight[out_features // 3, 0] = float("nan")
     x = torch.randn(rows, in_features, generator=generator)
-    try:
-        for path in half_gemm_paths():
-            assert kernels.half_gemm_path(path) == path
-            for layer in (precision.HalfLinear(linear), precision.HalfLinear(nan_linear)):
-                assert layer.fuses_greedy
-                got = layer.greedy(x)
-                assert got.dtype == torch.long and torch.equal(got, layer(x).max(-1).indices)
-                assert_rows_do_not_depend_on_the_batch(layer.greedy, x, got, generator)
-            assert (precision.HalfLinear(linear).greedy(x) == out_features // 2).all()
-            assert (precision.HalfLinear(nan_linear).greedy(x) == out_features // 3).all()
-    finally:
-        kernels.half_gemm_path(chosen)
+    for _ in each_half_gemm_path():
+        for layer in (precision.HalfLinear(linear), precision.HalfLinear(nan_linear)):
+            assert layer.fuses_greedy
+            got = layer.greedy(x)
+            assert got.dtype == torch.long and torch.equal(got, layer(x).max(-1).indices)
+            assert_rows_do_not_depend_on_the_batch(layer.greedy, x, got, generator)
+        assert (precision.HalfLinear(linear).greedy(x) == out_features // 2).all()
+        assert (precision.HalfLinear(nan_linear).greedy(x) == out_features // 3).all()
     with pytest.raises(RuntimeError, match="out_features does not match"):
-        kernels.half_greedy(x, precision.HalfLinear(linear).packed, None, out_features + 16)
+        cpu_kernels().half_greedy(x, precision.HalfLinear(linear).packed, None, out_features + 16)
 
 
 @needs_kernels
@@ -464,7 +466,6 @@ def test_half_linear_rows_has_half_linears_bits_over_the_parts_where_they_lie(dt
     """Every code path: half_linear_rows over row-major parts (one strided, one at an odd address, a partial last
     block) equals half_linear over the packed stack of the parts bit for bit, at register-tile and panel row counts."""
     kernels = cpu_kernels()
-    chosen = kernels.half_gemm_path()
     generator = torch.Generator().manual_seed(rows)
     wide = torch.randn(part_rows[0], in_features + 3, generator=generator).to(dtype)
     parts = [wide[:, 1:in_features + 1]]  # rows 2 * (K + 3) bytes apart, the first at an odd 2-byte offset
@@ -473,14 +474,10 @@ def test_half_linear_rows_has_half_linears_bits_over_the_parts_where_they_lie(dt
     bias = torch.randn(stacked.shape[0], generator=generator)
     x = torch.randn(rows, in_features, generator=generator)
     packed = precision.pack_half_weight(stacked)
-    try:
-        for path in half_gemm_paths():
-            kernels.half_gemm_path(path)
-            want = kernels.half_linear(x, packed, bias, stacked.shape[0])
-            assert torch.equal(kernels.half_linear_rows(x, parts, bias), want)
-            assert torch.equal(kernels.half_linear_rows(x, parts), kernels.half_linear(x, packed, None, len(bias)))
-    finally:
-        kernels.half_gemm_path(chosen)
+    for _ in each_half_gemm_path():
+        want = kernels.half_linear(x, packed, bias, stacked.shape[0])
+        assert torch.equal(kernels.half_linear_rows(x, parts, bias), want)
+        assert torch.equal(kernels.half_linear_rows(x, parts), kernels.half_linear(x, packed, None, len(bias)))
 
 
 @needs_bf16
