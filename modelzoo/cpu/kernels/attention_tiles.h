@@ -133,7 +133,8 @@ constexpr int kValueGroups = std::clamp(kAccumulators / (R * P), 1, 8);
 
 // The scores of R query heads q (R, D) against K consecutive keys (K <= 4; key k at keys + k * D), each one fused
 // multiply-add chain from zero per lane of 8 features (feature d in lane d % 8), the lanes then added by
-// lane_sums (pair_lane_sums: the same sums). tile: score (r, k) at tile[r * 16 + k]. The keys are read in place, in their own type.
+// lane_sums (pair_lane_sums: the same sums). tile: score (r, k) at tile[r * 16 + k]. The keys are read in place, in
+// their own type.
 template <typename T, int R, int K>
 inline void score_keys(const float* q, const T* keys, int64_t D, float* tile) {
 #if defined(__AVX512F__)
