@@ -182,7 +182,7 @@ def test_btlm_config_fields(tmp_path):
 @needs_bf16
 def test_btlm_bfloat16_job_decodes_greedily_through_its_scaled_logits(tmp_path):
     """Its head's logits are scaled afterwards (muP), so its bfloat16 head, which could pick greedy tokens itself,
-    does not: the job reads the scaled logits, and its rows are those of its logits' argmax step by step."""
+    does not: the decode step reads the scaled logits, and the job runs to its end."""
     from modelzoo.runtime import Runtime, RuntimePlan
     from modelzoo.runtime_spec import RuntimeSpec
 

@@ -134,8 +134,8 @@ def test_bfloat16_draft_model_speculation_equals_plain_greedy(tmp_path):
 @needs_bf16
 def test_plain_greedy_steps_take_their_tokens_from_the_heads_own_argmax(tmp_path, monkeypatch):
     """A plain greedy decode step takes each row's token from the bfloat16 head's fused argmax (its logits never
-    written): the same rows as the logits' own argmax. Log-probabilities, sampling or a hook on the head keep the
-    logits."""
+    written): the same rows as the logits' own argmax. Log-probabilities, sampling, or a hook on the head or on the
+    model (tensor parallel gathers its logits in one) keep the logits."""
     from modelzoo.generation.engine import Request
     from modelzoo.generation.options import GenerationOptions, RequestVariety
 
@@ -157,9 +157,11 @@ def test_plain_greedy_steps_take_their_tokens_from_the_heads_own_argmax(tmp_path
         assert bool(fused_calls) is fused
     assert rows[True] == rows[False] and all(len(tokens) == 12 for tokens in rows[True].values())
     monkeypatch.setattr(type(head), "fuses_greedy", True)
-    handle = head.register_forward_hook(lambda *_: None)
-    assert not engine.decode.head_picks
-    handle.remove()
+    for module in (head, model):
+        handle = module.register_forward_hook(lambda *_: None)
+        assert not engine.decode.head_picks
+        handle.remove()
+    assert engine.decode.head_picks
     for defaults in (GenerationOptions(logprobs=True), GenerationOptions(temperature=0.7, seed=1)):
         engine.adopt(defaults, RequestVariety())
         assert not engine.decode.head_picks
