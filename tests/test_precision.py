@@ -81,6 +81,16 @@ def test_bf16_weight_packed_from_its_parts_where_they_lie(part_rows, in_features
     assert torch.equal(precision.pack_bf16_parts([torch.cat([gate, up])], silu_gate=True), bf16_layout(tiles))
 
 
+def random_bf16_linear(in_features: int, out_features: int, bias: bool, amx: bool,
+                       generator: torch.Generator) -> tuple[nn.Linear, precision.BF16Linear]:
+    """A bfloat16 nn.Linear (its bias, if any, drawn from `generator`) and its BF16Linear on either GEMM."""
+    linear = nn.Linear(in_features, out_features, bias=bias, dtype=BF16)
+    if bias:
+        with torch.no_grad():
+            linear.bias.normal_(generator=generator)
+    return linear, precision.BF16Linear(linear, amx)
+
+
 @needs_bf16
 @pytest.mark.parametrize("amx", BF16_GEMMS)
 @pytest.mark.parametrize("rows, in_features, out_features, bias", [(1, 64, 48, True), (7, 575, 1531, True),
@@ -92,11 +102,7 @@ def test_bf16_linear_sums_bf16_inputs_in_float32_and_is_batch_invariant(rows, in
     more), 1-4 blocks, input pairs in whole AMX tiles of 16 or not (40 inputs: 20 pairs; 1000: 500); without a bias,
     whole AMX tasks of 32 rows x 4 blocks (stored straight into the output) beside partial ones (80 rows, 5 blocks)."""
     generator = torch.Generator().manual_seed(rows)
-    linear = nn.Linear(in_features, out_features, bias=bias, dtype=BF16)
-    if bias:
-        with torch.no_grad():
-            linear.bias.normal_(generator=generator)
-    layer = precision.BF16Linear(linear, amx)
+    linear, layer = random_bf16_linear(in_features, out_features, bias, amx, generator)
     x = torch.randn(rows, in_features, generator=generator)
     got = layer(x)
     assert got.dtype == F32 and got.shape == (rows, out_features)
@@ -229,11 +235,7 @@ def test_greedy_head_picks_its_outputs_argmax(rows, in_features, out_features, b
     """The head's fused argmax is torch.max(-1)'s index of its GEMM's outputs, on every tile shape (partial tiles of
     rows and of outputs), with a bias and without; whatever rows share the call."""
     generator = torch.Generator().manual_seed(rows)
-    linear = nn.Linear(in_features, out_features, bias=bias, dtype=BF16)
-    if bias:
-        with torch.no_grad():
-            linear.bias.normal_(generator=generator)
-    layer = precision.BF16Linear(linear, amx)
+    _, layer = random_bf16_linear(in_features, out_features, bias, amx, generator)
     assert layer.fuses_greedy
     x = torch.randn(rows, in_features, generator=generator)
     got = layer.greedy(x)

@@ -93,11 +93,12 @@ class CausalLM(nn.Module):
     def fuses_greedy_head(self) -> bool:
         """Whether forward(greedy=True) can pick each row's largest logit inside the head's GEMM, so that the logits
         are never written: a head that offers it (a packed bfloat16 or half_linear head, modelzoo/cpu/precision.py),
-        and no hook on the head or on the model (tensor parallel gathers the ranks' logits in one) that would see its
-        logits. A family that changes the logits after the head says False."""
+        and nothing after the head that would see its logits: no hook on the head or on the model (tensor parallel
+        gathers the ranks' logits in one), no family forward of its own (BTLM scales the logits, which may round two
+        of them equal)."""
         head = self.get_submodule(self.head_name)
         return (bool(getattr(head, "fuses_greedy", False)) and not head._forward_hooks and not head._forward_pre_hooks
-                and not self._forward_hooks)
+                and not self._forward_hooks and type(self).forward is CausalLM.forward)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 slots: torch.Tensor | None, last: torch.Tensor | None = None, length: int | None = None,

@@ -192,11 +192,6 @@ class BTLMLMHeadModel(GPT2LMHeadModel):
         # The remote code multiplies by a 0-d tensor of the model dtype: the scale is rounded to it first.
         return x * torch.tensor(self.config.embeddings_scale, dtype=x.dtype, device=x.device), ctx
 
-    def fuses_greedy_head(self) -> bool:
-        """Never: forward scales the head's logits (muP), which may round two of them equal, so greedy decoding reads
-        the scaled logits."""
-        return False
-
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 slots: torch.Tensor | None, last: torch.Tensor | None = None, length: int | None = None) -> torch.Tensor:
         """tokens, positions: (B, T); slots: (B,) cache rows, None for all, or (1, T) for packed prompts; last:
