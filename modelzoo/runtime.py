@@ -313,7 +313,9 @@ class Runtime:
         captured = ("; captured so far: " + ", ".join(str(length) for _, length in engine.decode.captured_shapes)
                     + " (the other buckets when a step first reaches them)") if mode == "cuda_graph" else ""
         warmed = f"warmed up in {seconds:.1f}s" if engine.warm_up_shapes(self.prompts, self.rows_to_do) else "no warm-up"
-        log.info("decode step: %s, attention %s, rows %s, cache length buckets %s; %s%s", mode, attention,
+        tiles = (f" (tiles of 4-6 query heads score {cpu_kernels().attention_keys_at_once()} keys at once, the faster "
+                 "here as timed)" if attention == "cpu_kernel" else "")
+        log.info("decode step: %s, attention %s%s, rows %s, cache length buckets %s; %s%s", mode, attention, tiles,
                  "/".join(map(str, rows)), lengths, warmed, captured)
         self.decode_step = {"mode": mode, "attention": attention, "rows": rows, "length_buckets": lengths,
                             "warm_up_seconds": round(seconds, 3),

@@ -133,6 +133,33 @@ def test_a_query_gets_the_same_bits_in_any_block(group, head_dim, cache_dtype):
 
 
 @needs_kernels
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_both_ways_of_scoring_a_tile_give_the_same_bits(cache_dtype):
+    """The kernel times its two ways of scoring a tile of 4-6 query heads (8 or 4 keys at once with AVX-512; AVX2 has
+    one, 2 keys) and keeps the faster: prompts over tiles of every height (1-6 query heads) give the same bits and
+    cache either way, so the choice changes speed only."""
+    chosen = kernels.attention_keys_at_once()
+    ways = [2] if chosen == 2 else [8, 4]
+    assert chosen in ways
+    causal = torch.arange(33).expand(2, 33)  # blocks of 16, 16 and 1 queries: 6-head tiles and the rest
+    outputs = {}
+    try:
+        for way in ways:
+            assert kernels.attention_keys_at_once(way) == way
+            outputs[way] = []
+            for group in (3, 5, 7):
+                q, new_keys, new_values, keys, values, slots, start, end = random_call(group, 64, causal, seed=group)
+                keys, values = keys.to(cache_dtype), values.to(cache_dtype)
+                out = kernels.cached_attention(q, new_keys, new_values, keys, values, slots, start, end, 0.125)
+                outputs[way] += [out, keys, values]
+    finally:
+        kernels.attention_keys_at_once(chosen)
+    assert all(torch.equal(a, b) for a, b in zip(outputs[ways[0]], outputs[ways[-1]]))
+    with pytest.raises(RuntimeError, match="keys at once: 0 \\(as timed\\), .* on this build, not 5"):
+        kernels.attention_keys_at_once(5)
+
+
+@needs_kernels
 def test_kernel_ignores_positions_past_end_and_reads_a_strided_cache_view():
     q, new_keys, new_values, keys, values, slots, start, end = random_call(2, 32, torch.tensor([[4], [39], [11]]))
     expected = kernels.cached_attention(q, new_keys, new_values, keys, values, slots, start, end, 0.3)

@@ -93,9 +93,12 @@ inline __m128 lane_sums(__m256 a, __m256 b, __m256 c, __m256 d) {
 // other, so a tile needs about (FMA latency x FMA units) independent ones to keep the units busy.
 constexpr int kAccumulators = N == 8 ? 12 : 24;
 // Keys scored at once by a tile of R query heads over keys in place: R x K accumulators, K keys and a query in AVX2's
-// 16 registers; on AVX-512, R x K / 2 accumulators of two keys' 8 lanes each (score_keys), K dividing 16.
-template <int R>
-constexpr int kKeysAtOnce = N == 16 ? (R >= 4 ? 4 : 8) : R >= 4 ? 2 : R == 3 ? 3 : 4;
+// 16 registers; on AVX-512, R x K / 2 accumulators of two keys' 8 lanes each (score_keys), K dividing 16: 8 keys, or
+// with `Narrow` 4 for tiles of 4-6 heads (12 accumulators, not 24: each query load then serves half the products).
+// Which of the two is faster differs between CPUs (cached_attention.cpp times them); the scores are the same bits.
+template <int R, bool Narrow>
+constexpr int kKeysAtOnce = N == 16 ? (R >= 4 && Narrow ? 4 : 8) : R >= 4 ? 2 : R == 3 ? 3 : 4;
+constexpr int kKeyTileWays = N == 16 ? 2 : 1;  // ways of scoring a tile that differ: wide (0) and narrow (1)
 
 #if defined(__AVX512F__)
 // 8 values at a and 8 at b as float32 in one AVX-512 register (a's in lanes 0-7).
@@ -262,10 +265,10 @@ inline void keep_scores(const float* tile, int64_t count, int64_t first, const i
 // One tile of R query heads (rows of q, R <= kTileRows) over the keys (key j at keys + j * D, read in place): scores
 // -> softmax -> the weighted values into outs. lengths[r]: row r's keys (its first lengths[r] of the block's);
 // scores: room for R rows of stride floats, stride >= the longest length rounded up to 16.
-template <typename T, typename O, int R>
+template <typename T, typename O, int R, bool Narrow>
 void attend_tile(const float* q, const int64_t* lengths, const T* keys, const T* values, int64_t D, float scale,
                  float* scores, int64_t stride, O* const* outs) {
-  constexpr int K = kKeysAtOnce<R>;
+  constexpr int K = kKeysAtOnce<R, Narrow>;
   const int64_t n = *std::max_element(lengths, lengths + R);
   vecn peaks[R];
   float tile[R * W] = {};
@@ -289,19 +292,27 @@ void attend_tile(const float* q, const int64_t* lengths, const T* keys, const T*
 }
 
 // attend_tile over `rows` query heads, kTileRows at a time; scores: room for kTileRows rows of stride floats.
-template <typename T, typename O>
-void attend_rows(const float* q, int64_t rows, const int64_t* lengths, const T* keys, const T* values, int64_t D,
-                 float scale, float* scores, int64_t stride, O* const* outs) {
+template <typename T, typename O, bool Narrow>
+void attend_rows_as(const float* q, int64_t rows, const int64_t* lengths, const T* keys, const T* values, int64_t D,
+                    float scale, float* scores, int64_t stride, O* const* outs) {
   for (int64_t r = 0; r < rows; r += kTileRows) {
     switch (std::min<int64_t>(kTileRows, rows - r)) {
 #define ZOO_TILE(R)                                                                                                  \
   case R:                                                                                                            \
-    attend_tile<T, O, R>(q + r * D, lengths + r, keys, values, D, scale, scores, stride, outs + r);                 \
+    attend_tile<T, O, R, Narrow && R >= 4>(q + r * D, lengths + r, keys, values, D, scale, scores, stride, outs + r); \
     break;
       ZOO_TILE(1) ZOO_TILE(2) ZOO_TILE(3) ZOO_TILE(4) ZOO_TILE(5) ZOO_TILE(6)
 #undef ZOO_TILE
     }
   }
+}
+
+// attend_rows_as in the way `way` (0 wide, 1 narrow: kKeysAtOnce).
+template <typename T, typename O>
+void attend_rows(int way, const float* q, int64_t rows, const int64_t* lengths, const T* keys, const T* values,
+                 int64_t D, float scale, float* scores, int64_t stride, O* const* outs) {
+  if (way == 1) return attend_rows_as<T, O, true>(q, rows, lengths, keys, values, D, scale, scores, stride, outs);
+  attend_rows_as<T, O, false>(q, rows, lengths, keys, values, D, scale, scores, stride, outs);
 }
 
 }  // namespace zoo

@@ -8,6 +8,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "sin (B, T, D), q and the new keys are rotated first (rotary embedding, two-halves layout).",
         py::arg("q"), py::arg("new_keys"), py::arg("new_values"), py::arg("keys"), py::arg("values"), py::arg("slots"),
         py::arg("starts"), py::arg("ends"), py::arg("scale"), py::arg("cos") = py::none(), py::arg("sin") = py::none());
+  m.def("attention_keys_at_once", &zoo::attention_keys_at_once,
+        "Keys cached_attention's tiles of 4-6 query heads score at once on this CPU: 8 or 4 with AVX-512 (the faster "
+        "of the two, timed at the first call; `use` sets it instead), 2 on AVX2. The results are the same bits "
+        "either way.",
+        py::arg("use") = 0);
   m.def("rms_norm", &zoo::rms_norm, "weight * x * rsqrt(mean(x^2, -1) + eps), as transformers' RMSNorm computes it");
   m.def("add_rms_norm_", &zoo::add_rms_norm_, "x += delta in place, then returns rms_norm(x, weight, eps)");
   m.def("int8_vnni_available", &zoo::int8_vnni_available,

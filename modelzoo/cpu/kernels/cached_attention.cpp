@@ -22,6 +22,7 @@
 #include "attention_tiles.h"
 #include "kernels.h"
 #include "storage.h"
+#include "timed_choice.h"
 
 #include <ATen/Parallel.h>
 
@@ -29,6 +30,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -59,6 +62,33 @@ void store_row(const Q* in, T* out, int64_t n, float* scratch) {
   }
 }
 
+TimedChoice key_tile_choice;
+
+// The way tiles of query heads score their keys on this CPU (attend_rows: 0 wide, 1 narrow), the faster of the two
+// timed at the first call on that call's cache type T: 6 query heads over 512 keys, 16 times over other keys (from the
+// L2 cache, as a prefill's blocks find theirs; a decode step's tiles of 1-3 heads are the same either way).
+template <typename T>
+int key_tile_way() {
+  return key_tile_choice.get([] {
+    constexpr int64_t kD = 64, kKeys = 512, kHeads = 6, kBlocks = 16;
+    auto keys = std::make_shared<std::vector<T>>(kBlocks * kKeys * kD);
+    for (size_t i = 0; i < keys->size(); ++i) (*keys)[i] = static_cast<T>(static_cast<float>(i % 97) / 97.f - 0.5f);
+    auto queries = std::make_shared<std::vector<float>>(kHeads * kD, 0.1f);
+    auto outs = std::make_shared<std::vector<float>>(kHeads * kD);
+    return std::function<void(int)>([=](int way) {
+      std::vector<float> scores(kTileRows * kKeys);
+      std::vector<int64_t> lengths(kHeads, kKeys);
+      std::vector<float*> heads(kHeads);
+      for (int64_t h = 0; h < kHeads; ++h) heads[h] = outs->data() + h * kD;
+      for (int64_t b = 0; b < kBlocks; ++b) {
+        const T* block = keys->data() + b * kKeys * kD;
+        attend_rows<T, float>(way, queries->data(), kHeads, lengths.data(), block, block, kD, 0.125f, scores.data(),
+                              kKeys, heads.data());
+      }
+    });
+  }, kKeyTileWays);
+}
+
 // The attention of cached_attention() once its inputs are checked: Q is the storage type of q, the new keys and
 // values and the output, T the cache's.
 template <typename Q, typename T>
@@ -80,6 +110,7 @@ void attend_all(const torch::Tensor& q, const torch::Tensor& new_keys, const tor
   const int64_t ks0 = keys.stride(0), ks1 = keys.stride(1), vs0 = values.stride(0), vs1 = values.stride(1);
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2);
   const int threads = std::max(1, at::get_num_threads());
+  const int way = key_tile_way<T>();
   // The cache row of query i = b * T + t.
   auto slot_of = [&](int64_t i) { return slot[slots_per_row == 1 ? i / std::max<int64_t>(T_, 1) : i]; };
 
@@ -150,7 +181,7 @@ void attend_all(const torch::Tensor& q, const torch::Tensor& new_keys, const tor
         }
       }
       scores.resize(std::min<int64_t>(heads, kTileRows) * stride);
-      attend_rows(queries.data(), heads, lengths.data(), k, v, D, scale, scores.data(), stride, outs.data());
+      attend_rows(way, queries.data(), heads, lengths.data(), k, v, D, scale, scores.data(), stride, outs.data());
     }
   }
 }
@@ -229,6 +260,14 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& new_
     });
   }
   return out;
+}
+
+int64_t attention_keys_at_once(int64_t use) {
+  constexpr int64_t kWide = kKeysAtOnce<kTileRows, false>, kNarrow = kKeysAtOnce<kTileRows, true>;
+  TORCH_CHECK(use == 0 || use == kWide || use == kNarrow, "keys at once: 0 (as timed), ", kWide, " or ", kNarrow,
+              " on this build, not ", use);
+  if (use) key_tile_choice.set(use == kWide ? 0 : 1);
+  return key_tile_way<float>() == 0 ? kWide : kNarrow;
 }
 
 }  // namespace zoo
