@@ -200,6 +200,7 @@ class BF16Linear(PackedLinear):
     bfloat16, a float32 bias, float32 (or 16-bit) inputs, float32 outputs."""
 
     applies_silu_gate = False
+    rounds_inputs_to_bf16 = True  # a bfloat16 input is multiplied as it is: the same products as its float32 source's
 
     def __init__(self, layer: nn.Module, amx: bool = False, arena: PackedWeightArena | None = None) -> None:
         self.amx = amx
@@ -248,10 +249,14 @@ class SiluGatedBF16Linear(BF16Linear):
     def kernel(self) -> str:
         return "amx_bf16_silu_gate" if self.amx else "bf16_silu_gate"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, round_to_bf16: bool = False) -> torch.Tensor:
+        """silu(gate) * up (..., N/2) float32; with `round_to_bf16` (for a consumer that rounds its inputs to bfloat16
+        anyway) bfloat16 where the kernel writes it so, half the bytes (bf16_silu_gate; amx_bf16_silu_gate: float32)."""
         from modelzoo.cpu.kernels import cpu_kernels
 
-        return getattr(cpu_kernels(), self.kernel)(x, self.packed, self.out_features)  # (..., N/2) float32
+        if self.amx:
+            return cpu_kernels().amx_bf16_silu_gate(x, self.packed, self.out_features)
+        return cpu_kernels().bf16_silu_gate(x, self.packed, self.out_features, round_to_bf16)
 
 
 def silu_gate_fusable(parent: nn.Module, name: str, layer: nn.Module) -> bool:
@@ -470,10 +475,11 @@ class InPlaceSiluGatedBF16Linear(InPlaceBF16Linear):
             self.parts = tuple(self.parts[0].chunk(2))  # gate, up: views of the stacked weight
         self.out_features //= 2
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, round_to_bf16: bool = False) -> torch.Tensor:
+        """silu(gate) * up (..., N/2) float32, or rounded to bfloat16 with `round_to_bf16` (SiluGatedBF16Linear)."""
         from modelzoo.cpu.kernels import cpu_kernels
 
-        return cpu_kernels().bf16_silu_gate_rows(x.float(), *self.parts)  # (..., N/2) float32
+        return cpu_kernels().bf16_silu_gate_rows(x.float(), *self.parts, round_to_bf16)
 
 
 def reads_in_place(layer: nn.Module, dtypes: Collection[torch.dtype] = (torch.bfloat16, torch.float16)) -> bool:

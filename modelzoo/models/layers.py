@@ -308,7 +308,9 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if getattr(self.gate_up_proj, "applies_silu_gate", False):  # bf16_silu_gate (modelzoo/cpu/precision.py)
-            return self.down_proj(self.gate_up_proj(x))
+            # rounded to bfloat16 on the way out where down_proj rounds its inputs so anyway: the same products
+            rounded = getattr(self.down_proj, "rounds_inputs_to_bf16", False)
+            return self.down_proj(self.gate_up_proj(x, round_to_bf16=rounded))
         gate_up = self.gate_up_proj(x)
         kernels = fused_kernels(gate_up) if self.act is F.silu else None
         if kernels is not None:

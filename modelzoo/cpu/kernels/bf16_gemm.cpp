@@ -21,7 +21,9 @@
 //
 // bf16_silu_gate is the same GEMM for a SwiGLU MLP's gate | up projection, whose SiLU gate it applies to each
 // register tile as it leaves (silu(gate) * up, silu_mul's bits): the tile pairs 32 features' gate and up blocks
-// (modelzoo/precision.py packs them so), and the full gate | up output is never written.
+// (modelzoo/precision.py packs them so), and the full gate | up output is never written. With `rounded` it writes
+// those outputs rounded to bfloat16, as the next bfloat16 GEMM rounds its inputs (half the bytes, the same bits
+// there), and a bfloat16 input of even K is multiplied where it lies (its words are the pairs).
 #include "greedy_picks.h"
 #include "kernels.h"
 #include "storage.h"
@@ -241,14 +243,14 @@ struct Weights {
 // into a scratch that all its row tiles read. Either way each output sums its pairs in ascending order from zero.
 void multiply(const uint32_t* xb, int64_t rows, int64_t pairs, int64_t k, const Weights& weights, int64_t blocks,
               const float* bias, int64_t out_features, bool silu_gate, Broadcast mode, float* y,
-              GreedyPicks* picks = nullptr) {
+              GreedyPicks* picks = nullptr, c10::BFloat16* gated16 = nullptr) {
   const int64_t column_tiles = (blocks + kBlocksTile - 1) / kBlocksTile;
   const int64_t row_tiles = (rows + kRowsTile - 1) / kRowsTile;
   const int64_t block_values = pairs * 2 * kBlock;
   constexpr int64_t kGated = kBlocksTile / 2 * kBlock;  // a gated tile's output features
   // The row tile from `row` of the column tile from `block`: its sums `result` to y.
   const auto emit = [&](int64_t row, int64_t block, int64_t tile_blocks, const float* result) {
-    float silu[kGated];
+    alignas(64) float silu[kGated];
     for (int64_t r = 0; r < std::min(kRowsTile, rows - row); ++r) {
       const float* values = result + r * kBlocksTile * kBlock;
       if (picks) {  // greedy: no output written, the row's pick among the tile's
@@ -256,13 +258,18 @@ void multiply(const uint32_t* xb, int64_t rows, int64_t pairs, int64_t k, const 
         picks->keep(row + r, block / kBlocksTile, values, bias ? bias + first : nullptr, first, last - first);
         continue;
       }
-      float* out = y + (row + r) * out_features;
       if (silu_gate) {  // silu(gate) * up, as silu_mul computes it from the full output
-        const int64_t first = block / 2 * kBlock;
+        const int64_t first = (row + r) * out_features + block / 2 * kBlock;
         silu_row(values, silu, kGated);
-        for (int64_t n = 0; n < kGated; ++n) out[first + n] = silu[n] * values[kGated + n];
+        for (int64_t n = 0; n < kGated; ++n) silu[n] *= values[kGated + n];
+        if (gated16) {
+          for (int64_t n = 0; n < kGated; n += 16) store16(gated16 + first + n, load16(silu + n));
+        } else {
+          std::memcpy(y + first, silu, kGated * sizeof(float));
+        }
         continue;
       }
+      float* out = y + (row + r) * out_features;
       const int64_t first = block * kBlock, last = std::min(out_features, (block + tile_blocks) * kBlock);
       if (bias) {
         for (int64_t n = first; n < last; ++n) out[n] = values[n - first] + bias[n];
@@ -314,9 +321,19 @@ void multiply(const uint32_t* xb, int64_t rows, int64_t pairs, int64_t k, const 
   });
 }
 
-// x (..., K) float32, bfloat16 or float16 -> its rows' inputs rounded to bfloat16 pairs (rows, pairs), the last pair
-// of an odd K completed by a zero.
-std::unique_ptr<uint32_t[]> rounded_pairs(const torch::Tensor& input, int64_t rows, int64_t k, int64_t pairs) {
+// A GEMM's inputs as bfloat16 pairs (rows, pairs): `data`, in `owned` where they had to be rounded.
+struct Pairs {
+  std::unique_ptr<uint32_t[]> owned;
+  const uint32_t* data;
+};
+
+// x (..., K) contiguous float32, bfloat16 or float16 -> its rows' inputs rounded to bfloat16 pairs (rows, pairs), the
+// last pair of an odd K completed by a zero; a bfloat16 x of even K (4-byte aligned) is its own pairs, read in place.
+Pairs rounded_pairs(const torch::Tensor& input, int64_t rows, int64_t k, int64_t pairs) {
+  const bool aligned = reinterpret_cast<uintptr_t>(input.data_ptr()) % alignof(uint32_t) == 0;
+  if (input.scalar_type() == at::kBFloat16 && k == 2 * pairs && aligned) {
+    return {nullptr, reinterpret_cast<const uint32_t*>(input.data_ptr<at::BFloat16>())};
+  }
   std::unique_ptr<uint32_t[]> xb(new uint32_t[rows * pairs]);  // every value written below
   ZOO_DISPATCH_FLOATS(input.scalar_type(), "bf16_linear", [&] {
     const scalar_t* xp = input.data_ptr<scalar_t>();
@@ -324,20 +341,37 @@ std::unique_ptr<uint32_t[]> rounded_pairs(const torch::Tensor& input, int64_t ro
       for (int64_t r = begin; r < end; ++r) round_row(xp + r * k, k, pairs, xb.get() + r * pairs);
     });
   });
-  return xb;
+  const uint32_t* data = xb.get();
+  return {std::move(xb), data};
+}
+
+// The output of a call: (..., out_features) float32, or bfloat16 where the SiLU-gated outputs are `rounded`.
+torch::Tensor gemm_output(const torch::Tensor& x, int64_t out_features, bool rounded) {
+  auto sizes = x.sizes().vec();
+  sizes.back() = out_features;
+  return torch::empty(sizes, x.options().dtype(rounded ? at::kBFloat16 : at::kFloat));
+}
+
+// multiply() into `out` (float32, or bfloat16 `rounded` SiLU-gated outputs).
+void multiply_into(const Pairs& xb, int64_t rows, int64_t pairs, int64_t k, const Weights& weights, int64_t blocks,
+                   const c10::optional<torch::Tensor>& bias, int64_t out_features, bool silu_gate, Broadcast mode,
+                   torch::Tensor& out) {
+  const bool rounded = out.scalar_type() == at::kBFloat16;
+  multiply(xb.data, rows, pairs, k, weights, blocks, bias ? bias->data_ptr<float>() : nullptr, out_features, silu_gate,
+           mode, rounded ? nullptr : out.data_ptr<float>(), nullptr, rounded ? out.data_ptr<c10::BFloat16>() : nullptr);
 }
 
 torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
                             const c10::optional<torch::Tensor>& bias, int64_t out_features, bool silu_gate,
-                            Broadcast mode) {
-  auto out = bf16_gemm_output(x, packed, bias, out_features, silu_gate);
+                            Broadcast mode, bool rounded = false) {
+  check_bf16_gemm(x, packed, bias, out_features, silu_gate);
+  auto out = gemm_output(x, out_features, rounded && silu_gate);
   const int64_t blocks = packed.size(0), pairs = packed.size(1), k = x.size(-1);
   const auto input = x.contiguous();
   const int64_t rows = k ? input.numel() / k : 0;
   const auto xb = rounded_pairs(input, rows, k, pairs);
   const Weights weights{reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), nullptr, nullptr};
-  multiply(xb.get(), rows, pairs, k, weights, blocks, bias ? bias->data_ptr<float>() : nullptr, out_features,
-           silu_gate, mode, out.data_ptr<float>());
+  multiply_into(xb, rows, pairs, k, weights, blocks, bias, out_features, silu_gate, mode, out);
   return out;
 }
 
@@ -365,19 +399,20 @@ std::vector<RowBlock<uint16_t>> row_blocks(const std::vector<torch::Tensor>& par
 // bf16_linear (bf16_silu_gate with `silu_gate`: parts gate and up) over weights read where they lie: parts (N_i, K)
 // bfloat16 with unit column stride, side by side.
 torch::Tensor rows_linear(const torch::Tensor& x, const std::vector<torch::Tensor>& parts,
-                          const c10::optional<torch::Tensor>& bias, bool silu_gate, Broadcast mode) {
+                          const c10::optional<torch::Tensor>& bias, bool silu_gate, Broadcast mode,
+                          bool rounded = false) {
   check_input(x);
   const int64_t k = x.size(-1), pairs = (k + 1) / 2;
   int64_t out_features;
   const auto blocks = row_blocks(parts, k, silu_gate, out_features);
-  auto out = checked_output(x, bias, out_features, silu_gate);
+  check_bias(bias, out_features, silu_gate);
+  auto out = gemm_output(x, out_features, rounded && silu_gate);
   const auto input = x.contiguous();
   const int64_t rows = k ? input.numel() / k : 0;
   const auto xb = rounded_pairs(input, rows, k, pairs);
   const std::vector<uint16_t> zeros(k + 1);
   const Weights weights{nullptr, blocks.data(), zeros.data()};
-  multiply(xb.get(), rows, pairs, k, weights, blocks.size(), bias ? bias->data_ptr<float>() : nullptr, out_features,
-           silu_gate, mode, out.data_ptr<float>());
+  multiply_into(xb, rows, pairs, k, weights, blocks.size(), bias, out_features, silu_gate, mode, out);
   return out;
 }
 
@@ -403,8 +438,8 @@ torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, c
   return packed_linear(x, packed, bias, out_features, false, broadcast_mode());
 }
 
-torch::Tensor bf16_silu_gate(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features) {
-  return packed_linear(x, packed, c10::nullopt, out_features, true, broadcast_mode());
+torch::Tensor bf16_silu_gate(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features, bool rounded) {
+  return packed_linear(x, packed, c10::nullopt, out_features, true, broadcast_mode(), rounded);
 }
 
 torch::Tensor bf16_greedy(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
@@ -418,7 +453,7 @@ torch::Tensor bf16_greedy(const torch::Tensor& x, const torch::Tensor& packed, c
   const auto xb = rounded_pairs(input, rows, k, pairs);
   const Weights weights{reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), nullptr, nullptr};
   GreedyPicks picks(rows, (blocks + kBlocksTile - 1) / kBlocksTile);
-  multiply(xb.get(), rows, pairs, k, weights, blocks, bias ? bias->data_ptr<float>() : nullptr, out_features, false,
+  multiply(xb.data, rows, pairs, k, weights, blocks, bias ? bias->data_ptr<float>() : nullptr, out_features, false,
            broadcast_mode(), nullptr, &picks);
   picks.write(tokens.data_ptr<int64_t>());
   return tokens;
@@ -429,8 +464,9 @@ torch::Tensor bf16_linear_rows(const torch::Tensor& x, const std::vector<torch::
   return rows_linear(x, parts, bias, false, broadcast_mode());
 }
 
-torch::Tensor bf16_silu_gate_rows(const torch::Tensor& x, const torch::Tensor& gate, const torch::Tensor& up) {
-  return rows_linear(x, {gate, up}, c10::nullopt, true, broadcast_mode());
+torch::Tensor bf16_silu_gate_rows(const torch::Tensor& x, const torch::Tensor& gate, const torch::Tensor& up,
+                                  bool rounded) {
+  return rows_linear(x, {gate, up}, c10::nullopt, true, broadcast_mode(), rounded);
 }
 
 torch::Tensor pack_bf16_rows(const std::vector<torch::Tensor>& parts, bool silu_gate, const torch::Tensor& out) {
@@ -466,7 +502,7 @@ torch::Tensor bf16_linear(const torch::Tensor&, const torch::Tensor&, const c10:
   TORCH_CHECK(false, "bf16_linear needs AVX512-BF16, which this build's CPU lacks");
 }
 
-torch::Tensor bf16_silu_gate(const torch::Tensor&, const torch::Tensor&, int64_t) {
+torch::Tensor bf16_silu_gate(const torch::Tensor&, const torch::Tensor&, int64_t, bool) {
   TORCH_CHECK(false, "bf16_silu_gate needs AVX512-BF16, which this build's CPU lacks");
 }
 
@@ -479,7 +515,7 @@ torch::Tensor bf16_linear_rows(const torch::Tensor&, const std::vector<torch::Te
   TORCH_CHECK(false, "bf16_linear_rows needs AVX512-BF16, which this build's CPU lacks");
 }
 
-torch::Tensor bf16_silu_gate_rows(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&) {
+torch::Tensor bf16_silu_gate_rows(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, bool) {
   TORCH_CHECK(false, "bf16_silu_gate_rows needs AVX512-BF16, which this build's CPU lacks");
 }
 

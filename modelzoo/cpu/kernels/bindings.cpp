@@ -37,8 +37,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(), py::arg("out_features"));
   m.def("bf16_silu_gate", &zoo::bf16_silu_gate,
         "silu(gate) * up of x (..., K) rounded to bfloat16 @ [gate | up]^T, for the gate | up weight packed by "
-        "modelzoo/precision.py in tiles of 2 gate + 2 up blocks; float32 (..., out_features), silu_mul's bits",
-        py::arg("x"), py::arg("packed"), py::arg("out_features"));
+        "modelzoo/precision.py in tiles of 2 gate + 2 up blocks; float32 (..., out_features), silu_mul's bits; with "
+        "`rounded`, those outputs rounded to bfloat16 (what the next bfloat16 GEMM multiplies them as)",
+        py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("rounded") = false);
   m.def("bf16_linear_rows", &zoo::bf16_linear_rows,
         "bf16_linear with the weight read where it lies: x (..., K) rounded to bfloat16 @ [W_0 | W_1 | ...]^T (+ bias) "
         "for parts (N_i, K) bfloat16 with unit column stride (a memory-mapped checkpoint's rows; every N_i but the last "
@@ -46,8 +47,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("parts"), py::arg("bias") = py::none());
   m.def("bf16_silu_gate_rows", &zoo::bf16_silu_gate_rows,
         "bf16_silu_gate with gate and up (I, K) bfloat16 read where they lie (I a multiple of 32): silu(gate) * up "
-        "(..., I) float32, the bits of bf16_silu_gate",
-        py::arg("x"), py::arg("gate"), py::arg("up"));
+        "(..., I) float32 (bfloat16 with `rounded`), the bits of bf16_silu_gate",
+        py::arg("x"), py::arg("gate"), py::arg("up"), py::arg("rounded") = false);
   m.def("pack_bf16_rows", &zoo::pack_bf16_rows,
         "parts (N_i, K) bfloat16 with unit column stride (with silu_gate: gate and up (I, K), in bf16_silu_gate's tiles) "
         "packed into out (ceil(N/16), ceil(K/2), 16, 2) bfloat16, bf16_linear's layout, every block in parallel",

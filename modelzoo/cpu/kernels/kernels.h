@@ -41,7 +41,7 @@ torch::Tensor bf16_gemm_output(const torch::Tensor& x, const torch::Tensor& pack
 torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                           int64_t out_features);
 // The same for a gate | up projection packed in tiles of 2 gate + 2 up blocks: silu(gate) * up (..., out_features).
-torch::Tensor bf16_silu_gate(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features);
+torch::Tensor bf16_silu_gate(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features, bool rounded);
 // bf16_linear's outputs never written: each row's index of its first largest output (the first NaN where there is
 // one), as torch.max(-1) picks it from bf16_linear's (greedy_picks.h); (...) int64. amx_bf16_greedy below likewise.
 torch::Tensor bf16_greedy(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
@@ -51,7 +51,8 @@ torch::Tensor bf16_greedy(const torch::Tensor& x, const torch::Tensor& packed, c
 // multiple of 32; the packed GEMMs' bits.
 torch::Tensor bf16_linear_rows(const torch::Tensor& x, const std::vector<torch::Tensor>& parts,
                                const c10::optional<torch::Tensor>& bias);
-torch::Tensor bf16_silu_gate_rows(const torch::Tensor& x, const torch::Tensor& gate, const torch::Tensor& up);
+torch::Tensor bf16_silu_gate_rows(const torch::Tensor& x, const torch::Tensor& gate, const torch::Tensor& up,
+                                  bool rounded);
 // Those parts (gate and up with `silu_gate`) packed into out (N/16 rounded up, K/2 rounded up, 16, 2) bfloat16: the
 // packed GEMMs' layout, zero rows and a zero input padding it.
 torch::Tensor pack_bf16_rows(const std::vector<torch::Tensor>& parts, bool silu_gate, const torch::Tensor& out);
