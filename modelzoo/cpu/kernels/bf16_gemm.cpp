@@ -49,13 +49,14 @@ void check_bias(const c10::optional<torch::Tensor>& bias, int64_t out_features, 
   }
 }
 
-// x's and the bias's checks, and the float32 output (..., out_features): any bfloat16 GEMM's, whatever its weights.
+// x's and the bias's checks, and the output (..., out_features): any bfloat16 GEMM's, whatever its weights; float32,
+// or bfloat16 for SiLU-gated outputs `rounded` (bf16_silu_gate).
 torch::Tensor checked_output(const torch::Tensor& x, const c10::optional<torch::Tensor>& bias, int64_t out_features,
-                             bool silu_gate) {
+                             bool silu_gate, bool rounded = false) {
   check_bias(bias, out_features, silu_gate);
   auto sizes = x.sizes().vec();
   sizes.back() = out_features;
-  return torch::empty(sizes, x.options().dtype(at::kFloat));
+  return torch::empty(sizes, x.options().dtype(rounded && silu_gate ? at::kBFloat16 : at::kFloat));
 }
 
 void check_input(const torch::Tensor& x) {
@@ -345,13 +346,6 @@ Pairs rounded_pairs(const torch::Tensor& input, int64_t rows, int64_t k, int64_t
   return {std::move(xb), data};
 }
 
-// The output of a call: (..., out_features) float32, or bfloat16 where the SiLU-gated outputs are `rounded`.
-torch::Tensor gemm_output(const torch::Tensor& x, int64_t out_features, bool rounded) {
-  auto sizes = x.sizes().vec();
-  sizes.back() = out_features;
-  return torch::empty(sizes, x.options().dtype(rounded ? at::kBFloat16 : at::kFloat));
-}
-
 // multiply() into `out` (float32, or bfloat16 `rounded` SiLU-gated outputs).
 void multiply_into(const Pairs& xb, int64_t rows, int64_t pairs, int64_t k, const Weights& weights, int64_t blocks,
                    const c10::optional<torch::Tensor>& bias, int64_t out_features, bool silu_gate, Broadcast mode,
@@ -365,7 +359,7 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
                             const c10::optional<torch::Tensor>& bias, int64_t out_features, bool silu_gate,
                             Broadcast mode, bool rounded = false) {
   check_bf16_gemm(x, packed, bias, out_features, silu_gate);
-  auto out = gemm_output(x, out_features, rounded && silu_gate);
+  auto out = checked_output(x, bias, out_features, silu_gate, rounded);
   const int64_t blocks = packed.size(0), pairs = packed.size(1), k = x.size(-1);
   const auto input = x.contiguous();
   const int64_t rows = k ? input.numel() / k : 0;
@@ -405,8 +399,7 @@ torch::Tensor rows_linear(const torch::Tensor& x, const std::vector<torch::Tenso
   const int64_t k = x.size(-1), pairs = (k + 1) / 2;
   int64_t out_features;
   const auto blocks = row_blocks(parts, k, silu_gate, out_features);
-  check_bias(bias, out_features, silu_gate);
-  auto out = gemm_output(x, out_features, rounded && silu_gate);
+  auto out = checked_output(x, bias, out_features, silu_gate, rounded);
   const auto input = x.contiguous();
   const int64_t rows = k ? input.numel() / k : 0;
   const auto xb = rounded_pairs(input, rows, k, pairs);
