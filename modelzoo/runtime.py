@@ -399,7 +399,8 @@ class Runtime:
         new_tokens = (prompts.most_tokens if prompts and prompts.most_tokens is not None
                       else self.max_seq_len - (prompts.shortest if prompts else 1))
         return JobWork(decode_steps=-(-self.rows_to_do // self.rows_in_flight) * new_tokens,
-                       prompt_tokens=prompts.total if prompts else self.rows_to_do * self.max_seq_len)
+                       prompt_tokens=prompts.total if prompts else self.rows_to_do * self.max_seq_len,
+                       prompts=self.rows_to_do)
 
     def _choose_gemm(self, spare_bytes: int, cached_layout: bool = False) -> None:
         """Puts every float linear layer in the layout of the GEMM backend chosen for it (runconfig.gemm_backend;

@@ -311,9 +311,9 @@ def fake_layout_rates(packed: float, in_place: float, rows: int, layouts: gemm.L
 @pytest.mark.parametrize("gemm_kernel", ["half_linear", "bf16_linear"])
 @pytest.mark.parametrize("work, in_place_rate, packed", [
     (None, 50.0, True),  # work unknown (the API, the weight cache): packed
-    (gemm.JobWork(decode_steps=8, prompt_tokens=64), 90.0, False),  # a small job: packing costs more than it saves
-    (gemm.JobWork(decode_steps=10**6, prompt_tokens=10**8), 90.0, True),  # a long one: packing pays
-    (gemm.JobWork(decode_steps=10**6, prompt_tokens=10**8), 110.0, False),  # in place is faster: never packed
+    (gemm.JobWork(decode_steps=8, prompt_tokens=64, prompts=2), 90.0, False),  # small: packing costs more than it saves
+    (gemm.JobWork(decode_steps=10**6, prompt_tokens=10**8, prompts=10**6), 90.0, True),  # a long one: packing pays
+    (gemm.JobWork(decode_steps=10**6, prompt_tokens=10**8, prompts=10**6), 110.0, False),  # in place faster: never packed
 ])
 def test_16_bit_weights_are_packed_only_where_the_jobs_work_pays_for_it(work, in_place_rate, packed, gemm_kernel,
                                                                          monkeypatch):
@@ -350,5 +350,31 @@ def test_the_layout_gain_counts_decode_steps_and_prompt_tokens():
     prefill = flops * gemm.PREFILL_ROWS / 50e9 - flops * gemm.PREFILL_ROWS / 100e9
     for layouts in (gemm.HALF_LAYOUTS, gemm.BF16_LAYOUTS):
         rates = fake_layout_rates(100.0, 50.0, 8, layouts)["gflops"]
-        gain = gemm.layout_gain(rates, (1000, 2000), 8, gemm.JobWork(decode_steps=30, prompt_tokens=512), layouts)
+        gain = gemm.layout_gain(rates, (1000, 2000), 8, gemm.JobWork(decode_steps=30, prompt_tokens=512, prompts=4),
+                                layouts)
         assert gain == pytest.approx(30 * step + 2 * prefill)
+
+
+@pytest.mark.skipif(modelzoo.cpu.kernels.cpu_kernels() is None, reason="the C++ kernels cannot be built here")
+def test_the_vocabulary_heads_layout_counts_one_prefill_row_per_prompt(tmp_path, monkeypatch):
+    """The head multiplies each prompt's last token alone in prefill: its layout weighs the decode steps and one row
+    per prompt, not every prompt token, so a head that packing only speeds up in prefill is read in place while a
+    layer of its shape inside the model would be packed."""
+    from modelzoo.models.llama import LlamaForCausalLM
+    from tiny_configs import tiny_llama_config
+
+    monkeypatch.setattr(gemm, "measured_shapes", lambda shapes, *args, **kwargs: {
+        key: {**fake_layout_rates(100.0, 100.0, 4), "gflops": {
+            "half_linear": {f"M={gemm.PREFILL_ROWS}": 100.0, "M=4": 100.0},
+            "half_linear_rows": {f"M={gemm.PREFILL_ROWS}": 50.0, "M=4": 100.0}}} for key in shapes})
+    monkeypatch.setattr(gemm, "packing_rate", lambda dtype, pack=None: 1e9)
+    config = LlamaForCausalLM.config_from_hf(tiny_llama_config(tie_word_embeddings=False))
+    work = gemm.JobWork(decode_steps=10**6, prompt_tokens=10**7, prompts=10)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    plan = gemm.apply_half_kernels(model, 4, work)
+    head_key = f"bfloat16 {config.hidden_size}x{config.vocab_size}"
+    assert plan.layers[head_key] == "half_linear_rows" and type(model.lm_head) is precision.InPlaceHalfLinear
+    assert all(kernel == "half_linear" for key, kernel in plan.layers.items() if key != head_key)
+    many_prompts = gemm.JobWork(decode_steps=10**6, prompt_tokens=10**7, prompts=10**7)
+    assert gemm.apply_half_kernels(LlamaForCausalLM(config).to(torch.bfloat16), 4, many_prompts).layers[head_key] == (
+        "half_linear")

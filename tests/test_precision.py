@@ -431,14 +431,10 @@ def test_half_linear_is_float32_arithmetic_over_16_bit_weights_and_batch_invaria
     assert all(torch.equal(outputs[0], other) for other in outputs[1:])
 
 
-@needs_kernels
-@pytest.mark.parametrize("dtype", [BF16, F16, F32])
-@pytest.mark.parametrize("rows, in_features, out_features", [(1, 64, 48), (5, 575, 1531), (40, 96, 33),
-                                                             (164, 64, 4096)])
-def test_half_greedy_picks_half_linears_argmax(dtype, rows, in_features, out_features):
-    """On every code path (a decode call of up to 6 rows takes column tiles of one block on AVX2, longer ones of 4):
-    torch.max(-1)'s index of half_linear's outputs, with ties and a NaN output picked as torch.max picks them."""
-    generator = torch.Generator().manual_seed(rows)
+def tied_and_nan_heads(in_features: int, out_features: int, dtype: torch.dtype,
+                       generator: torch.Generator) -> tuple[nn.Linear, nn.Linear]:
+    """Two heads of `dtype`: one whose largest output, in every row, is tied between outputs out_features // 2 and
+    out_features - 1 (their weights and a bias of 50 equal); one whose output out_features // 3 is NaN."""
     linear = nn.Linear(in_features, out_features, dtype=dtype)
     with torch.no_grad():
         linear.bias.normal_(generator=generator)
@@ -447,6 +443,18 @@ def test_half_greedy_picks_half_linears_argmax(dtype, rows, in_features, out_fea
     nan_linear = nn.Linear(in_features, out_features, dtype=dtype)
     with torch.no_grad():
         nan_linear.weight[out_features // 3, 0] = float("nan")
+    return linear, nan_linear
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [BF16, F16, F32])
+@pytest.mark.parametrize("rows, in_features, out_features", [(1, 64, 48), (5, 575, 1531), (40, 96, 33),
+                                                             (164, 64, 4096)])
+def test_half_greedy_picks_half_linears_argmax(dtype, rows, in_features, out_features):
+    """On every code path (a decode call of up to 6 rows takes column tiles of one block on AVX2, longer ones of 4):
+    torch.max(-1)'s index of half_linear's outputs, with ties and a NaN output picked as torch.max picks them."""
+    generator = torch.Generator().manual_seed(rows)
+    linear, nan_linear = tied_and_nan_heads(in_features, out_features, dtype, generator)
     x = torch.randn(rows, in_features, generator=generator)
     for _ in each_half_gemm_path():
         for layer in (precision.HalfLinear(linear), precision.HalfLinear(nan_linear)):
@@ -458,6 +466,39 @@ def test_half_greedy_picks_half_linears_argmax(dtype, rows, in_features, out_fea
         assert (precision.HalfLinear(nan_linear).greedy(x) == out_features // 3).all()
     with pytest.raises(RuntimeError, match="out_features does not match"):
         cpu_kernels().half_greedy(x, precision.HalfLinear(linear).packed, None, out_features + 16)
+
+
+IN_PLACE_HEADS = [pytest.param(precision.InPlaceBF16Linear, BF16, id="bf16_linear_rows"),
+                  pytest.param(precision.InPlaceHalfLinear, BF16, id="half_linear_rows-bfloat16"),
+                  pytest.param(precision.InPlaceHalfLinear, F16, id="half_linear_rows-float16")]
+
+
+@needs_kernels
+@pytest.mark.parametrize("layer_type, dtype", IN_PLACE_HEADS)
+@pytest.mark.parametrize("rows, in_features, out_features", [(1, 64, 48), (7, 575, 1531), (40, 96, 33),
+                                                             (164, 64, 4096)])
+def test_in_place_heads_pick_their_outputs_argmax(layer_type, dtype, rows, in_features, out_features):
+    """A head read where its weight lies picks, without writing its outputs, torch.max(-1)'s index of its own
+    outputs: ties to the first, a NaN output first, with a bias; whatever rows share the call. Bad shapes refused."""
+    if layer_type is precision.InPlaceBF16Linear and not precision.bf16_kernel_available():
+        pytest.skip("bf16_linear_rows needs AVX512-BF16")
+    generator = torch.Generator().manual_seed(rows)
+    linear, nan_linear = tied_and_nan_heads(in_features, out_features, dtype, generator)
+    x = torch.randn(rows, in_features, generator=generator)
+    for layer in (layer_type(linear), layer_type(nan_linear)):
+        assert layer.fuses_greedy
+        got = layer.greedy(x)
+        assert got.dtype == torch.long and got.shape == (rows,) and torch.equal(got, layer(x).max(-1).indices)
+        assert torch.equal(layer.greedy(x.view(1, rows, in_features)), got[None])  # (B, N, K) -> (B, N)
+        assert_rows_do_not_depend_on_the_batch(layer.greedy, x, got, generator)
+    assert (layer_type(linear).greedy(x) == out_features // 2).all()
+    assert (layer_type(nan_linear).greedy(x) == out_features // 3).all()
+    layer = layer_type(linear)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        getattr(cpu_kernels(), layer.greedy_kernel)(x, list(layer.parts), torch.zeros(out_features - 1))
+    with pytest.raises(RuntimeError):
+        getattr(cpu_kernels(), layer.greedy_kernel)(torch.randn(rows, in_features + 2), list(layer.parts), None)
+    assert not precision.InPlaceSiluGatedBF16Linear(nn.Linear(32, 64, bias=False, dtype=BF16)).fuses_greedy
 
 
 @needs_kernels

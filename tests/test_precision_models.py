@@ -133,10 +133,11 @@ def test_bfloat16_draft_model_speculation_equals_plain_greedy(tmp_path):
 
 @needs_bf16
 def test_plain_greedy_steps_take_their_tokens_from_the_heads_own_argmax(tmp_path, monkeypatch):
-    """A plain greedy decode step takes each row's token from the bfloat16 head's fused argmax (its logits never
-    written): the same rows as the logits' own argmax. Log-probabilities, sampling, or a hook on the head or on the
-    model (tensor parallel gathers its logits in one) keep the logits."""
+    """A plain greedy decode step, and the prefill before it, take each row's token from the bfloat16 head's fused
+    argmax (its logits never written): the same rows as the logits' own argmax. Log-probabilities, sampling, or a
+    hook on the head or on the model (tensor parallel gathers its logits in one) keep the logits."""
     from modelzoo.cpu import gemm
+    from modelzoo.generation import engine as engine_module
     from modelzoo.generation.engine import Request
     from modelzoo.generation.options import GenerationOptions, RequestVariety
 
@@ -150,13 +151,16 @@ def test_plain_greedy_steps_take_their_tokens_from_the_heads_own_argmax(tmp_path
     rng = np.random.default_rng(3)
     options = GenerationOptions(max_tokens=12, stop_sequences=())
     requests = [Request(i, rng.integers(3, VOCAB, size=int(n)), options) for i, n in enumerate(rng.integers(1, 20, 10))]
+    prefill_choices, choose_tokens = [], engine_module.choose_tokens  # the prefill's calls: none where the head picks
+    monkeypatch.setattr(engine_module, "choose_tokens", lambda *args: prefill_choices.append(1) or choose_tokens(*args))
     rows = {}
     for fused in (True, False):
         monkeypatch.setattr(type(head), "fuses_greedy", fused)
         assert engine.decode.head_picks is fused
         fused_calls.clear()
+        prefill_choices.clear()
         rows[fused] = {c.index: c.tokens.tolist() for c in engine.generate(requests)}
-        assert bool(fused_calls) is fused
+        assert bool(fused_calls) is fused and bool(prefill_choices) is not fused
     assert rows[True] == rows[False] and all(len(tokens) == 12 for tokens in rows[True].values())
     monkeypatch.setattr(type(head), "fuses_greedy", True)
     for module in (head, model):

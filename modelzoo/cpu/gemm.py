@@ -432,10 +432,16 @@ PACKING_PROBE = (2048, 8192)  # the weight (N, K) whose packing into fresh memor
 @dataclass(frozen=True)
 class JobWork:
     """The most GEMM work a job may do, to weigh a layout's set-up against its speed: decode steps (each one call of
-    every layer at the rows in flight) and prompt tokens (prefilled PREFILL_ROWS or so a call)."""
+    every layer at the rows in flight), prompt tokens (prefilled PREFILL_ROWS or so a call) and prompts (the
+    vocabulary head's rows in prefill: each prompt's last token alone)."""
 
     decode_steps: int
     prompt_tokens: int
+    prompts: int
+
+    def of_head(self) -> "JobWork":
+        """The work of the vocabulary head: every decode step, and one prefill row per prompt."""
+        return JobWork(self.decode_steps, self.prompts, self.prompts)
 
 
 @dataclass(frozen=True)
@@ -496,6 +502,7 @@ def choose_layouts(model: nn.Module, rows: int, work: JobWork, layouts: Layouts)
     more time than packing its weights takes (at packing_rate, measured now), and where its weight is not in rows.
     Returns ({shape key: measured}, the shape keys read in place, the reason of each choice, to log)."""
     layers = [module for module in model.modules() if linear_like(module)]
+    head = model.get_submodule(model.head_name) if isinstance(getattr(model, "head_name", None), str) else None
     keys = [linear_shape_key(layer, layer.weight.dtype) for layer in layers]
     shapes = dict(zip(keys, (linear_shape(layer) for layer in layers)))
     dtype, timed = layers[0].weight.dtype, (PREFILL_ROWS, rows)
@@ -510,7 +517,8 @@ def choose_layouts(model: nn.Module, rows: int, work: JobWork, layouts: Layouts)
         if not all(reads_in_place(layer, layouts.dtypes) for layer, other in zip(layers, keys) if other == key):
             pack, reason = True, "its weight is not in rows"
         else:
-            gain = keys.count(key) * layout_gain(choice["gflops"], shape, rows, work, layouts)
+            gain = sum(layout_gain(choice["gflops"], shape, rows, work.of_head() if layer is head else work, layouts)
+                       for layer, other in zip(layers, keys) if other == key)
             pack, reason = gain > packing, f"saves the job {gain:.1f}s at most, packing takes {packing:.1f}s"
         if not pack:
             in_place.add(key)

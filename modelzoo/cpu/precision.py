@@ -423,6 +423,7 @@ class InPlaceLinear(nn.Module):
     written at set-up. A float32 bias, float32 inputs and outputs."""
 
     kernel = ""  # the C++ function, called (x, parts, bias)
+    greedy_kernel = ""  # the same GEMM's picks, called (x, parts, bias): each row's first largest output
     dtypes: tuple[torch.dtype, ...] = ()  # the weight dtypes it reads
     reads_weight_in_place = True  # its checkpoint pages are the weight
 
@@ -441,6 +442,18 @@ class InPlaceLinear(nn.Module):
 
         return getattr(cpu_kernels(), self.kernel)(x.float(), list(self.parts), self.bias)  # (..., N) float32
 
+    @property
+    def fuses_greedy(self) -> bool:
+        """Whether `greedy` can pick each row's largest output inside the GEMM, never writing the outputs."""
+        return bool(self.greedy_kernel)
+
+    def greedy(self, x: torch.Tensor) -> torch.Tensor:
+        """forward(x).max(-1).indices (...) long, the outputs never written: each row's first largest output (the first
+        NaN where there is one), from the same float32 sums."""
+        from modelzoo.cpu.kernels import cpu_kernels
+
+        return getattr(cpu_kernels(), self.greedy_kernel)(x.float(), list(self.parts), self.bias)
+
     def packed_bytes(self) -> int:
         """The weight's bytes (held outside the layer's parameters)."""
         return sum(part.numel() * part.element_size() for part in self.parts)
@@ -451,6 +464,7 @@ class InPlaceHalfLinear(InPlaceLinear):
     with half_linear's bits."""
 
     kernel = "half_linear_rows"
+    greedy_kernel = "half_greedy_rows"
     dtypes = (torch.bfloat16, torch.float16)
 
 
@@ -459,6 +473,7 @@ class InPlaceBF16Linear(InPlaceLinear):
     bits."""
 
     kernel = "bf16_linear_rows"
+    greedy_kernel = "bf16_greedy_rows"
     dtypes = (torch.bfloat16,)
 
 
@@ -467,6 +482,7 @@ class InPlaceSiluGatedBF16Linear(InPlaceBF16Linear):
     float32, with bf16_silu_gate's bits."""
 
     kernel = "bf16_silu_gate_rows"
+    greedy_kernel = ""  # its outputs are silu(gate) * up, not a head's
     applies_silu_gate = True  # GatedMLP feeds its output straight to down_proj
 
     def __init__(self, layer: nn.Module) -> None:

@@ -297,19 +297,27 @@ class GenerationEngine:
                     prefix.copy_into(self.cache, torch.tensor(prefixed, device=self.device))
             tokens, positions, token_slots, last = prefill_inputs(group, run_slots, self.packs_prompts, self.device)
             self.prefilled_tokens += sum(len(request.prompt) - offset for _, request, offset in group)
-            logits = self.model(tokens, positions, self.cache, token_slots, last)
+            # The head's own argmax where a decode step takes it (plain greedy, nothing else reading the logits).
+            head_picks = self.decode.head_picks
+            if head_picks:
+                logits = self.model(tokens, positions, self.cache, token_slots, last, greedy=True)
+            else:
+                logits = self.model(tokens, positions, self.cache, token_slots, last)
             if self.packs_prompts:
-                logits = logits[0]  # (1, G, vocab) -> (G, vocab)
+                logits = logits[0]  # (1, G, vocab) -> (G, vocab); picks (1, G) -> (G,)
             if self.drafter is not None:  # never with packed prompts or copies
                 self.drafter.prefill(tokens, positions, run_slots, last)
             if len(rows) > len(group):
                 source_slots = run_slots[source[len(group):]]
                 self.cache.copy_slots(source_slots, slots[len(group):], int(prompt_len[len(group):].max()))
-                logits = logits[torch.tensor(source, device=self.device)]  # (G, vocab) -> (B, vocab)
+                logits = logits[torch.tensor(source, device=self.device)]  # (G, vocab) -> (B, vocab); or (B,)
             if self.structured is not None:
                 self.structured.admit([slot for slot, _ in rows], [o.response_format for o in options])
                 logits = apply_token_bitmask(logits, self.structured.mask[slots])
-            first, logprob, top = choose_tokens(logits, state, slots, self.choice)  # (B,), (B,), (B, K) pair
+            if head_picks:
+                first, logprob, top = logits, None, None  # (B,) tokens
+            else:
+                first, logprob, top = choose_tokens(logits, state, slots, self.choice)  # (B,), (B,), (B, K) pair
             self.stops.reset(slots, [o.max_tokens for o in options], [o.stop_sequences for o in options])
             state.append(first, torch.ones_like(first, dtype=torch.bool), self.stops, slots, logprob, top)
             if self.structured is not None:

@@ -390,21 +390,31 @@ std::vector<RowBlock<uint16_t>> row_blocks(const std::vector<torch::Tensor>& par
   return blocks;
 }
 
-// bf16_linear (bf16_silu_gate with `silu_gate`: parts gate and up) over weights read where they lie: parts (N_i, K)
-// bfloat16 with unit column stride, side by side.
+// bf16_linear (bf16_silu_gate with `silu_gate`: parts gate and up; bf16_greedy with `greedy`: int64 (...) picks, the
+// outputs never written) over weights read where they lie: parts (N_i, K) bfloat16 with unit column stride, side by
+// side.
 torch::Tensor rows_linear(const torch::Tensor& x, const std::vector<torch::Tensor>& parts,
                           const c10::optional<torch::Tensor>& bias, bool silu_gate, Broadcast mode,
-                          bool rounded = false) {
+                          bool rounded = false, bool greedy = false) {
   check_input(x);
   const int64_t k = x.size(-1), pairs = (k + 1) / 2;
   int64_t out_features;
   const auto blocks = row_blocks(parts, k, silu_gate, out_features);
-  auto out = checked_output(x, bias, out_features, silu_gate, rounded);
+  auto out = checked_output(x, bias, out_features, silu_gate, rounded);  // the picks' checks too
+  if (greedy) out = torch::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kLong));  // (...)
   const auto input = x.contiguous();
   const int64_t rows = k ? input.numel() / k : 0;
+  if (rows == 0) return out;
   const auto xb = rounded_pairs(input, rows, k, pairs);
   const std::vector<uint16_t> zeros(k + 1);
   const Weights weights{nullptr, blocks.data(), zeros.data()};
+  if (greedy) {
+    GreedyPicks picks(rows, (static_cast<int64_t>(blocks.size()) + kBlocksTile - 1) / kBlocksTile);
+    multiply(xb.data, rows, pairs, k, weights, blocks.size(), bias ? bias->data_ptr<float>() : nullptr, out_features,
+             false, mode, nullptr, &picks);
+    picks.write(out.data_ptr<int64_t>());
+    return out;
+  }
   multiply_into(xb, rows, pairs, k, weights, blocks.size(), bias, out_features, silu_gate, mode, out);
   return out;
 }
@@ -462,6 +472,11 @@ torch::Tensor bf16_silu_gate_rows(const torch::Tensor& x, const torch::Tensor& g
   return rows_linear(x, {gate, up}, c10::nullopt, true, broadcast_mode(), rounded);
 }
 
+torch::Tensor bf16_greedy_rows(const torch::Tensor& x, const std::vector<torch::Tensor>& parts,
+                               const c10::optional<torch::Tensor>& bias) {
+  return rows_linear(x, parts, bias, false, broadcast_mode(), false, true);
+}
+
 torch::Tensor pack_bf16_rows(const std::vector<torch::Tensor>& parts, bool silu_gate, const torch::Tensor& out) {
   TORCH_CHECK(!parts.empty() && parts[0].dim() == 2, "parts must hold at least one weight (N_i, K)");
   const int64_t k = parts[0].size(1), pairs = (k + 1) / 2;
@@ -510,6 +525,11 @@ torch::Tensor bf16_linear_rows(const torch::Tensor&, const std::vector<torch::Te
 
 torch::Tensor bf16_silu_gate_rows(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, bool) {
   TORCH_CHECK(false, "bf16_silu_gate_rows needs AVX512-BF16, which this build's CPU lacks");
+}
+
+torch::Tensor bf16_greedy_rows(const torch::Tensor&, const std::vector<torch::Tensor>&,
+                               const c10::optional<torch::Tensor>&) {
+  TORCH_CHECK(false, "bf16_greedy_rows needs AVX512-BF16, which this build's CPU lacks");
 }
 
 torch::Tensor pack_bf16_rows(const std::vector<torch::Tensor>&, bool, const torch::Tensor&) {

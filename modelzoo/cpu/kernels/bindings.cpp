@@ -49,6 +49,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "bf16_silu_gate with gate and up (I, K) bfloat16 read where they lie (I a multiple of 32): silu(gate) * up "
         "(..., I) float32 (bfloat16 with `rounded`), the bits of bf16_silu_gate",
         py::arg("x"), py::arg("gate"), py::arg("up"), py::arg("rounded") = false);
+  m.def("bf16_greedy_rows", &zoo::bf16_greedy_rows,
+        "bf16_greedy with the weight read where it lies (parts as bf16_linear_rows): "
+        "bf16_linear_rows(x, parts, bias).max(-1).indices without writing the outputs; int64 (...)",
+        py::arg("x"), py::arg("parts"), py::arg("bias") = py::none());
   m.def("pack_bf16_rows", &zoo::pack_bf16_rows,
         "parts (N_i, K) bfloat16 with unit column stride (with silu_gate: gate and up (I, K), in bf16_silu_gate's tiles) "
         "packed into out (ceil(N/16), ceil(K/2), 16, 2) bfloat16, bf16_linear's layout, every block in parallel",
@@ -89,6 +93,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "half_linear with the weight read where it lies: x (..., K) float32 @ [W_0 | W_1 | ...]^T (+ bias) for parts "
         "(N_i, K) bfloat16 or float16 with unit column stride (a memory-mapped checkpoint's rows; every N_i but the "
         "last a multiple of 16), (..., sum N_i) float32, the bits of half_linear over the packed concatenation",
+        py::arg("x"), py::arg("parts"), py::arg("bias") = py::none());
+  m.def("half_greedy_rows", &zoo::half_greedy_rows,
+        "half_greedy with the weight read where it lies (parts as half_linear_rows): "
+        "half_linear_rows(x, parts, bias).max(-1).indices without writing the outputs; int64 (...)",
         py::arg("x"), py::arg("parts"), py::arg("bias") = py::none());
   m.def("pack_half_weight", &zoo::pack_half_weight,
         "W (N, K) bfloat16, float16 or float32 -> (ceil(N/16), K, 16) in its dtype: for each input, 16 output rows' "

@@ -539,9 +539,10 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
 }
 
 // y = x @ [W_0 | W_1 | ...]^T (+ bias) with the weights' rows read where they lie: each part (N_i, K) bfloat16 or
-// float16 with unit column stride, every part but the last N_i a multiple of 16.
+// float16 with unit column stride, every part but the last N_i a multiple of 16 (with `greedy`: each row's pick
+// (...) int64 instead of the outputs).
 torch::Tensor rows_linear(const torch::Tensor& x, const std::vector<torch::Tensor>& parts,
-                          const c10::optional<torch::Tensor>& bias, Path path) {
+                          const c10::optional<torch::Tensor>& bias, Path path, bool greedy = false) {
   TORCH_CHECK(!parts.empty(), "parts must hold at least one weight");
   const int64_t k = x.size(-1);
   const auto dtype = parts[0].scalar_type();
@@ -550,7 +551,8 @@ torch::Tensor rows_linear(const torch::Tensor& x, const std::vector<torch::Tenso
   check_linear_input(x, bias, out_features);
   const auto input = x.contiguous();
   const int64_t rows = k ? input.numel() / k : 0;
-  auto out = linear_output(x, out_features);
+  auto out = greedy ? torch::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kLong))
+                    : linear_output(x, out_features);
   const float* b = bias ? bias->data_ptr<float>() : nullptr;
   ZOO_DISPATCH_HALVES(dtype, "half_linear_rows", [&] {
     std::vector<RowBlock<scalar_t>> blocks;  // 16 rows each, part after part
@@ -558,7 +560,7 @@ torch::Tensor rows_linear(const torch::Tensor& x, const std::vector<torch::Tenso
     const std::vector<scalar_t> zeros(k);
     const RowBlocks<scalar_t> source{blocks.data(), zeros.data(), path};
     multiply<scalar_t>(input.data_ptr<float>(), rows, k, source, blocks.size(), b, out_features,
-                       out.data_ptr<float>(), path);
+                       greedy ? nullptr : out.data_ptr<float>(), path, greedy ? out.data_ptr<int64_t>() : nullptr);
   });
   return out;
 }
@@ -591,6 +593,11 @@ torch::Tensor half_greedy(const torch::Tensor& x, const torch::Tensor& packed, c
 torch::Tensor half_linear_rows(const torch::Tensor& x, const std::vector<torch::Tensor>& parts,
                                const c10::optional<torch::Tensor>& bias) {
   return rows_linear(x, parts, bias, path_in_use());
+}
+
+torch::Tensor half_greedy_rows(const torch::Tensor& x, const std::vector<torch::Tensor>& parts,
+                               const c10::optional<torch::Tensor>& bias) {
+  return rows_linear(x, parts, bias, path_in_use(), true);
 }
 
 namespace {

@@ -53,6 +53,9 @@ torch::Tensor bf16_linear_rows(const torch::Tensor& x, const std::vector<torch::
                                const c10::optional<torch::Tensor>& bias);
 torch::Tensor bf16_silu_gate_rows(const torch::Tensor& x, const torch::Tensor& gate, const torch::Tensor& up,
                                   bool rounded);
+// bf16_greedy over those parts: each row's first largest output, the outputs never written; (...) int64.
+torch::Tensor bf16_greedy_rows(const torch::Tensor& x, const std::vector<torch::Tensor>& parts,
+                               const c10::optional<torch::Tensor>& bias);
 // Those parts (gate and up with `silu_gate`) packed into out (N/16 rounded up, K/2 rounded up, 16, 2) bfloat16: the
 // packed GEMMs' layout, zero rows and a zero input padding it.
 torch::Tensor pack_bf16_rows(const std::vector<torch::Tensor>& parts, bool silu_gate, const torch::Tensor& out);
@@ -79,6 +82,9 @@ torch::Tensor half_greedy(const torch::Tensor& x, const torch::Tensor& packed, c
 // half_linear with the weight read where it lies, in rows: x @ [W_0 | W_1 | ...]^T (+ bias) for parts (N_i, K)
 // bfloat16 or float16 with unit column stride (every N_i but the last a multiple of 16); half_linear's bits.
 torch::Tensor half_linear_rows(const torch::Tensor& x, const std::vector<torch::Tensor>& parts,
+                               const c10::optional<torch::Tensor>& bias);
+// half_greedy over those parts: each row's first largest output, the outputs never written; (...) int64.
+torch::Tensor half_greedy_rows(const torch::Tensor& x, const std::vector<torch::Tensor>& parts,
                                const c10::optional<torch::Tensor>& bias);
 // W (N, K) bfloat16, float16 or float32 -> (N/16 rounded up, K, 16) in its dtype, zero rows padding N: half_linear's
 // layout, written into `out` where given (memory the caller chose), else into new memory.
