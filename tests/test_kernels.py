@@ -266,6 +266,11 @@ def test_rms_norm_is_bitwise_torch(width, dtype):
     normed = kernels.add_rms_norm_(summed, delta, weight, 1e-6)
     assert torch.equal(summed, x + delta)
     assert torch.equal(normed, torch_rms_norm(x + delta, weight, 1e-6))
+    if dtype == torch.float32:  # `rounded`: the same norms rounded to bfloat16, for a GEMM that rounds them so
+        assert torch.equal(kernels.rms_norm(x, weight, 1e-5, True), torch_rms_norm(x, weight, 1e-5).bfloat16())
+        summed = x.clone()
+        rounded = kernels.add_rms_norm_(summed, delta, weight, 1e-6, True)
+        assert torch.equal(summed, x + delta) and torch.equal(rounded, normed.bfloat16())
 
 
 @needs_kernels
@@ -284,6 +289,9 @@ def test_silu_mul_is_bitwise_torch(width):
     (lambda: kernels.rms_norm(torch.randn(4, 8), torch.randn(8).bfloat16(), 1e-5), r"weight must be \(n,\) of x's"),
     (lambda: kernels.add_rms_norm_(torch.randn(4, 8), torch.randn(4, 7), torch.randn(8), 1e-5), "shaped like x"),
     (lambda: kernels.add_rms_norm_(torch.randn(4, 8), torch.randn(4, 8).half(), torch.randn(8), 1e-5), "of its dtype"),
+    (lambda: kernels.rms_norm(torch.randn(4, 8).half(), torch.randn(8).half(), 1e-5, True), "from float32 x alone"),
+    (lambda: kernels.add_rms_norm_(torch.randn(4, 8).bfloat16(), torch.randn(4, 8).bfloat16(),
+                                   torch.randn(8).bfloat16(), 1e-5, True), "from float32 x alone"),
     (lambda: kernels.silu_mul(torch.randn(4, 7)), "must be even"),
     (lambda: kernels.silu_mul(torch.randn(8, 4).t()), "contiguous float32, bfloat16 or float16"),
 ])

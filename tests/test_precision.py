@@ -222,6 +222,52 @@ def test_the_silu_gate_rounded_for_the_down_projection_changes_no_bit(rows, in_f
 
 @needs_bf16
 @pytest.mark.parametrize("amx", BF16_GEMMS)
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("rows, in_features, out_features, bias", [(1, 64, 48, False), (7, 575, 1531, True),
+                                                                   (40, 96, 33, True), (164, 1536, 576, False)])
+def test_a_gemm_adds_its_outputs_into_a_residual_as_an_add_would(rows, in_features, out_features, bias, in_place,
+                                                                  amx):
+    """add_into(residual, x) leaves residual + layer(x) in residual, bit for bit (each output added as the GEMM writes
+    it: bf16_linear_add_, bf16_linear_rows_add_; after it on AMX); from a bfloat16 input as from its float32 source;
+    whatever rows share the call. GatedMLP.add_to hands its down projection's outputs over so, and calls forward (and
+    its hooks) where a hook is set. A bad residual is refused."""
+    if in_place and amx:
+        pytest.skip("the weights read in place have no AMX kernel")
+    generator = torch.Generator().manual_seed(rows)
+    linear, layer = random_bf16_linear(in_features, out_features, bias, amx, generator)
+    if in_place:
+        layer = precision.InPlaceBF16Linear(linear)
+    assert precision.BF16Linear.rounds_inputs_to_bf16 and layer.rounds_inputs_to_bf16
+    x = torch.randn(rows, in_features, generator=generator)
+    residual = torch.randn(rows, out_features, generator=generator)
+    want = residual + layer(x)
+    got = residual.clone()
+    assert layer.add_into(got, x) is got and torch.equal(got, want)
+    if in_features % 2 == 0:
+        got = residual.clone()
+        assert torch.equal(layer.add_into(got, x.to(BF16)), want)
+    added = lambda rows_x: layer.add_into(torch.zeros(rows_x.shape[0], out_features), rows_x)
+    assert_rows_do_not_depend_on_the_batch(added, x, added(x), generator)
+    if not amx:
+        add = cpu_kernels().bf16_linear_rows_add_ if in_place else cpu_kernels().bf16_linear_add_
+        weights = (list(layer.parts), layer.bias) if in_place else (layer.packed, layer.bias, out_features)
+        for bad in (residual[:, :-1], residual.double(), residual.t().contiguous().t() if rows > 1 else residual[:0]):
+            with pytest.raises(RuntimeError, match="residual must be a contiguous float32"):
+                add(bad, x, *weights)
+    mlp = GatedMLP(in_features, 64, "silu", bias=False).to(BF16)
+    mlp.gate_up_proj = precision.SiluGatedBF16Linear(mlp.gate_up_proj, amx)
+    mlp.down_proj = precision.BF16Linear(mlp.down_proj, amx)
+    residual = torch.randn(rows, in_features, generator=generator)
+    want = residual + mlp(x)
+    assert torch.equal(mlp.add_to(residual.clone(), x), want)
+    calls = []
+    handle = mlp.register_forward_hook(lambda *_: calls.append(1))
+    assert torch.equal(mlp.add_to(residual, x), want) and calls == [1]
+    handle.remove()
+
+
+@needs_bf16
+@pytest.mark.parametrize("amx", BF16_GEMMS)
 def test_only_a_silu_gated_mlps_gate_up_projection_is_fused(amx):
     from modelzoo.models.layers import GatedMLP
 

@@ -233,6 +233,15 @@ class BF16Linear(PackedLinear):
         pick = cpu_kernels().amx_bf16_greedy if self.amx else cpu_kernels().bf16_greedy
         return pick(x, self.packed, self.bias, self.out_features)
 
+    def add_into(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """residual += forward(x) in place (residual (..., N) float32), the bits of residual + forward(x): added as the
+        GEMM writes its outputs (bf16_linear_add_), or after it (amx_bf16_linear)."""
+        from modelzoo.cpu.kernels import cpu_kernels
+
+        if self.amx:
+            return residual.add_(self(x))
+        return cpu_kernels().bf16_linear_add_(residual, x, self.packed, self.bias, self.out_features)
+
 
 class SiluGatedBF16Linear(BF16Linear):
     """The gate | up projection of a SwiGLU MLP multiplied by bf16_silu_gate (amx_bf16_silu_gate with `amx`): returns
@@ -240,6 +249,7 @@ class SiluGatedBF16Linear(BF16Linear):
     are packed so that each tile of 4 blocks holds 32 features' gate rows, then their up rows (pack_bf16_parts)."""
 
     applies_silu_gate = True  # GatedMLP feeds its output straight to down_proj
+    add_into = None  # its outputs are gated, never a residual's increment
 
     def __init__(self, layer: nn.Module, amx: bool = False, arena: PackedWeightArena | None = None) -> None:
         super().__init__(layer, amx, arena)
@@ -475,6 +485,18 @@ class InPlaceBF16Linear(InPlaceLinear):
     kernel = "bf16_linear_rows"
     greedy_kernel = "bf16_greedy_rows"
     dtypes = (torch.bfloat16,)
+    rounds_inputs_to_bf16 = True  # as BF16Linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from modelzoo.cpu.kernels import cpu_kernels
+
+        return cpu_kernels().bf16_linear_rows(x, list(self.parts), self.bias)  # (..., N) float32; x of any float dtype
+
+    def add_into(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """residual += forward(x) in place, as BF16Linear.add_into (bf16_linear_rows_add_)."""
+        from modelzoo.cpu.kernels import cpu_kernels
+
+        return cpu_kernels().bf16_linear_rows_add_(residual, x, list(self.parts), self.bias)
 
 
 class InPlaceSiluGatedBF16Linear(InPlaceBF16Linear):
@@ -484,6 +506,7 @@ class InPlaceSiluGatedBF16Linear(InPlaceBF16Linear):
     kernel = "bf16_silu_gate_rows"
     greedy_kernel = ""  # its outputs are silu(gate) * up, not a head's
     applies_silu_gate = True  # GatedMLP feeds its output straight to down_proj
+    add_into = None  # nor a residual's increment
 
     def __init__(self, layer: nn.Module) -> None:
         super().__init__(layer)
@@ -495,7 +518,7 @@ class InPlaceSiluGatedBF16Linear(InPlaceBF16Linear):
         """silu(gate) * up (..., N/2) float32, or rounded to bfloat16 with `round_to_bf16` (SiluGatedBF16Linear)."""
         from modelzoo.cpu.kernels import cpu_kernels
 
-        return cpu_kernels().bf16_silu_gate_rows(x.float(), *self.parts, round_to_bf16)
+        return cpu_kernels().bf16_silu_gate_rows(x, *self.parts, round_to_bf16)
 
 
 def reads_in_place(layer: nn.Module, dtypes: Collection[torch.dtype] = (torch.bfloat16, torch.float16)) -> bool:

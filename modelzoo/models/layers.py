@@ -139,24 +139,35 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, round_to_bf16: bool = False) -> torch.Tensor:
+        """norm(x), of x's dtype; with `round_to_bf16` (for a GEMM that rounds its inputs so anyway, see
+        rounds_inputs_to_bf16) rounded to bfloat16 where the kernel writes it so (float32 x): the same products."""
         kernels = fused_kernels(x)
         if kernels is not None and self.weight.dtype == x.dtype:
-            return kernels.rms_norm(x.contiguous(), self.weight, self.eps)
+            rounded = round_to_bf16 and x.dtype == torch.float32
+            return kernels.rms_norm(x.contiguous(), self.weight, self.eps, rounded)
         dtype = x.dtype
         x = x.to(torch.float32)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
-    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor,
+                     round_to_bf16: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + delta, norm(x + delta)): the residual add and the next norm, in one C++ call where it
-        can (which then updates x in place)."""
+        can (which then updates x in place); `round_to_bf16` as in forward."""
         kernels = fused_kernels(x)
         if (kernels is not None and x.is_contiguous() and delta.is_contiguous() and delta.dtype == x.dtype
                 and self.weight.dtype == x.dtype):
-            return x, kernels.add_rms_norm_(x, delta, self.weight, self.eps)
+            rounded = round_to_bf16 and x.dtype == torch.float32
+            return x, kernels.add_rms_norm_(x, delta, self.weight, self.eps, rounded)
         x = x + delta
         return x, self(x)
+
+
+def rounds_inputs_to_bf16(layer: nn.Module) -> bool:
+    """Whether `layer` is a bfloat16 GEMM that rounds its inputs to bfloat16 (modelzoo/cpu/precision.py): a bfloat16
+    input is then multiplied as it is, the same products as its float32 source's, and its producer may write it so."""
+    return bool(getattr(layer, "rounds_inputs_to_bf16", False))
 
 
 def split_heads(x: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
@@ -306,17 +317,29 @@ class GatedMLP(nn.Module):
         """Whether the gate's activation is SiLU: a GEMM kernel may then apply it to gate_up_proj's output."""
         return self.act is F.silu
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def gated(self, x: torch.Tensor) -> torch.Tensor:
+        """act(gate(x)) * up(x): down_proj's input."""
         if getattr(self.gate_up_proj, "applies_silu_gate", False):  # bf16_silu_gate (modelzoo/cpu/precision.py)
             # rounded to bfloat16 on the way out where down_proj rounds its inputs so anyway: the same products
-            rounded = getattr(self.down_proj, "rounds_inputs_to_bf16", False)
-            return self.down_proj(self.gate_up_proj(x, round_to_bf16=rounded))
+            return self.gate_up_proj(x, round_to_bf16=rounds_inputs_to_bf16(self.down_proj))
         gate_up = self.gate_up_proj(x)
         kernels = fused_kernels(gate_up) if self.act is F.silu else None
         if kernels is not None:
-            return self.down_proj(kernels.silu_mul(gate_up))
+            return kernels.silu_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.act(gate) * up
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.gated(x))
+
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """residual + self(x), the same bits: added into `residual` by the down projection's GEMM where it can
+        (BF16Linear.add_into; residual float32 and not needed after), else through forward (and its hooks)."""
+        add_into = getattr(self.down_proj, "add_into", None)
+        if (add_into is None or self._forward_hooks or self._forward_pre_hooks or residual.dtype != torch.float32
+                or not residual.is_contiguous()):
+            return residual + self(x)
+        return add_into(residual, self.gated(x))
 
 
 def last_token_states(hidden: torch.Tensor, last: torch.Tensor | None) -> torch.Tensor:

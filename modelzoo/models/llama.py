@@ -18,7 +18,8 @@ from torch import nn
 from modelzoo.models.kv_cache import KVCache
 from modelzoo.models.base import CausalLM
 from modelzoo.models.config import DecoderConfig, RopeConfig
-from modelzoo.models.layers import ForwardContext, GatedMLP, RMSNorm, cached_attention, split_heads
+from modelzoo.models.layers import (ForwardContext, GatedMLP, RMSNorm, cached_attention, rounds_inputs_to_bf16,
+                                    split_heads)
 from modelzoo.models.positions import RotaryEmbedding
 
 
@@ -106,8 +107,11 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
-        x, normed = self.post_attention_layernorm.add_and_norm(x, self.self_attn(self.input_layernorm(x), rotary, ctx))
-        return x + self.mlp(normed)
+        # Each norm's outputs rounded to bfloat16 where its GEMM rounds them so anyway; the MLP's added into x.
+        normed = self.input_layernorm(x, round_to_bf16=rounds_inputs_to_bf16(self.self_attn.qkv_proj))
+        x, normed = self.post_attention_layernorm.add_and_norm(
+            x, self.self_attn(normed, rotary, ctx), round_to_bf16=rounds_inputs_to_bf16(self.mlp.gate_up_proj))
+        return self.mlp.add_to(x, normed)
 
 
 class LlamaModel(nn.Module):

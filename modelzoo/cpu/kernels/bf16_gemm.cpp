@@ -244,7 +244,7 @@ struct Weights {
 // into a scratch that all its row tiles read. Either way each output sums its pairs in ascending order from zero.
 void multiply(const uint32_t* xb, int64_t rows, int64_t pairs, int64_t k, const Weights& weights, int64_t blocks,
               const float* bias, int64_t out_features, bool silu_gate, Broadcast mode, float* y,
-              GreedyPicks* picks = nullptr, c10::BFloat16* gated16 = nullptr) {
+              GreedyPicks* picks = nullptr, c10::BFloat16* gated16 = nullptr, bool accumulate = false) {
   const int64_t column_tiles = (blocks + kBlocksTile - 1) / kBlocksTile;
   const int64_t row_tiles = (rows + kRowsTile - 1) / kRowsTile;
   const int64_t block_values = pairs * 2 * kBlock;
@@ -272,7 +272,9 @@ void multiply(const uint32_t* xb, int64_t rows, int64_t pairs, int64_t k, const 
       }
       float* out = y + (row + r) * out_features;
       const int64_t first = block * kBlock, last = std::min(out_features, (block + tile_blocks) * kBlock);
-      if (bias) {
+      if (accumulate) {  // y + (x @ W^T + bias), as y + linear(x) adds them
+        for (int64_t n = first; n < last; ++n) out[n] += bias ? values[n - first] + bias[n] : values[n - first];
+      } else if (bias) {
         for (int64_t n = first; n < last; ++n) out[n] = values[n - first] + bias[n];
       } else {
         std::memcpy(out + first, values, (last - first) * sizeof(float));
@@ -346,26 +348,40 @@ Pairs rounded_pairs(const torch::Tensor& input, int64_t rows, int64_t k, int64_t
   return {std::move(xb), data};
 }
 
-// multiply() into `out` (float32, or bfloat16 `rounded` SiLU-gated outputs).
+// multiply() into `out` (float32, or bfloat16 `rounded` SiLU-gated outputs), or with `accumulate` added to it.
 void multiply_into(const Pairs& xb, int64_t rows, int64_t pairs, int64_t k, const Weights& weights, int64_t blocks,
                    const c10::optional<torch::Tensor>& bias, int64_t out_features, bool silu_gate, Broadcast mode,
-                   torch::Tensor& out) {
+                   torch::Tensor& out, bool accumulate = false) {
   const bool rounded = out.scalar_type() == at::kBFloat16;
   multiply(xb.data, rows, pairs, k, weights, blocks, bias ? bias->data_ptr<float>() : nullptr, out_features, silu_gate,
-           mode, rounded ? nullptr : out.data_ptr<float>(), nullptr, rounded ? out.data_ptr<c10::BFloat16>() : nullptr);
+           mode, rounded ? nullptr : out.data_ptr<float>(), nullptr, rounded ? out.data_ptr<c10::BFloat16>() : nullptr,
+           accumulate);
 }
 
+// The output of a GEMM of x (..., K) that adds its outputs to `residual`: residual itself, checked to be float32
+// (..., out_features), contiguous, on the CPU.
+torch::Tensor& checked_residual(torch::Tensor& residual, const torch::Tensor& x, int64_t out_features) {
+  auto sizes = x.sizes().vec();
+  sizes.back() = out_features;
+  TORCH_CHECK(residual.device().is_cpu() && residual.scalar_type() == at::kFloat && residual.is_contiguous() &&
+                  residual.sizes() == at::IntArrayRef(sizes),
+              "residual must be a contiguous float32 CPU tensor (..., out_features) for x (..., K)");
+  return residual;
+}
+
+// bf16_linear or bf16_silu_gate over packed weights into a new output, or with `residual` added to it.
 torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
                             const c10::optional<torch::Tensor>& bias, int64_t out_features, bool silu_gate,
-                            Broadcast mode, bool rounded = false) {
+                            Broadcast mode, bool rounded = false, torch::Tensor* residual = nullptr) {
   check_bf16_gemm(x, packed, bias, out_features, silu_gate);
-  auto out = checked_output(x, bias, out_features, silu_gate, rounded);
+  auto out = residual ? checked_residual(*residual, x, out_features)
+                      : checked_output(x, bias, out_features, silu_gate, rounded);
   const int64_t blocks = packed.size(0), pairs = packed.size(1), k = x.size(-1);
   const auto input = x.contiguous();
   const int64_t rows = k ? input.numel() / k : 0;
   const auto xb = rounded_pairs(input, rows, k, pairs);
   const Weights weights{reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), nullptr, nullptr};
-  multiply_into(xb, rows, pairs, k, weights, blocks, bias, out_features, silu_gate, mode, out);
+  multiply_into(xb, rows, pairs, k, weights, blocks, bias, out_features, silu_gate, mode, out, residual != nullptr);
   return out;
 }
 
@@ -391,17 +407,18 @@ std::vector<RowBlock<uint16_t>> row_blocks(const std::vector<torch::Tensor>& par
 }
 
 // bf16_linear (bf16_silu_gate with `silu_gate`: parts gate and up; bf16_greedy with `greedy`: int64 (...) picks, the
-// outputs never written) over weights read where they lie: parts (N_i, K) bfloat16 with unit column stride, side by
-// side.
+// outputs never written; with `residual`, the outputs added to it) over weights read where they lie: parts (N_i, K)
+// bfloat16 with unit column stride, side by side.
 torch::Tensor rows_linear(const torch::Tensor& x, const std::vector<torch::Tensor>& parts,
                           const c10::optional<torch::Tensor>& bias, bool silu_gate, Broadcast mode,
-                          bool rounded = false, bool greedy = false) {
+                          bool rounded = false, bool greedy = false, torch::Tensor* residual = nullptr) {
   check_input(x);
   const int64_t k = x.size(-1), pairs = (k + 1) / 2;
   int64_t out_features;
   const auto blocks = row_blocks(parts, k, silu_gate, out_features);
   auto out = checked_output(x, bias, out_features, silu_gate, rounded);  // the picks' checks too
   if (greedy) out = torch::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kLong));  // (...)
+  if (residual) out = checked_residual(*residual, x, out_features);
   const auto input = x.contiguous();
   const int64_t rows = k ? input.numel() / k : 0;
   if (rows == 0) return out;
@@ -415,7 +432,8 @@ torch::Tensor rows_linear(const torch::Tensor& x, const std::vector<torch::Tenso
     picks.write(out.data_ptr<int64_t>());
     return out;
   }
-  multiply_into(xb, rows, pairs, k, weights, blocks.size(), bias, out_features, silu_gate, mode, out);
+  multiply_into(xb, rows, pairs, k, weights, blocks.size(), bias, out_features, silu_gate, mode, out,
+                residual != nullptr);
   return out;
 }
 
@@ -443,6 +461,11 @@ torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, c
 
 torch::Tensor bf16_silu_gate(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features, bool rounded) {
   return packed_linear(x, packed, c10::nullopt, out_features, true, broadcast_mode(), rounded);
+}
+
+torch::Tensor bf16_linear_add_(torch::Tensor& residual, const torch::Tensor& x, const torch::Tensor& packed,
+                               const c10::optional<torch::Tensor>& bias, int64_t out_features) {
+  return packed_linear(x, packed, bias, out_features, false, broadcast_mode(), false, &residual);
 }
 
 torch::Tensor bf16_greedy(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
@@ -475,6 +498,11 @@ torch::Tensor bf16_silu_gate_rows(const torch::Tensor& x, const torch::Tensor& g
 torch::Tensor bf16_greedy_rows(const torch::Tensor& x, const std::vector<torch::Tensor>& parts,
                                const c10::optional<torch::Tensor>& bias) {
   return rows_linear(x, parts, bias, false, broadcast_mode(), false, true);
+}
+
+torch::Tensor bf16_linear_rows_add_(torch::Tensor& residual, const torch::Tensor& x,
+                                    const std::vector<torch::Tensor>& parts, const c10::optional<torch::Tensor>& bias) {
+  return rows_linear(x, parts, bias, false, broadcast_mode(), false, false, &residual);
 }
 
 torch::Tensor pack_bf16_rows(const std::vector<torch::Tensor>& parts, bool silu_gate, const torch::Tensor& out) {
@@ -530,6 +558,16 @@ torch::Tensor bf16_silu_gate_rows(const torch::Tensor&, const torch::Tensor&, co
 torch::Tensor bf16_greedy_rows(const torch::Tensor&, const std::vector<torch::Tensor>&,
                                const c10::optional<torch::Tensor>&) {
   TORCH_CHECK(false, "bf16_greedy_rows needs AVX512-BF16, which this build's CPU lacks");
+}
+
+torch::Tensor bf16_linear_add_(torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                               const c10::optional<torch::Tensor>&, int64_t) {
+  TORCH_CHECK(false, "bf16_linear_add_ needs AVX512-BF16, which this build's CPU lacks");
+}
+
+torch::Tensor bf16_linear_rows_add_(torch::Tensor&, const torch::Tensor&, const std::vector<torch::Tensor>&,
+                                    const c10::optional<torch::Tensor>&) {
+  TORCH_CHECK(false, "bf16_linear_rows_add_ needs AVX512-BF16, which this build's CPU lacks");
 }
 
 torch::Tensor pack_bf16_rows(const std::vector<torch::Tensor>&, bool, const torch::Tensor&) {

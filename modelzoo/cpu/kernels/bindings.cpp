@@ -13,8 +13,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "of the two, timed at the first call; `use` sets it instead), 2 on AVX2. The results are the same bits "
         "either way.",
         py::arg("use") = 0);
-  m.def("rms_norm", &zoo::rms_norm, "weight * x * rsqrt(mean(x^2, -1) + eps), as transformers' RMSNorm computes it");
-  m.def("add_rms_norm_", &zoo::add_rms_norm_, "x += delta in place, then returns rms_norm(x, weight, eps)");
+  m.def("rms_norm", &zoo::rms_norm,
+        "weight * x * rsqrt(mean(x^2, -1) + eps), as transformers' RMSNorm computes it; with `rounded` (float32 x), "
+        "those outputs rounded to bfloat16",
+        py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("rounded") = false);
+  m.def("add_rms_norm_", &zoo::add_rms_norm_, "x += delta in place, then returns rms_norm(x, weight, eps, rounded)",
+        py::arg("x"), py::arg("delta"), py::arg("weight"), py::arg("eps"), py::arg("rounded") = false);
   m.def("int8_vnni_available", &zoo::int8_vnni_available,
         "Whether int8_linear was built with AVX512-VNNI (8-bit activations need it; 16-bit ones run on AVX2 too)");
   m.def("int8_linear", &zoo::int8_linear,
@@ -49,6 +53,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "bf16_silu_gate with gate and up (I, K) bfloat16 read where they lie (I a multiple of 32): silu(gate) * up "
         "(..., I) float32 (bfloat16 with `rounded`), the bits of bf16_silu_gate",
         py::arg("x"), py::arg("gate"), py::arg("up"), py::arg("rounded") = false);
+  m.def("bf16_linear_add_", &zoo::bf16_linear_add_,
+        "residual += bf16_linear(x, packed, bias, out_features) in place (each output added as residual + linear(x) "
+        "adds it): a residual sum without a separate pass; residual (..., out_features) float32, returned",
+        py::arg("residual"), py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(), py::arg("out_features"));
+  m.def("bf16_linear_rows_add_", &zoo::bf16_linear_rows_add_,
+        "residual += bf16_linear_rows(x, parts, bias) in place (bf16_linear_add_ with the weight read where it lies)",
+        py::arg("residual"), py::arg("x"), py::arg("parts"), py::arg("bias") = py::none());
   m.def("bf16_greedy_rows", &zoo::bf16_greedy_rows,
         "bf16_greedy with the weight read where it lies (parts as bf16_linear_rows): "
         "bf16_linear_rows(x, parts, bias).max(-1).indices without writing the outputs; int64 (...)",

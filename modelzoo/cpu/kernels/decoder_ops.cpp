@@ -126,38 +126,65 @@ void silu_row(const float* gate, float* out, int64_t n) {
   for (int64_t i = blocks; i < n; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i]));
 }
 
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+// The norm's output for x: x's dtype, or with `rounded` (float32 x alone) bfloat16.
+torch::Tensor norm_output(const torch::Tensor& x, bool rounded) {
+  TORCH_CHECK(!rounded || x.scalar_type() == at::kFloat, "a norm rounds its outputs to bfloat16 from float32 x alone");
+  return torch::empty_like(x, rounded ? x.options().dtype(at::kBFloat16) : x.options());
+}
+
+// A row's norm (n values from float32 x, weight of T) into `out` (T), or with `rounded` (T float32 alone) rounded to
+// bfloat16 into `rounded` through the float32 scratch `normed`.
+template <typename T>
+void norm_row_into(const float* x, const T* weight, float eps, T* out, c10::BFloat16* rounded, int64_t n,
+                   std::vector<float>& normed) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (rounded) {
+      normed.resize(n);
+      rms_norm_row(x, weight, eps, normed.data(), n);
+      round_to_bf16(normed.data(), n, rounded);
+      return;
+    }
+  }
+  rms_norm_row(x, weight, eps, out, n);
+}
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, bool rounded) {
   check_rows(x, weight);
-  auto out = torch::empty_like(x);
+  auto out = norm_output(x, rounded);
   const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
   ZOO_DISPATCH_FLOATS(x.scalar_type(), "rms_norm", [&] {
     const scalar_t *xp = x.data_ptr<scalar_t>(), *wp = weight.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
+    scalar_t* op = rounded ? nullptr : out.data_ptr<scalar_t>();
+    c10::BFloat16* bp = rounded ? out.data_ptr<c10::BFloat16>() : nullptr;
     at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
-      std::vector<float> wide;
+      std::vector<float> wide, normed;
       for (int64_t r = begin; r < end; ++r)
-        rms_norm_row(as_floats(xp + r * n, wide, n), wp, static_cast<float>(eps), op + r * n, n);
+        norm_row_into(as_floats(xp + r * n, wide, n), wp, static_cast<float>(eps), op ? op + r * n : nullptr,
+                      bp ? bp + r * n : nullptr, n, normed);
     });
   });
   return out;
 }
 
-torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& delta, const torch::Tensor& weight, double eps) {
+torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& delta, const torch::Tensor& weight, double eps,
+                            bool rounded) {
   check_rows(x, weight);
   TORCH_CHECK(delta.sizes() == x.sizes() && delta.scalar_type() == x.scalar_type() && delta.is_contiguous(),
               "delta must be a contiguous tensor shaped like x, of its dtype");
-  auto out = torch::empty_like(x);
+  auto out = norm_output(x, rounded);
   const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
   ZOO_DISPATCH_FLOATS(x.scalar_type(), "add_rms_norm_", [&] {
     scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t *dp = delta.data_ptr<scalar_t>(), *wp = weight.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
+    scalar_t* op = rounded ? nullptr : out.data_ptr<scalar_t>();
+    c10::BFloat16* bp = rounded ? out.data_ptr<c10::BFloat16>() : nullptr;
     at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
-      std::vector<float> wide;
+      std::vector<float> wide, normed;
       for (int64_t r = begin; r < end; ++r) {
         scalar_t* row = xp + r * n;
         for (int64_t i = 0; i < n; ++i) row[i] = from_float<scalar_t>(to_float(row[i]) + to_float(dp[r * n + i]));
-        rms_norm_row(as_floats(row, wide, n), wp, static_cast<float>(eps), op + r * n, n);  // on the rounded sum
+        norm_row_into(as_floats(row, wide, n), wp, static_cast<float>(eps), op ? op + r * n : nullptr,
+                      bp ? bp + r * n : nullptr, n, normed);  // on the rounded sum
       }
     });
   });

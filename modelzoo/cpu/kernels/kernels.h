@@ -15,8 +15,10 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& new_
 int64_t attention_keys_at_once(int64_t use);
 
 // decoder_ops.cpp: the fused small ops, bitwise equal to their PyTorch spelling.
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
-torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& delta, const torch::Tensor& weight, double eps);
+// With `rounded` (float32 x alone): the outputs rounded to bfloat16, for a GEMM that rounds its inputs so anyway.
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, bool rounded);
+torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& delta, const torch::Tensor& weight, double eps,
+                            bool rounded);
 torch::Tensor silu_mul(const torch::Tensor& gate_up);
 // out[0, n) = silu(gate[0, n)), as ATen computes it (silu_mul's and bf16_linear's SiLU gate).
 void silu_row(const float* gate, float* out, int64_t n);
@@ -56,6 +58,12 @@ torch::Tensor bf16_silu_gate_rows(const torch::Tensor& x, const torch::Tensor& g
 // bf16_greedy over those parts: each row's first largest output, the outputs never written; (...) int64.
 torch::Tensor bf16_greedy_rows(const torch::Tensor& x, const std::vector<torch::Tensor>& parts,
                                const c10::optional<torch::Tensor>& bias);
+// residual += bf16_linear(x, packed, bias, out_features) (bf16_linear_rows(x, parts, bias)) in place, each output
+// added as residual + linear(x) adds it; residual (..., out_features) float32, returned.
+torch::Tensor bf16_linear_add_(torch::Tensor& residual, const torch::Tensor& x, const torch::Tensor& packed,
+                               const c10::optional<torch::Tensor>& bias, int64_t out_features);
+torch::Tensor bf16_linear_rows_add_(torch::Tensor& residual, const torch::Tensor& x,
+                                    const std::vector<torch::Tensor>& parts, const c10::optional<torch::Tensor>& bias);
 // Those parts (gate and up with `silu_gate`) packed into out (N/16 rounded up, K/2 rounded up, 16, 2) bfloat16: the
 // packed GEMMs' layout, zero rows and a zero input padding it.
 torch::Tensor pack_bf16_rows(const std::vector<torch::Tensor>& parts, bool silu_gate, const torch::Tensor& out);

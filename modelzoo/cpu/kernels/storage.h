@@ -122,13 +122,19 @@ inline void narrow(const float* in, T* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = from_float<T>(in[i]);
 }
 
+// n values of T rounded to bfloat16 to the nearest even (NaN a quiet NaN), 16 at a time.
+template <typename T>
+inline void round_to_bf16(const T* x, int64_t n, c10::BFloat16* out) {
+  int64_t i = 0;
+  for (; i + W <= n; i += W) store16(out + i, load16(x + i));
+  for (; i < n; ++i) out[i] = c10::BFloat16(to_float(x[i]));
+}
+
 // A row of x (k values of T) as bfloat16 pairs, rounded to nearest even, a zero appended for an odd k.
 template <typename T>
 inline void round_row(const T* x, int64_t k, int64_t pairs, uint32_t* out) {
   auto* halves = reinterpret_cast<c10::BFloat16*>(out);
-  int64_t i = 0;
-  for (; i + W <= k; i += W) store16(halves + i, load16(x + i));
-  for (; i < k; ++i) halves[i] = c10::BFloat16(to_float(x[i]));
+  round_to_bf16(x, k, halves);
   if (k < 2 * pairs) halves[k] = c10::BFloat16(0.f);
 }
 
