@@ -237,12 +237,11 @@ constexpr int64_t kGroupsAhead = 2;
 template <typename T>
 inline void prefetch_group(const T* ahead, const T* end, const T* values, int64_t D) {
   const char* key_lines = reinterpret_cast<const char*>(ahead);
-  const char* key_end = reinterpret_cast<const char*>(end);
   const char* value_lines = reinterpret_cast<const char*>(values);
-  for (int64_t line = 0; line < W * D * static_cast<int64_t>(sizeof(T)); line += 64) {
-    if (key_lines + line < key_end) _mm_prefetch(key_lines + line, _MM_HINT_T0);
-    _mm_prefetch(value_lines + line, _MM_HINT_T1);
-  }
+  const int64_t bytes = W * D * static_cast<int64_t>(sizeof(T));
+  const int64_t key_bytes = std::clamp<int64_t>(reinterpret_cast<const char*>(end) - key_lines, 0, bytes);
+  for (int64_t line = 0; line < key_bytes; line += 64) _mm_prefetch(key_lines + line, _MM_HINT_T0);
+  for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(value_lines + line, _MM_HINT_T1);
 }
 
 // Scale, mask and peaks of `count` keys' raw scores tile (R, count) from key `first` on into rows of scores: the
