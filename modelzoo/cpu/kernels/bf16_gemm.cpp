@@ -416,9 +416,10 @@ torch::Tensor rows_linear(const torch::Tensor& x, const std::vector<torch::Tenso
   const int64_t k = x.size(-1), pairs = (k + 1) / 2;
   int64_t out_features;
   const auto blocks = row_blocks(parts, k, silu_gate, out_features);
-  auto out = checked_output(x, bias, out_features, silu_gate, rounded);  // the picks' checks too
-  if (greedy) out = torch::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kLong));  // (...)
-  if (residual) out = checked_residual(*residual, x, out_features);
+  check_bias(bias, out_features, silu_gate);
+  auto out = residual ? checked_residual(*residual, x, out_features)
+             : greedy ? torch::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kLong))  // (...)
+                      : checked_output(x, bias, out_features, silu_gate, rounded);
   const auto input = x.contiguous();
   const int64_t rows = k ? input.numel() / k : 0;
   if (rows == 0) return out;
