@@ -356,7 +356,7 @@ def test_the_layout_gain_counts_decode_steps_and_prompt_tokens():
 
 
 @pytest.mark.skipif(modelzoo.cpu.kernels.cpu_kernels() is None, reason="the C++ kernels cannot be built here")
-def test_the_vocabulary_heads_layout_counts_one_prefill_row_per_prompt(tmp_path, monkeypatch):
+def test_the_vocabulary_heads_layout_counts_one_prefill_row_per_prompt(monkeypatch):
     """The head multiplies each prompt's last token alone in prefill: its layout weighs the decode steps and one row
     per prompt, not every prompt token, so a head that packing only speeds up in prefill is read in place while a
     layer of its shape inside the model would be packed."""
