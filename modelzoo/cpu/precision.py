@@ -430,12 +430,14 @@ def pack_half_parts(parts: list[torch.Tensor], memory: Memory = new_memory) -> t
 class InPlaceLinear(nn.Module):
     """A linear layer whose 16-bit weight a C++ GEMM reads where it lies, in rows (a view of the checkpoint's memory
     map, or a JoinedLinear's parts side by side), with the bits of the same GEMM over the packed weight: nothing is
-    written at set-up. A float32 bias, float32 inputs and outputs."""
+    written at set-up. A float32 bias, float32 inputs (any float dtype where the kernel rounds them to bfloat16 itself)
+    and float32 outputs."""
 
     kernel = ""  # the C++ function, called (x, parts, bias)
     greedy_kernel = ""  # the same GEMM's picks, called (x, parts, bias): each row's first largest output
     dtypes: tuple[torch.dtype, ...] = ()  # the weight dtypes it reads
     reads_weight_in_place = True  # its checkpoint pages are the weight
+    rounds_inputs_to_bf16 = False  # True: the kernel takes inputs of any float dtype as they are, else float32
 
     def __init__(self, layer: nn.Module) -> None:
         super().__init__()
@@ -450,7 +452,11 @@ class InPlaceLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from modelzoo.cpu.kernels import cpu_kernels
 
-        return getattr(cpu_kernels(), self.kernel)(x.float(), list(self.parts), self.bias)  # (..., N) float32
+        return getattr(cpu_kernels(), self.kernel)(self.kernel_input(x), list(self.parts), self.bias)  # (..., N) f32
+
+    def kernel_input(self, x: torch.Tensor) -> torch.Tensor:
+        """x as the kernel takes it: as it is where the kernel rounds it to bfloat16 itself, else float32."""
+        return x if self.rounds_inputs_to_bf16 else x.float()
 
     @property
     def fuses_greedy(self) -> bool:
@@ -462,7 +468,7 @@ class InPlaceLinear(nn.Module):
         NaN where there is one), from the same float32 sums."""
         from modelzoo.cpu.kernels import cpu_kernels
 
-        return getattr(cpu_kernels(), self.greedy_kernel)(x.float(), list(self.parts), self.bias)
+        return getattr(cpu_kernels(), self.greedy_kernel)(self.kernel_input(x), list(self.parts), self.bias)
 
     def packed_bytes(self) -> int:
         """The weight's bytes (held outside the layer's parameters)."""
@@ -487,16 +493,11 @@ class InPlaceBF16Linear(InPlaceLinear):
     dtypes = (torch.bfloat16,)
     rounds_inputs_to_bf16 = True  # as BF16Linear
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from modelzoo.cpu.kernels import cpu_kernels
-
-        return cpu_kernels().bf16_linear_rows(x, list(self.parts), self.bias)  # (..., N) float32; x of any float dtype
-
     def add_into(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """residual += forward(x) in place, as BF16Linear.add_into (bf16_linear_rows_add_)."""
         from modelzoo.cpu.kernels import cpu_kernels
 
-        return cpu_kernels().bf16_linear_rows_add_(residual, x, list(self.parts), self.bias)
+        return cpu_kernels().bf16_linear_rows_add_(residual, self.kernel_input(x), list(self.parts), self.bias)
 
 
 class InPlaceSiluGatedBF16Linear(InPlaceBF16Linear):
@@ -518,7 +519,7 @@ class InPlaceSiluGatedBF16Linear(InPlaceBF16Linear):
         """silu(gate) * up (..., N/2) float32, or rounded to bfloat16 with `round_to_bf16` (SiluGatedBF16Linear)."""
         from modelzoo.cpu.kernels import cpu_kernels
 
-        return cpu_kernels().bf16_silu_gate_rows(x, *self.parts, round_to_bf16)
+        return cpu_kernels().bf16_silu_gate_rows(self.kernel_input(x), *self.parts, round_to_bf16)
 
 
 def reads_in_place(layer: nn.Module, dtypes: Collection[torch.dtype] = (torch.bfloat16, torch.float16)) -> bool:

@@ -264,7 +264,7 @@ void multiply(const uint32_t* xb, int64_t rows, int64_t pairs, int64_t k, const 
         silu_row(values, silu, kGated);
         for (int64_t n = 0; n < kGated; ++n) silu[n] *= values[kGated + n];
         if (gated16) {
-          for (int64_t n = 0; n < kGated; n += 16) store16(gated16 + first + n, load16(silu + n));
+          round_to_bf16(silu, kGated, gated16 + first);
         } else {
           std::memcpy(y + first, silu, kGated * sizeof(float));
         }
@@ -348,40 +348,65 @@ Pairs rounded_pairs(const torch::Tensor& input, int64_t rows, int64_t k, int64_t
   return {std::move(xb), data};
 }
 
-// multiply() into `out` (float32, or bfloat16 `rounded` SiLU-gated outputs), or with `accumulate` added to it.
-void multiply_into(const Pairs& xb, int64_t rows, int64_t pairs, int64_t k, const Weights& weights, int64_t blocks,
+// What a bfloat16 GEMM call leaves: its outputs in a new tensor (float32, or bfloat16 SiLU-gated outputs with
+// `rounded`), each row's pick among them (`greedy`: int64 (...), the outputs never written), or its outputs added to
+// `residual` (float32 (..., out_features)) in place.
+struct Target {
+  bool rounded = false;
+  bool greedy = false;
+  torch::Tensor* residual = nullptr;
+};
+
+// The call's output for x (..., K), `target`'s kind, checked (the bias too).
+torch::Tensor target_output(const torch::Tensor& x, const c10::optional<torch::Tensor>& bias, int64_t out_features,
+                            bool silu_gate, const Target& target) {
+  if (target.residual) {
+    check_bias(bias, out_features, silu_gate);
+    auto sizes = x.sizes().vec();
+    sizes.back() = out_features;
+    const auto& residual = *target.residual;
+    TORCH_CHECK(residual.device().is_cpu() && residual.scalar_type() == at::kFloat && residual.is_contiguous() &&
+                    residual.sizes() == at::IntArrayRef(sizes),
+                "residual must be a contiguous float32 CPU tensor (..., out_features) for x (..., K)");
+    return residual;
+  }
+  if (target.greedy) {
+    check_bias(bias, out_features, silu_gate);
+    return torch::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kLong));  // (...)
+  }
+  return checked_output(x, bias, out_features, silu_gate, target.rounded);
+}
+
+// multiply() of x's rows into `out`, target_output's for `target`.
+void multiply_into(const torch::Tensor& x, int64_t k, int64_t pairs, const Weights& weights, int64_t blocks,
                    const c10::optional<torch::Tensor>& bias, int64_t out_features, bool silu_gate, Broadcast mode,
-                   torch::Tensor& out, bool accumulate = false) {
-  const bool rounded = out.scalar_type() == at::kBFloat16;
-  multiply(xb.data, rows, pairs, k, weights, blocks, bias ? bias->data_ptr<float>() : nullptr, out_features, silu_gate,
-           mode, rounded ? nullptr : out.data_ptr<float>(), nullptr, rounded ? out.data_ptr<c10::BFloat16>() : nullptr,
-           accumulate);
-}
-
-// The output of a GEMM of x (..., K) that adds its outputs to `residual`: residual itself, checked to be float32
-// (..., out_features), contiguous, on the CPU.
-torch::Tensor& checked_residual(torch::Tensor& residual, const torch::Tensor& x, int64_t out_features) {
-  auto sizes = x.sizes().vec();
-  sizes.back() = out_features;
-  TORCH_CHECK(residual.device().is_cpu() && residual.scalar_type() == at::kFloat && residual.is_contiguous() &&
-                  residual.sizes() == at::IntArrayRef(sizes),
-              "residual must be a contiguous float32 CPU tensor (..., out_features) for x (..., K)");
-  return residual;
-}
-
-// bf16_linear or bf16_silu_gate over packed weights into a new output, or with `residual` added to it.
-torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
-                            const c10::optional<torch::Tensor>& bias, int64_t out_features, bool silu_gate,
-                            Broadcast mode, bool rounded = false, torch::Tensor* residual = nullptr) {
-  check_bf16_gemm(x, packed, bias, out_features, silu_gate);
-  auto out = residual ? checked_residual(*residual, x, out_features)
-                      : checked_output(x, bias, out_features, silu_gate, rounded);
-  const int64_t blocks = packed.size(0), pairs = packed.size(1), k = x.size(-1);
+                   const Target& target, torch::Tensor& out) {
   const auto input = x.contiguous();
   const int64_t rows = k ? input.numel() / k : 0;
+  if (rows == 0) return;
   const auto xb = rounded_pairs(input, rows, k, pairs);
+  const float* b = bias ? bias->data_ptr<float>() : nullptr;
+  if (target.greedy) {
+    GreedyPicks picks(rows, (blocks + kBlocksTile - 1) / kBlocksTile);
+    multiply(xb.data, rows, pairs, k, weights, blocks, b, out_features, false, mode, nullptr, &picks);
+    picks.write(out.data_ptr<int64_t>());
+    return;
+  }
+  const bool rounded = out.scalar_type() == at::kBFloat16;
+  multiply(xb.data, rows, pairs, k, weights, blocks, b, out_features, silu_gate, mode,
+           rounded ? nullptr : out.data_ptr<float>(), nullptr, rounded ? out.data_ptr<c10::BFloat16>() : nullptr,
+           target.residual != nullptr);
+}
+
+// bf16_linear, bf16_silu_gate or bf16_greedy over packed weights, leaving `target`.
+torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                            const c10::optional<torch::Tensor>& bias, int64_t out_features, bool silu_gate,
+                            Broadcast mode, const Target& target = {}) {
+  check_bf16_gemm(x, packed, bias, out_features, silu_gate);
+  auto out = target_output(x, bias, out_features, silu_gate, target);
   const Weights weights{reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), nullptr, nullptr};
-  multiply_into(xb, rows, pairs, k, weights, blocks, bias, out_features, silu_gate, mode, out, residual != nullptr);
+  multiply_into(x, x.size(-1), packed.size(1), weights, packed.size(0), bias, out_features, silu_gate, mode, target,
+                out);
   return out;
 }
 
@@ -406,35 +431,19 @@ std::vector<RowBlock<uint16_t>> row_blocks(const std::vector<torch::Tensor>& par
   return blocks;
 }
 
-// bf16_linear (bf16_silu_gate with `silu_gate`: parts gate and up; bf16_greedy with `greedy`: int64 (...) picks, the
-// outputs never written; with `residual`, the outputs added to it) over weights read where they lie: parts (N_i, K)
-// bfloat16 with unit column stride, side by side.
+// bf16_linear (bf16_silu_gate with `silu_gate`: parts gate and up; bf16_greedy) over weights read where they lie:
+// parts (N_i, K) bfloat16 with unit column stride, side by side; leaving `target`.
 torch::Tensor rows_linear(const torch::Tensor& x, const std::vector<torch::Tensor>& parts,
                           const c10::optional<torch::Tensor>& bias, bool silu_gate, Broadcast mode,
-                          bool rounded = false, bool greedy = false, torch::Tensor* residual = nullptr) {
+                          const Target& target = {}) {
   check_input(x);
   const int64_t k = x.size(-1), pairs = (k + 1) / 2;
   int64_t out_features;
   const auto blocks = row_blocks(parts, k, silu_gate, out_features);
-  check_bias(bias, out_features, silu_gate);
-  auto out = residual ? checked_residual(*residual, x, out_features)
-             : greedy ? torch::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kLong))  // (...)
-                      : checked_output(x, bias, out_features, silu_gate, rounded);
-  const auto input = x.contiguous();
-  const int64_t rows = k ? input.numel() / k : 0;
-  if (rows == 0) return out;
-  const auto xb = rounded_pairs(input, rows, k, pairs);
+  auto out = target_output(x, bias, out_features, silu_gate, target);
   const std::vector<uint16_t> zeros(k + 1);
   const Weights weights{nullptr, blocks.data(), zeros.data()};
-  if (greedy) {
-    GreedyPicks picks(rows, (static_cast<int64_t>(blocks.size()) + kBlocksTile - 1) / kBlocksTile);
-    multiply(xb.data, rows, pairs, k, weights, blocks.size(), bias ? bias->data_ptr<float>() : nullptr, out_features,
-             false, mode, nullptr, &picks);
-    picks.write(out.data_ptr<int64_t>());
-    return out;
-  }
-  multiply_into(xb, rows, pairs, k, weights, blocks.size(), bias, out_features, silu_gate, mode, out,
-                residual != nullptr);
+  multiply_into(x, k, pairs, weights, blocks.size(), bias, out_features, silu_gate, mode, target, out);
   return out;
 }
 
@@ -461,29 +470,17 @@ torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, c
 }
 
 torch::Tensor bf16_silu_gate(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features, bool rounded) {
-  return packed_linear(x, packed, c10::nullopt, out_features, true, broadcast_mode(), rounded);
+  return packed_linear(x, packed, c10::nullopt, out_features, true, broadcast_mode(), {rounded});
 }
 
 torch::Tensor bf16_linear_add_(torch::Tensor& residual, const torch::Tensor& x, const torch::Tensor& packed,
                                const c10::optional<torch::Tensor>& bias, int64_t out_features) {
-  return packed_linear(x, packed, bias, out_features, false, broadcast_mode(), false, &residual);
+  return packed_linear(x, packed, bias, out_features, false, broadcast_mode(), {false, false, &residual});
 }
 
 torch::Tensor bf16_greedy(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                           int64_t out_features) {
-  check_bf16_gemm(x, packed, bias, out_features, false);
-  auto tokens = torch::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kLong));  // (...)
-  const int64_t blocks = packed.size(0), pairs = packed.size(1), k = x.size(-1);
-  const auto input = x.contiguous();
-  const int64_t rows = k ? input.numel() / k : 0;
-  if (rows == 0) return tokens;
-  const auto xb = rounded_pairs(input, rows, k, pairs);
-  const Weights weights{reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), nullptr, nullptr};
-  GreedyPicks picks(rows, (blocks + kBlocksTile - 1) / kBlocksTile);
-  multiply(xb.data, rows, pairs, k, weights, blocks, bias ? bias->data_ptr<float>() : nullptr, out_features, false,
-           broadcast_mode(), nullptr, &picks);
-  picks.write(tokens.data_ptr<int64_t>());
-  return tokens;
+  return packed_linear(x, packed, bias, out_features, false, broadcast_mode(), {false, true});
 }
 
 torch::Tensor bf16_linear_rows(const torch::Tensor& x, const std::vector<torch::Tensor>& parts,
@@ -493,17 +490,17 @@ torch::Tensor bf16_linear_rows(const torch::Tensor& x, const std::vector<torch::
 
 torch::Tensor bf16_silu_gate_rows(const torch::Tensor& x, const torch::Tensor& gate, const torch::Tensor& up,
                                   bool rounded) {
-  return rows_linear(x, {gate, up}, c10::nullopt, true, broadcast_mode(), rounded);
+  return rows_linear(x, {gate, up}, c10::nullopt, true, broadcast_mode(), {rounded});
 }
 
 torch::Tensor bf16_greedy_rows(const torch::Tensor& x, const std::vector<torch::Tensor>& parts,
                                const c10::optional<torch::Tensor>& bias) {
-  return rows_linear(x, parts, bias, false, broadcast_mode(), false, true);
+  return rows_linear(x, parts, bias, false, broadcast_mode(), {false, true});
 }
 
 torch::Tensor bf16_linear_rows_add_(torch::Tensor& residual, const torch::Tensor& x,
                                     const std::vector<torch::Tensor>& parts, const c10::optional<torch::Tensor>& bias) {
-  return rows_linear(x, parts, bias, false, broadcast_mode(), false, false, &residual);
+  return rows_linear(x, parts, bias, false, broadcast_mode(), {false, false, &residual});
 }
 
 torch::Tensor pack_bf16_rows(const std::vector<torch::Tensor>& parts, bool silu_gate, const torch::Tensor& out) {
