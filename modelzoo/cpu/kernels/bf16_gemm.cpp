@@ -26,6 +26,7 @@
 // there), and a bfloat16 input of even K is multiplied where it lies (its words are the pairs).
 #include "greedy_picks.h"
 #include "kernels.h"
+#include "shared_tasks.h"
 #include "storage.h"
 #include "timed_choice.h"
 #include "weight_rows.h"
@@ -291,7 +292,7 @@ void multiply(const uint32_t* xb, int64_t rows, int64_t pairs, int64_t k, const 
     }
   };
   if (weights.packed) {  // output columns outer, rows inner: each thread streams its share of the weights once
-    at::parallel_for(0, column_tiles * row_tiles, 1, [&](int64_t begin, int64_t end) {
+    share_tasks(column_tiles * row_tiles, [&](int64_t begin, int64_t end) {
       float result[kRowsTile * kBlocksTile * kBlock];
       for (int64_t task = begin; task < end; ++task) {
         const int64_t block = task / row_tiles * kBlocksTile, row = task % row_tiles * kRowsTile;
@@ -302,7 +303,7 @@ void multiply(const uint32_t* xb, int64_t rows, int64_t pairs, int64_t k, const 
     });
     return;
   }
-  at::parallel_for(0, column_tiles, 1, [&](int64_t begin, int64_t end) {
+  share_tasks(column_tiles, [&](int64_t begin, int64_t end) {
     float result[kRowsTile * kBlocksTile * kBlock];
     std::unique_ptr<uint16_t[]> scratch(row_tiles > 1 ? new uint16_t[kBlocksTile * block_values] : nullptr);
     for (int64_t task = begin; task < end; ++task) {

@@ -19,6 +19,7 @@
 // (`half_gemm_path`); tests set each.
 #include "greedy_picks.h"
 #include "kernels.h"
+#include "shared_tasks.h"
 #include "storage.h"
 #include "timed_choice.h"
 #include "weight_rows.h"
@@ -472,7 +473,7 @@ void multiply(const float* x, int64_t rows, int64_t k, const Source& source, int
   };
   if constexpr (!packed) {
     if (row_runs > 1) {  // rows read in place by several runs: each column tile packed once, then multiplied by each
-      at::parallel_for(0, column_tiles, 1, [&](int64_t begin, int64_t end) {
+      share_tasks(column_tiles, [&](int64_t begin, int64_t end) {
         alignas(64) float sums[kRowsRun * 4 * kBlock];
         alignas(64) float panel[kPanelInputs * 4 * kBlock];
         std::vector<T> scratch(blocks_tile * block_values);
@@ -487,7 +488,7 @@ void multiply(const float* x, int64_t rows, int64_t k, const Source& source, int
       return;
     }
   }
-  at::parallel_for(0, column_tiles * row_runs, 1, [&](int64_t begin, int64_t end) {
+  share_tasks(column_tiles * row_runs, [&](int64_t begin, int64_t end) {
     alignas(64) float sums[kRowsRun * 4 * kBlock];
     alignas(64) float panel[kPanelInputs * 4 * kBlock];
     for (int64_t task = begin; task < end; ++task) {

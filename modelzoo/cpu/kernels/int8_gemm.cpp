@@ -29,6 +29,7 @@
 // A row's arithmetic is the same whatever the other rows of the call, so the result does not depend on the batch.
 #include "amx_tiles.h"
 #include "kernels.h"
+#include "shared_tasks.h"
 #include "storage.h"
 #include "timed_choice.h"
 
@@ -441,7 +442,7 @@ void multiply(const scalar_t* xp, int64_t rows, int64_t k, const Shape& shape, c
       one_tile || !Kernel::kSpanInputs ? chunks : std::max<int64_t>(1, Kernel::kSpanInputs / shape.chunk);
   const int64_t column_tiles = (blocks + run_blocks - 1) / run_blocks, row_runs = (rows + run_rows - 1) / run_rows;
   constexpr int64_t kStride = kRunBlocks * kBlock;  // of sums
-  at::parallel_for(0, column_tiles * row_runs, 1, [&](int64_t begin, int64_t end) {
+  share_tasks(column_tiles * row_runs, [&](int64_t begin, int64_t end) {
     Kernel::start_thread(shape);
     std::vector<float> buffer(kRunTiles * kRowsTile * kStride);
     float* sums = buffer.data();
