@@ -282,6 +282,26 @@ void multiply(const uint32_t* xb, int64_t rows, int64_t pairs, int64_t k, const 
       }
     }
   };
+  // The lines of y (or gated16) that emit() writes for the row tile from `row` of the column tile from `block`,
+  // fetched for writing before the tile's sums are computed: they have left the CPU's caches since the norm or the
+  // previous GEMM wrote them, and emit() would otherwise wait for each (added to: read as well).
+  const auto prefetch_outputs = [&](int64_t row, int64_t block, int64_t tile_blocks) {
+    if (picks) return;
+    for (int64_t r = 0; r < std::min(kRowsTile, rows - row); ++r) {
+      const char* first;
+      int64_t bytes;
+      if (silu_gate) {
+        const int64_t offset = (row + r) * out_features + block / 2 * kBlock;
+        first = gated16 ? reinterpret_cast<const char*>(gated16 + offset) : reinterpret_cast<const char*>(y + offset);
+        bytes = kGated * (gated16 ? 2 : 4);
+      } else {
+        const int64_t begin = block * kBlock, end = std::min(out_features, (block + tile_blocks) * kBlock);
+        first = reinterpret_cast<const char*>(y + (row + r) * out_features + begin);
+        bytes = (end - begin) * 4;
+      }
+      for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(first + line, 1, 3);
+    }
+  };
   // A row tile over packed blocks (a branch, not a function pointer: each tile stays inlined, its sums in registers).
   const auto packed_tile = [&](int64_t row, int64_t tile_blocks, const uint16_t* packed, float* result) {
     const int64_t count = std::min(kRowsTile, rows - row);
@@ -297,6 +317,7 @@ void multiply(const uint32_t* xb, int64_t rows, int64_t pairs, int64_t k, const 
       for (int64_t task = begin; task < end; ++task) {
         const int64_t block = task / row_tiles * kBlocksTile, row = task % row_tiles * kRowsTile;
         const int64_t tile_blocks = std::min(kBlocksTile, blocks - block);
+        prefetch_outputs(row, block, tile_blocks);
         packed_tile(row, tile_blocks, weights.packed + block * block_values, result);
         emit(row, block, tile_blocks, result);
       }
@@ -308,6 +329,7 @@ void multiply(const uint32_t* xb, int64_t rows, int64_t pairs, int64_t k, const 
     std::unique_ptr<uint16_t[]> scratch(row_tiles > 1 ? new uint16_t[kBlocksTile * block_values] : nullptr);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t block = task * kBlocksTile, tile_blocks = std::min(kBlocksTile, blocks - block);
+      if (row_tiles == 1) prefetch_outputs(0, block, tile_blocks);
       for (int64_t b = 0; b < tile_blocks; ++b) {
         const uint16_t* pointers[kBlock];
         weights.row_pointers(block + b, pointers);
@@ -318,7 +340,10 @@ void multiply(const uint32_t* xb, int64_t rows, int64_t pairs, int64_t k, const 
         }
       }
       for (int64_t row = 0; row < rows; row += kRowsTile) {
-        if (row_tiles > 1) packed_tile(row, tile_blocks, scratch.get(), result);
+        if (row_tiles > 1) {
+          prefetch_outputs(row, block, tile_blocks);
+          packed_tile(row, tile_blocks, scratch.get(), result);
+        }
         emit(row, block, tile_blocks, result);
       }
     }

@@ -27,7 +27,17 @@
 #include <type_traits>
 #include <vector>
 
-extern "C" __m256 Sleef_expf8_u10(__m256);  // in libtorch_cpu: the exp of ATen's AVX2 float kernels
+// SLEEF's exp as ATen's float kernels run it, from libtorch_cpu: its AVX2 build, or on AVX-512 its AVX-512 build (the
+// same bits as the AVX2 one for every one of the 2^32 floats, compared over all of them; 16 lanes at a time).
+#if defined(__AVX512F__)
+typedef __m512 ExpVector;
+extern "C" __m512 Sleef_expf16_u10(__m512);
+inline __m512 sleef_exp(__m512 x) { return Sleef_expf16_u10(x); }
+#else
+typedef __m256 ExpVector;
+extern "C" __m256 Sleef_expf8_u10(__m256);
+inline __m256 sleef_exp(__m256 x) { return Sleef_expf8_u10(x); }
+#endif
 
 namespace zoo {
 namespace {
@@ -35,7 +45,6 @@ namespace {
 typedef float vec8 __attribute__((vector_size(32)));
 constexpr int64_t L = 8;  // lanes of ATen's reduction and activation kernels on this build
 
-inline void store8(float* p, vec8 v) { std::memcpy(p, &v, sizeof v); }
 
 // Sum of x[i]^2 over n floats, in the order of ATen's vectorized inner sum: the n / 8 vectors are read
 // as rows of 4 (one accumulator each) summed with its cascade (levels of 16 rows), leftover vectors go
@@ -112,16 +121,19 @@ constexpr int64_t kRowsPerTask = 16;  // a decode step's 32 rows are two tasks, 
 // silu(gate) = gate / (1 + exp(-gate)) over n floats, in ATen's order: 8-lane blocks two vectors at a
 // time with SLEEF's exp, then one element at a time with glibc's.
 void silu_row(const float* gate, float* out, int64_t n) {
+  typedef float vec __attribute__((vector_size(sizeof(ExpVector))));  // 8 lanes, or on AVX-512 a block's 16
   const int64_t blocks = n / (2 * L) * (2 * L);
-  for (int64_t i = 0; i < blocks; i += L) {
-    const vec8 g = load8(gate + i);
-    __m256 minus;
-    const vec8 negated = -g;
+  for (int64_t i = 0; i < blocks; i += sizeof(vec) / 4) {
+    vec g;
+    std::memcpy(&g, gate + i, sizeof g);
+    ExpVector minus;
+    const vec negated = -g;
     std::memcpy(&minus, &negated, sizeof minus);
-    const __m256 e = Sleef_expf8_u10(minus);
-    vec8 exp_minus;
+    const ExpVector e = sleef_exp(minus);
+    vec exp_minus;
     std::memcpy(&exp_minus, &e, sizeof exp_minus);
-    store8(out + i, g / (1.f + exp_minus));
+    const vec silu = g / (1.f + exp_minus);
+    std::memcpy(out + i, &silu, sizeof silu);
   }
   for (int64_t i = blocks; i < n; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i]));
 }
