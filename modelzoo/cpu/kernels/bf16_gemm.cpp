@@ -109,10 +109,10 @@ constexpr int64_t kRowsAhead = 128;  // values ahead of its reads that a weight 
 
 enum class Broadcast { kEmbedded, kRegister };
 
-// rows (<= kRowsTile) x blocks (<= kBlocksTile) -> out[r * kBlocksTile * 16 + b * 16 + j]. xb: the rows'
+// rows (<= kRowsTile) x blocks (<= kBlocksTile) -> out[r * stride + b * 16 + j]. xb: the rows'
 // inputs as bfloat16 pairs (one uint32 per pair), pairs per row; packed: the first block's weights.
 template <int64_t Rows, int64_t Blocks, Broadcast Mode>
-void tile(const uint32_t* xb, int64_t pairs, const uint16_t* packed, float* out) {
+void tile(const uint32_t* xb, int64_t pairs, const uint16_t* packed, float* out, int64_t stride) {
   const int64_t block_values = pairs * 2 * kBlock;
   __m512 sums[Rows][Blocks];
   for (int64_t r = 0; r < Rows; ++r)
@@ -132,28 +132,29 @@ void tile(const uint32_t* xb, int64_t pairs, const uint16_t* packed, float* out)
     }
   }
   for (int64_t r = 0; r < Rows; ++r)
-    for (int64_t b = 0; b < Blocks; ++b) _mm512_storeu_ps(out + r * kBlocksTile * kBlock + b * kBlock, sums[r][b]);
+    for (int64_t b = 0; b < Blocks; ++b) _mm512_storeu_ps(out + r * stride + b * kBlock, sums[r][b]);
 }
 
 template <int64_t Blocks, Broadcast Mode>
-void tile_rows(int64_t rows, const uint32_t* xb, int64_t pairs, const uint16_t* packed, float* out) {
+void tile_rows(int64_t rows, const uint32_t* xb, int64_t pairs, const uint16_t* packed, float* out, int64_t stride) {
   switch (rows) {
-    case 6: return tile<6, Blocks, Mode>(xb, pairs, packed, out);
-    case 5: return tile<5, Blocks, Mode>(xb, pairs, packed, out);
-    case 4: return tile<4, Blocks, Mode>(xb, pairs, packed, out);
-    case 3: return tile<3, Blocks, Mode>(xb, pairs, packed, out);
-    case 2: return tile<2, Blocks, Mode>(xb, pairs, packed, out);
-    default: return tile<1, Blocks, Mode>(xb, pairs, packed, out);
+    case 6: return tile<6, Blocks, Mode>(xb, pairs, packed, out, stride);
+    case 5: return tile<5, Blocks, Mode>(xb, pairs, packed, out, stride);
+    case 4: return tile<4, Blocks, Mode>(xb, pairs, packed, out, stride);
+    case 3: return tile<3, Blocks, Mode>(xb, pairs, packed, out, stride);
+    case 2: return tile<2, Blocks, Mode>(xb, pairs, packed, out, stride);
+    default: return tile<1, Blocks, Mode>(xb, pairs, packed, out, stride);
   }
 }
 
 template <Broadcast Mode>
-void tile_any(int64_t rows, int64_t blocks, const uint32_t* xb, int64_t pairs, const uint16_t* packed, float* out) {
+void tile_any(int64_t rows, int64_t blocks, const uint32_t* xb, int64_t pairs, const uint16_t* packed, float* out,
+              int64_t stride) {
   switch (blocks) {
-    case 4: return tile_rows<4, Mode>(rows, xb, pairs, packed, out);
-    case 3: return tile_rows<3, Mode>(rows, xb, pairs, packed, out);
-    case 2: return tile_rows<2, Mode>(rows, xb, pairs, packed, out);
-    default: return tile_rows<1, Mode>(rows, xb, pairs, packed, out);
+    case 4: return tile_rows<4, Mode>(rows, xb, pairs, packed, out, stride);
+    case 3: return tile_rows<3, Mode>(rows, xb, pairs, packed, out, stride);
+    case 2: return tile_rows<2, Mode>(rows, xb, pairs, packed, out, stride);
+    default: return tile_rows<1, Mode>(rows, xb, pairs, packed, out, stride);
   }
 }
 
@@ -192,9 +193,10 @@ void pack_rows(const uint16_t* const rows[kBlock], int64_t k, uint16_t* out) {
 }
 
 // Rows (<= kRowsTile) x the 16 outputs of rows[0 .. 16) over every pair, the rows' words transposed in registers
-// as they are multiplied -> out[r * kBlocksTile * 16 + j].
+// as they are multiplied -> out[r * stride + j].
 template <int64_t Rows>
-void tile16(const uint16_t* const rows[kBlock], const uint32_t* xb, int64_t pairs, int64_t k, float* out) {
+void tile16(const uint16_t* const rows[kBlock], const uint32_t* xb, int64_t pairs, int64_t k, float* out,
+            int64_t stride) {
   __m512 sums[Rows];
 #pragma GCC unroll 8
   for (int64_t r = 0; r < Rows; ++r) sums[r] = _mm512_setzero_ps();
@@ -216,16 +218,16 @@ void tile16(const uint16_t* const rows[kBlock], const uint32_t* xb, int64_t pair
       sums[r] = _mm512_dpbf16_ps(sums[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(xb[r * pairs + p])), column);
   }
 #pragma GCC unroll 8
-  for (int64_t r = 0; r < Rows; ++r) _mm512_storeu_ps(out + r * kBlocksTile * kBlock, sums[r]);
+  for (int64_t r = 0; r < Rows; ++r) _mm512_storeu_ps(out + r * stride, sums[r]);
 }
 
 template <int64_t Rows = kRowsTile>
 void tile16_any(int64_t rows, const uint16_t* const pointers[kBlock], const uint32_t* xb, int64_t pairs, int64_t k,
-                float* out) {
+                float* out, int64_t stride) {
   if constexpr (Rows > 1) {
-    if (rows < Rows) return tile16_any<Rows - 1>(rows, pointers, xb, pairs, k, out);
+    if (rows < Rows) return tile16_any<Rows - 1>(rows, pointers, xb, pairs, k, out, stride);
   }
-  tile16<Rows>(pointers, xb, pairs, k, out);
+  tile16<Rows>(pointers, xb, pairs, k, out, stride);
 }
 
 // The weights as `multiply` reads them: packed (N/16, K/2, 16, 2), or blocks of rows where they lie (then `zeros`, a
@@ -250,8 +252,16 @@ void multiply(const uint32_t* xb, int64_t rows, int64_t pairs, int64_t k, const 
   const int64_t row_tiles = (rows + kRowsTile - 1) / kRowsTile;
   const int64_t block_values = pairs * 2 * kBlock;
   constexpr int64_t kGated = kBlocksTile / 2 * kBlock;  // a gated tile's output features
-  // The row tile from `row` of the column tile from `block`: its sums `result` to y.
+  // Plain outputs (no bias, SiLU gate, picks or residual) in whole blocks: each tile stores its sums straight into y
+  // (row stride out_features), not into a `result` on the stack for emit to copy (row stride kBlocksTile * 16).
+  const bool straight = !picks && !silu_gate && !accumulate && !bias && out_features % kBlock == 0;
+  const int64_t stride = straight ? out_features : kBlocksTile * kBlock;
+  const auto sums_at = [&](float* result, int64_t row, int64_t block) {
+    return straight ? y + row * out_features + block * kBlock : result;
+  };
+  // The row tile from `row` of the column tile from `block`: its sums `result` to y (unless stored there already).
   const auto emit = [&](int64_t row, int64_t block, int64_t tile_blocks, const float* result) {
+    if (straight) return;
     alignas(64) float silu[kGated];
     for (int64_t r = 0; r < std::min(kRowsTile, rows - row); ++r) {
       const float* values = result + r * kBlocksTile * kBlock;
@@ -303,12 +313,14 @@ void multiply(const uint32_t* xb, int64_t rows, int64_t pairs, int64_t k, const 
     }
   };
   // A row tile over packed blocks (a branch, not a function pointer: each tile stays inlined, its sums in registers).
-  const auto packed_tile = [&](int64_t row, int64_t tile_blocks, const uint16_t* packed, float* result) {
+  const auto packed_tile = [&](int64_t row, int64_t block, int64_t tile_blocks, const uint16_t* packed,
+                                float* result) {
     const int64_t count = std::min(kRowsTile, rows - row);
+    float* out = sums_at(result, row, block);
     if (mode == Broadcast::kRegister) {
-      tile_any<Broadcast::kRegister>(count, tile_blocks, xb + row * pairs, pairs, packed, result);
+      tile_any<Broadcast::kRegister>(count, tile_blocks, xb + row * pairs, pairs, packed, out, stride);
     } else {
-      tile_any<Broadcast::kEmbedded>(count, tile_blocks, xb + row * pairs, pairs, packed, result);
+      tile_any<Broadcast::kEmbedded>(count, tile_blocks, xb + row * pairs, pairs, packed, out, stride);
     }
   };
   if (weights.packed) {  // output columns outer, rows inner: each thread streams its share of the weights once
@@ -318,7 +330,7 @@ void multiply(const uint32_t* xb, int64_t rows, int64_t pairs, int64_t k, const 
         const int64_t block = task / row_tiles * kBlocksTile, row = task % row_tiles * kRowsTile;
         const int64_t tile_blocks = std::min(kBlocksTile, blocks - block);
         prefetch_outputs(row, block, tile_blocks);
-        packed_tile(row, tile_blocks, weights.packed + block * block_values, result);
+        packed_tile(row, block, tile_blocks, weights.packed + block * block_values, result);
         emit(row, block, tile_blocks, result);
       }
     });
@@ -336,13 +348,13 @@ void multiply(const uint32_t* xb, int64_t rows, int64_t pairs, int64_t k, const 
         if (row_tiles > 1) {
           pack_rows(pointers, k, scratch.get() + b * block_values);
         } else {
-          tile16_any(rows, pointers, xb, pairs, k, result + b * kBlock);
+          tile16_any(rows, pointers, xb, pairs, k, sums_at(result, 0, block) + b * kBlock, stride);
         }
       }
       for (int64_t row = 0; row < rows; row += kRowsTile) {
         if (row_tiles > 1) {
           prefetch_outputs(row, block, tile_blocks);
-          packed_tile(row, tile_blocks, scratch.get(), result);
+          packed_tile(row, block, tile_blocks, scratch.get(), result);
         }
         emit(row, block, tile_blocks, result);
       }
