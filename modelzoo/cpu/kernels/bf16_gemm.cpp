@@ -292,9 +292,10 @@ void multiply(const uint32_t* xb, int64_t rows, int64_t pairs, int64_t k, const 
       }
     }
   };
-  // The lines of y (or gated16) that emit() writes for the row tile from `row` of the column tile from `block`,
-  // fetched for writing before the tile's sums are computed: they have left the CPU's caches since the norm or the
-  // previous GEMM wrote them, and emit() would otherwise wait for each (added to: read as well).
+  // The lines of y (or gated16) written for the row tile from `row` of the column tile from `block` (by emit(), or
+  // by the tile itself for straight outputs), fetched for writing before the tile's sums are computed: they have left
+  // the CPU's caches since the norm or the previous GEMM wrote them, and each store would otherwise wait for its line
+  // (a residual's lines are read as well).
   const auto prefetch_outputs = [&](int64_t row, int64_t block, int64_t tile_blocks) {
     if (picks) return;
     for (int64_t r = 0; r < std::min(kRowsTile, rows - row); ++r) {
