@@ -186,14 +186,29 @@ inline void score_keys(const float* q, const T* keys, int64_t D, float* tile) {
   }
 }
 
+// Memory that the next task reads first (its keys), fetched while a tile sums its values: the scoring pass fetched
+// those values already, so without this the memory would idle through the summing pass and the next task's scoring
+// would wait for every key group it starts on. The lines are spread over the summing loop, a few per value row
+// read.
+struct Ahead {
+  const char* lines = nullptr;
+  int64_t bytes = 0;
+};
+
 // outs[r][c, c + 16 G) (values of O) = the sum over keys j < n of weights[r * stride + j] * values[j][c, c + 16 G),
-// for each c a multiple of 16 G below D.
+// for each c a multiple of 16 G below D; `ahead` fetched on the way (changes no result).
 template <typename T, typename O, int R, int G>
-inline void weigh_tile(const float* weights, int64_t stride, const T* values, int64_t n, int64_t D, O* const* outs) {
+inline void weigh_tile(const float* weights, int64_t stride, const T* values, int64_t n, int64_t D, O* const* outs,
+                       Ahead ahead) {
   constexpr int V = G * P;  // vectors per query head
+  const int64_t ahead_lines = (ahead.bytes + 63) / 64;
+  const int64_t lines_per_value = (ahead_lines + n - 1) / std::max<int64_t>(n, 1);  // no division in the loop
+  int64_t line = 0;
   for (int64_t c = 0; c < D; c += G * W) {
     vecn acc[R][V] = {};
     for (int64_t j = 0; j < n; ++j) {
+      for (const int64_t last = std::min(line + lines_per_value, ahead_lines); line < last; ++line)
+        _mm_prefetch(ahead.lines + line * 64, _MM_HINT_T0);
       vecn value[V];
       const T* row = values + j * D + c;
       if constexpr (std::is_same_v<T, float>) {
@@ -219,12 +234,12 @@ inline void weigh_tile(const float* weights, int64_t stride, const T* values, in
 
 // weigh_tile with as many 16-feature groups at once as the accumulators hold (D is 16, 32, 64 or 128).
 template <typename T, typename O, int R>
-void weigh(const float* weights, int64_t stride, const T* values, int64_t n, int64_t D, O* const* outs) {
+void weigh(const float* weights, int64_t stride, const T* values, int64_t n, int64_t D, O* const* outs, Ahead ahead) {
   switch (std::min<int64_t>(kValueGroups<R>, D / W)) {
-    case 8: return weigh_tile<T, O, R, std::min(8, kValueGroups<R>)>(weights, stride, values, n, D, outs);
-    case 4: return weigh_tile<T, O, R, std::min(4, kValueGroups<R>)>(weights, stride, values, n, D, outs);
-    case 2: return weigh_tile<T, O, R, std::min(2, kValueGroups<R>)>(weights, stride, values, n, D, outs);
-    default: return weigh_tile<T, O, R, 1>(weights, stride, values, n, D, outs);
+    case 8: return weigh_tile<T, O, R, std::min(8, kValueGroups<R>)>(weights, stride, values, n, D, outs, ahead);
+    case 4: return weigh_tile<T, O, R, std::min(4, kValueGroups<R>)>(weights, stride, values, n, D, outs, ahead);
+    case 2: return weigh_tile<T, O, R, std::min(2, kValueGroups<R>)>(weights, stride, values, n, D, outs, ahead);
+    default: return weigh_tile<T, O, R, 1>(weights, stride, values, n, D, outs, ahead);
   }
 }
 
@@ -266,7 +281,7 @@ inline void keep_scores(const float* tile, int64_t count, int64_t first, const i
 // scores: room for R rows of stride floats, stride >= the longest length rounded up to 16.
 template <typename T, typename O, int R, bool Narrow>
 void attend_tile(const float* q, const int64_t* lengths, const T* keys, const T* values, int64_t D, float scale,
-                 float* scores, int64_t stride, O* const* outs) {
+                 float* scores, int64_t stride, O* const* outs, Ahead ahead) {
   constexpr int K = kKeysAtOnce<R, Narrow>;
   const int64_t n = *std::max_element(lengths, lengths + R);
   vecn peaks[R];
@@ -287,18 +302,21 @@ void attend_tile(const float* q, const int64_t* lengths, const T* keys, const T*
     for (int i = 1; i < N; ++i) peak = std::max(peak, peaks[r][i]);
     softmax_row(scores + r * stride, padded, peak);
   }
-  weigh<T, O, R>(scores, stride, values, n, D, outs);
+  weigh<T, O, R>(scores, stride, values, n, D, outs, ahead);
 }
 
-// attend_tile over `rows` query heads, kTileRows at a time; scores: room for kTileRows rows of stride floats.
+// attend_tile over `rows` query heads, kTileRows at a time; scores: room for kTileRows rows of stride floats; `ahead`
+// fetched by the last tile.
 template <typename T, typename O, bool Narrow>
 void attend_rows_as(const float* q, int64_t rows, const int64_t* lengths, const T* keys, const T* values, int64_t D,
-                    float scale, float* scores, int64_t stride, O* const* outs) {
+                    float scale, float* scores, int64_t stride, O* const* outs, Ahead ahead) {
   for (int64_t r = 0; r < rows; r += kTileRows) {
+    const Ahead tile_ahead = r + kTileRows >= rows ? ahead : Ahead{};
     switch (std::min<int64_t>(kTileRows, rows - r)) {
 #define ZOO_TILE(R)                                                                                                  \
   case R:                                                                                                            \
-    attend_tile<T, O, R, Narrow && R >= 4>(q + r * D, lengths + r, keys, values, D, scale, scores, stride, outs + r); \
+    attend_tile<T, O, R, Narrow && R >= 4>(q + r * D, lengths + r, keys, values, D, scale, scores, stride, outs + r, \
+                                           tile_ahead);                                                              \
     break;
       ZOO_TILE(1) ZOO_TILE(2) ZOO_TILE(3) ZOO_TILE(4) ZOO_TILE(5) ZOO_TILE(6)
 #undef ZOO_TILE
@@ -309,9 +327,11 @@ void attend_rows_as(const float* q, int64_t rows, const int64_t* lengths, const 
 // attend_rows_as in the way `way` (0 wide, 1 narrow: kKeysAtOnce).
 template <typename T, typename O>
 void attend_rows(int way, const float* q, int64_t rows, const int64_t* lengths, const T* keys, const T* values,
-                 int64_t D, float scale, float* scores, int64_t stride, O* const* outs) {
-  if (way == 1) return attend_rows_as<T, O, true>(q, rows, lengths, keys, values, D, scale, scores, stride, outs);
-  attend_rows_as<T, O, false>(q, rows, lengths, keys, values, D, scale, scores, stride, outs);
+                 int64_t D, float scale, float* scores, int64_t stride, O* const* outs, Ahead ahead = {}) {
+  if (way == 1) {
+    return attend_rows_as<T, O, true>(q, rows, lengths, keys, values, D, scale, scores, stride, outs, ahead);
+  }
+  attend_rows_as<T, O, false>(q, rows, lengths, keys, values, D, scale, scores, stride, outs, ahead);
 }
 
 }  // namespace zoo

@@ -14,13 +14,13 @@
 // keys: each block and kv head scores every query head sharing them in register tiles over the cached keys in place
 // (attention_tiles.h), so a prefill reads each key once for up to 6 query heads, a decode step once for the heads of
 // its group. Every query's result is computed the same way in any block (attention_tiles.h). Work is split
-// over (block, kv head) pairs on PyTorch's own OpenMP threads, handed out in runs of consecutive ones, about 16 runs
-// per thread since blocks differ in length.
+// over (block, kv head) pairs on PyTorch's own OpenMP threads, shared out as they come free (shared_tasks.h).
 //
 // The arithmetic is softmax(q . k * scale) @ v with the maximum subtracted before exp, as in
 // PyTorch's attention; the summation order and exp's last bits differ (rounding at the 1e-7 level).
 #include "attention_tiles.h"
 #include "kernels.h"
+#include "shared_tasks.h"
 #include "storage.h"
 #include "timed_choice.h"
 
@@ -109,7 +109,6 @@ void attend_all(const torch::Tensor& q, const torch::Tensor& new_keys, const tor
   Q* op = out.data_ptr<Q>();
   const int64_t ks0 = keys.stride(0), ks1 = keys.stride(1), vs0 = values.stride(0), vs1 = values.stride(1);
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2);
-  const int threads = std::max(1, at::get_num_threads());
   const int way = key_tile_way<T>();
   // The cache row of query i = b * T + t.
   auto slot_of = [&](int64_t i) { return slot[slots_per_row == 1 ? i / std::max<int64_t>(T_, 1) : i]; };
@@ -147,22 +146,25 @@ void attend_all(const torch::Tensor& q, const torch::Tensor& new_keys, const tor
     }
     blocks.push_back({i, 1});
   }
-  // Tasks (block, kv head).
-  const int64_t tasks = static_cast<int64_t>(blocks.size()) * Hkv;
-  const int64_t chunk = std::max<int64_t>(1, tasks / (16 * threads));  // tasks per hand-out
-#pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(threads, tasks)))
-  {
-    std::vector<float> scores, queries;
-    std::vector<int64_t> lengths;
-    std::vector<Q*> outs;
-#pragma omp for schedule(dynamic, chunk)
-    for (int64_t task = 0; task < tasks; ++task) {
+  // Tasks (block, kv head), shared out as the threads come free (shared_tasks.h): blocks differ in length.
+  const auto run = [&](int64_t begin, int64_t finish) {  // tasks [begin, finish), one after the other
+    thread_local std::vector<float> scores, queries;  // each thread's, kept from call to call
+    thread_local std::vector<int64_t> lengths;
+    thread_local std::vector<Q*> outs;
+    for (int64_t task = begin; task < finish; ++task) {
       const QueryBlock& block = blocks[task / Hkv];
       const int64_t h = task % Hkv, first = block.first, heads = block.count * G;
       const int64_t lo = start[first], n = end[first + block.count - 1] - lo;
       const int64_t stride = (n + W - 1) / W * W;
       const T* k = kp + slot_of(first) * ks0 + h * ks1 + lo * D;
       const T* v = vp + slot_of(first) * vs0 + h * vs1 + lo * D;
+      Ahead ahead;  // the next task's keys, where this thread runs it next
+      if (task + 1 < finish) {
+        const QueryBlock& next = blocks[(task + 1) / Hkv];
+        const int64_t next_lo = start[next.first], next_h = (task + 1) % Hkv;
+        ahead.lines = reinterpret_cast<const char*>(kp + slot_of(next.first) * ks0 + next_h * ks1 + next_lo * D);
+        ahead.bytes = (end[next.first + next.count - 1] - next_lo) * D * static_cast<int64_t>(sizeof(T));
+      }
       queries.resize(heads * D);
       lengths.resize(heads);
       outs.resize(heads);
@@ -181,9 +183,11 @@ void attend_all(const torch::Tensor& q, const torch::Tensor& new_keys, const tor
         }
       }
       scores.resize(std::min<int64_t>(heads, kTileRows) * stride);
-      attend_rows(way, queries.data(), heads, lengths.data(), k, v, D, scale, scores.data(), stride, outs.data());
+      attend_rows(way, queries.data(), heads, lengths.data(), k, v, D, scale, scores.data(), stride, outs.data(),
+                  ahead);
     }
-  }
+  };
+  share_tasks(static_cast<int64_t>(blocks.size()) * Hkv, run);
 }
 
 }  // namespace
