@@ -35,6 +35,8 @@
 #include <type_traits>
 #include <vector>
 
+#include <unistd.h>
+
 namespace zoo {
 namespace {
 
@@ -60,6 +62,17 @@ void store_row(const Q* in, T* out, int64_t n, float* scratch) {
     }
     narrow(scratch, out, n);
   }
+}
+
+// This core's L1 data cache in bytes (32 KiB where the system does not say): the most of the next task's keys a task
+// fetches ahead (attention_tiles.h's Ahead), so that a long context's keys do not push the values being summed out of
+// the caches.
+int64_t l1_data_bytes() {
+  static const int64_t bytes = [] {
+    const long size = sysconf(_SC_LEVEL1_DCACHE_SIZE);
+    return size > 0 ? static_cast<int64_t>(size) : int64_t{32768};
+  }();
+  return bytes;
 }
 
 TimedChoice key_tile_choice;
@@ -163,7 +176,8 @@ void attend_all(const torch::Tensor& q, const torch::Tensor& new_keys, const tor
         const QueryBlock& next = blocks[(task + 1) / Hkv];
         const int64_t next_lo = start[next.first], next_h = (task + 1) % Hkv;
         ahead.lines = reinterpret_cast<const char*>(kp + slot_of(next.first) * ks0 + next_h * ks1 + next_lo * D);
-        ahead.bytes = (end[next.first + next.count - 1] - next_lo) * D * static_cast<int64_t>(sizeof(T));
+        ahead.bytes = std::min(l1_data_bytes(),
+                               (end[next.first + next.count - 1] - next_lo) * D * static_cast<int64_t>(sizeof(T)));
       }
       queries.resize(heads * D);
       lengths.resize(heads);
