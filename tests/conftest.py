@@ -12,6 +12,12 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).parent))
+# Inductor's compiled code in this machine type's folder, as a job keeps it (modelzoo/runtime.py), not in the shared
+# default folder: PyTorch 2.13's graph cache serves code compiled at AVX-512 to a process held to AVX2
+# (ATEN_CPU_CAPABILITY=avx2) on the same CPU, whose compiled decode step then picked token 0 at every step.
+from modelzoo.cpu.kernels import machine_dir  # noqa: E402
+
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(machine_dir() / "inductor"))
 
 
 @pytest.fixture(scope="session")
