@@ -361,3 +361,40 @@ def test_repeated_rounds_keep_the_median_run_and_the_median_ratio() -> None:
     assert lines == ["zoo-infer float32 over vllm float32, round by round: 1.50, 1.09, 1.28 (median 1.28)"]
     failed, _ = throughput.combine_rounds([[run("vllm", "bfloat16", None, "x")], [run("vllm", "bfloat16", None, "y")]])
     assert failed[0][0]["status"] == "failed (exit 1)" and failed[0][0]["tokens_per_s_rounds"] == "-/-"
+
+
+def test_kernel_builds_take_turns_in_a_job(tmp_path: Path) -> None:
+    """benchmarks/job_kernel_builds.py: two copies of this checkout's kernel build take turns, forward by forward, in a
+    job on a tiny Llama (run as a process of its own: the tool patches zoo-infer's modules): both run the attention in
+    decode and in prefill, and the predictions are those of the same job run plainly (the same library either way)."""
+    import shutil
+    import subprocess
+
+    from harness import stacked_predictions
+    from modelzoo.cpu.kernels import _built_library, cpu_kernels, kernel_build_dir
+    from tiny_configs import VOCAB, tiny_llama_config
+
+    if cpu_kernels() is None:
+        pytest.skip("the C++ kernels could not be built here")
+    builds = []
+    for label in ("one", "two"):
+        folder = tmp_path / f"kernels-{label}"
+        folder.mkdir()
+        shutil.copy2(_built_library(kernel_build_dir()), folder)
+        builds.append(f"{label}={folder}")
+    checkpoint = save_tiny_model(tiny_llama_config(), tmp_path / "checkpoint")
+    write_h5(tmp_path / "data", prompt_rows([[5, 9, 3], list(range(3, 40)), [7], [11, 12, 13, 14]], 64, VOCAB))
+    params = write_params(tmp_path / "params.yaml", checkpoint, tmp_path / "data", batch_size=2, start_token=VOCAB,
+                          max_tokens=6, dtype="bfloat16", rows_in_flight=2)  # prompts prefilled in several forwards
+    job = ["--params", str(params), "--model_dir"]
+    plain = subprocess.run([sys.executable, str(REPO_ROOT / "run_inference.py"), *job, str(tmp_path / "plain")],
+                           capture_output=True, text=True, cwd=REPO_ROOT, timeout=600)
+    turns = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks/job_kernel_builds.py"), *builds, "--", *job,
+                            str(tmp_path / "turns")], capture_output=True, text=True, cwd=REPO_ROOT, timeout=600)
+    assert plain.returncode == 0 and turns.returncode == 0, plain.stderr + turns.stderr
+    for phase in ("decode", "prefill"):
+        line = next(line for line in turns.stdout.splitlines() if re.match(rf"{phase} +cached_attention ", line))
+        assert re.search(r"one: +[0-9.]+ s \([1-9][0-9]* calls\) \| two: +[0-9.]+ s \([1-9][0-9]* calls\)", line), line
+        assert re.search(rf"{phase} kernel us a token: one [0-9.]+ \([0-9]+ tokens, 1\.000x one\) \| "
+                         r"two [0-9.]+ \([0-9]+ tokens, [0-9.]+x one\)", turns.stdout), turns.stdout
+    assert (stacked_predictions(tmp_path / "turns") == stacked_predictions(tmp_path / "plain")).all()

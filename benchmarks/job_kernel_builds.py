@@ -1,0 +1,135 @@
+#!/usr/bin/env python
+"""C++ kernel builds taking turns inside one real job: each forward pass runs on the next build (prefill groups take
+turns among themselves, decode steps among themselves), and every kernel call is timed; printed per build, each
+kernel's seconds per phase, and per phase each build's kernel time a token fed against the first's.
+
+Two whole jobs one after the other drift with the machine (on a shared VM, +-10% between runs of the same code), and
+kernel_builds.py's loop over one kernel at a time misses what a job does between calls (the KV cache streamed
+through the caches, the next layer's weights cold). Taking turns forward by forward, the builds meet the same data
+in the same state of the machine, and its drift falls on both alike.
+
+    python -m modelzoo.cpu.kernels        # prints this checkout's build folder; edit a kernel, run it again
+    python benchmarks/job_kernel_builds.py before=<build folder> after=<build folder> -- \\
+        --params params.yaml --model_dir out --overwrite
+
+The arguments after `--` are run_inference.py's. The job's outputs mix the builds' rows: kernel_builds.py and the
+tests check that builds compute the same bits, this script only times them. Calls outside a forward pass (the
+set-up's GEMM timing) run on the first build, untimed.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+import modelzoo.cpu.kernels as kernels_module  # noqa: E402
+from kernel_builds import load_builds  # noqa: E402
+
+
+class TakingTurns:
+    """Stands in for the kernel module: each attribute is the current build's; inside a forward pass, each call is
+    timed into `seconds[(build, phase, kernel)]` and counted in `calls`."""
+
+    def __init__(self, builds: dict[str, ModuleType]) -> None:
+        self.builds, self.labels = builds, list(builds)
+        self.phase: str | None = None  # "decode" or "prefill" inside a forward pass, else None
+        self.turns: dict[str | None, int] = defaultdict(int)  # forward passes of each phase so far
+        self.tokens: dict[tuple[str, str], int] = defaultdict(int)  # (build, phase) -> the tokens its passes fed
+        self.seconds: dict[tuple[str, str, str], float] = defaultdict(float)
+        self.calls: dict[tuple[str, str, str], int] = defaultdict(int)
+
+    @property
+    def label(self) -> str:
+        return self.labels[self.turns[self.phase] % len(self.labels)]
+
+    def __getattr__(self, name: str) -> Any:
+        kernel = getattr(self.builds[self.label], name)
+        if not callable(kernel) or self.phase is None:
+            return kernel
+        key = (self.label, self.phase, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            result = kernel(*args, **kwargs)
+            self.seconds[key] += time.perf_counter() - start
+            self.calls[key] += 1
+            return result
+
+        return timed
+
+    def wrap_forward(self, forward: Callable) -> Callable:
+        """CausalLM.forward on its phase's next build, the phase named by its tokens (B, T): decode where T is 1."""
+        def forward_in_turn(model: Any, tokens: Any, *args: Any, **kwargs: Any) -> Any:
+            self.phase = "decode" if tokens.shape[1] == 1 else "prefill"
+            try:
+                return forward(model, tokens, *args, **kwargs)
+            finally:
+                self.tokens[(self.label, self.phase)] += tokens.numel()
+                self.turns[self.phase] += 1
+                self.phase = None
+
+        return forward_in_turn
+
+    def report(self) -> str:
+        """Seconds per kernel and phase for each build; then per phase, each build's kernel time a token fed against
+        the first build's (passes of one phase alternate between the builds, but differ in size)."""
+        rows = sorted({(phase, name) for _, phase, name in self.seconds})
+        lines = []
+        for phase, name in rows:
+            cells = [f"{label}: {self.seconds[(label, phase, name)]:8.3f} s ({self.calls[(label, phase, name)]} calls)"
+                     for label in self.labels]
+            lines.append(f"{phase:8s} {name:22s} " + " | ".join(cells))
+        for phase in sorted({phase for _, phase in self.tokens}):
+            per_token = {label: sum(s for (build, in_phase, _), s in self.seconds.items()
+                                    if (build, in_phase) == (label, phase)) / self.tokens[(label, phase)] * 1e6
+                         for label in self.labels if self.tokens[(label, phase)]}
+            first = per_token.get(self.labels[0])
+            lines.append(f"{phase} kernel us a token: " + " | ".join(
+                f"{label} {micros:.2f} ({self.tokens[(label, phase)]} tokens"
+                + (f", {micros / first:.3f}x {self.labels[0]})" if first else ")") for label, micros in per_token.items()))
+        return "\n".join(lines)
+
+
+def install(turns: TakingTurns) -> None:
+    """Every kernel lookup of zoo-infer's modules goes to `turns`, every forward pass takes the next turn."""
+    from modelzoo.job import cli  # noqa: F401  (imports the modules that bind cpu_kernels at import)
+    from modelzoo.models.base import CausalLM
+
+    def kernels() -> TakingTurns:
+        return turns
+
+    kernels_module.cpu_kernels = kernels
+    for module in list(sys.modules.values()):
+        if getattr(module, "__name__", "").startswith("modelzoo") and hasattr(module, "cpu_kernels"):
+            module.cpu_kernels = kernels
+    CausalLM.forward = turns.wrap_forward(CausalLM.forward)
+
+
+def main(argv: list[str]) -> int:
+    if "--" not in argv:
+        sys.exit("usage: job_kernel_builds.py label=<build folder> [label=<build folder> ...] -- "
+                 "<run_inference.py arguments>")
+    split = argv.index("--")
+    specs, job_args = argv[:split], argv[split + 1:]
+    if len(specs) < 2:
+        sys.exit("error: give at least two builds (label=folder) to take turns")
+    turns = TakingTurns(load_builds(specs))
+    install(turns)
+    from modelzoo.job.cli import main as run_job
+
+    try:
+        return run_job(job_args)
+    finally:
+        print(turns.report())
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
