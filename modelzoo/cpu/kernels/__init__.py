@@ -46,9 +46,9 @@ log = logging.getLogger("zoo-infer")
 SOURCES = [Path(__file__).with_name(name) for name in ("bindings.cpp", "cached_attention.cpp", "decoder_ops.cpp",
                                                          "int8_gemm.cpp", "bf16_gemm.cpp", "amx_gemm.cpp",
                                                          "half_gemm.cpp", "lora_update.cpp")]
-HEADERS = [Path(__file__).with_name(name) for name in ("amx_tiles.h", "attention_tiles.h", "greedy_picks.h",
-                                                         "kernels.h", "shared_tasks.h", "storage.h", "timed_choice.h",
-                                                         "weight_rows.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("amx_tiles.h", "attention_tiles.h", "cpu_caches.h",
+                                                         "greedy_picks.h", "kernels.h", "shared_tasks.h", "storage.h",
+                                                         "timed_choice.h", "weight_rows.h")]
 BUILD_ROOT = Path(__file__).with_name("build")
 MODULE_NAME = "zoo_infer_cpu_kernels"  # torch names the library <name>.so (<name>_v1.so, ... on a rebuild in-process)
 LDFLAGS = ("-fopenmp",)

@@ -21,6 +21,7 @@
 // silu(gate) * up written with silu_mul's bits. amx_bf16_greedy writes no outputs, only each row's pick
 // (greedy_picks.h).
 #include "amx_tiles.h"
+#include "cpu_caches.h"
 #include "greedy_picks.h"
 #include "kernels.h"
 #include "storage.h"
@@ -58,15 +59,6 @@ constexpr int64_t kChunk = 16;     // input pairs per A or B tile (64 bytes a ro
 constexpr int64_t kTileRows = 2 * kHalfRows;  // rows per task
 constexpr int64_t kTileBlocks = 4;  // blocks per task: 2 tile products of 2 blocks (a SiLU gate's 2 gate + 2 up)
 constexpr int64_t kAhead = 4;       // weight tiles prefetched ahead of the one multiplied
-
-// The L2 cache's size per core, in bytes (1 MiB where Linux does not say).
-int64_t l2_cache_bytes() {
-  static const int64_t bytes = [] {
-    const long reported = sysconf(_SC_LEVEL2_CACHE_SIZE);
-    return reported > 0 ? static_cast<int64_t>(reported) : int64_t{1} << 20;
-  }();
-  return bytes;
-}
 
 // Every thread configures its own tiles before using them.
 void configure_tiles() {

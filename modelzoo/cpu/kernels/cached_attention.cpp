@@ -19,6 +19,7 @@
 // The arithmetic is softmax(q . k * scale) @ v with the maximum subtracted before exp, as in
 // PyTorch's attention; the summation order and exp's last bits differ (rounding at the 1e-7 level).
 #include "attention_tiles.h"
+#include "cpu_caches.h"
 #include "kernels.h"
 #include "shared_tasks.h"
 #include "storage.h"
@@ -34,8 +35,6 @@
 #include <memory>
 #include <type_traits>
 #include <vector>
-
-#include <unistd.h>
 
 namespace zoo {
 namespace {
@@ -62,17 +61,6 @@ void store_row(const Q* in, T* out, int64_t n, float* scratch) {
     }
     narrow(scratch, out, n);
   }
-}
-
-// This core's L1 data cache in bytes (32 KiB where the system does not say): the most of the next task's keys a task
-// fetches ahead (attention_tiles.h's Ahead), so that a long context's keys do not push the values being summed out of
-// the caches.
-int64_t l1_data_bytes() {
-  static const int64_t bytes = [] {
-    const long size = sysconf(_SC_LEVEL1_DCACHE_SIZE);
-    return size > 0 ? static_cast<int64_t>(size) : int64_t{32768};
-  }();
-  return bytes;
 }
 
 TimedChoice key_tile_choice;
@@ -159,7 +147,10 @@ void attend_all(const torch::Tensor& q, const torch::Tensor& new_keys, const tor
     }
     blocks.push_back({i, 1});
   }
-  // Tasks (block, kv head), shared out as the threads come free (shared_tasks.h): blocks differ in length.
+  // Tasks (block, kv head), shared out as the threads come free (shared_tasks.h): blocks differ in length. A task
+  // fetches at most the L1 data cache's worth of the next task's keys, so that a long context's keys do not push the
+  // values being summed out of the caches.
+  const int64_t most_ahead = l1_data_bytes();
   const auto run = [&](int64_t begin, int64_t finish) {  // tasks [begin, finish), one after the other
     thread_local std::vector<float> scores, queries;  // each thread's, kept from call to call
     thread_local std::vector<int64_t> lengths;
@@ -176,7 +167,7 @@ void attend_all(const torch::Tensor& q, const torch::Tensor& new_keys, const tor
         const QueryBlock& next = blocks[(task + 1) / Hkv];
         const int64_t next_lo = start[next.first], next_h = (task + 1) % Hkv;
         ahead.lines = reinterpret_cast<const char*>(kp + slot_of(next.first) * ks0 + next_h * ks1 + next_lo * D);
-        ahead.bytes = std::min(l1_data_bytes(),
+        ahead.bytes = std::min(most_ahead,
                                (end[next.first + next.count - 1] - next_lo) * D * static_cast<int64_t>(sizeof(T)));
       }
       queries.resize(heads * D);
