@@ -186,13 +186,16 @@ inline void score_keys(const float* q, const T* keys, int64_t D, float* tile) {
   }
 }
 
-// Memory that the next task reads first (its keys), fetched while a tile sums its values: the scoring pass fetched
+// Memory that the next task reads: its keys, fetched into L1 while a tile sums its values (the scoring pass fetched
 // those values already, so without this the memory would idle through the summing pass and the next task's scoring
-// would wait for every key group it starts on. The lines are spread over the summing loop, a few per value row
-// read.
+// would wait for every key group it starts on), a few lines per value row read; and its values, fetched into L2
+// while a tile scores its keys, a few lines per key group (a core streams from memory at half the rate when each
+// task starts its streams cold: the summing pass would wait on them).
 struct Ahead {
   const char* lines = nullptr;
   int64_t bytes = 0;
+  const char* value_lines = nullptr;
+  int64_t value_bytes = 0;
 };
 
 // outs[r][c, c + 16 G) (values of O) = the sum over keys j < n of weights[r * stride + j] * values[j][c, c + 16 G),
@@ -287,10 +290,16 @@ void attend_tile(const float* q, const int64_t* lengths, const T* keys, const T*
   vecn peaks[R];
   float tile[R * W] = {};
   for (int r = 0; r < R; ++r) peaks[r] = vecn{} - kInfinity;
+  const int64_t value_ahead_lines = (ahead.value_bytes + 63) / 64, groups = (n + W - 1) / W;
+  const int64_t value_lines_per_group = (value_ahead_lines + groups - 1) / std::max<int64_t>(groups, 1);
+  int64_t value_line = 0;
   for (int64_t first = 0; first < n; first += W) {
     const int64_t count = std::min<int64_t>(W, n - first);
     const T* block = keys + first * D;
     prefetch_group<T>(keys + (first + kGroupsAhead * W) * D, keys + n * D, values + first * D, D);
+    for (const int64_t last = std::min(value_line + value_lines_per_group, value_ahead_lines); value_line < last;
+         ++value_line)
+      _mm_prefetch(ahead.value_lines + value_line * 64, _MM_HINT_T1);
     int64_t k = 0;
     for (; k + K <= count; k += K) score_keys<T, R, K>(q, block + k * D, D, tile + k);
     for (; k < count; ++k) score_keys<T, R, 1>(q, block + k * D, D, tile + k);

@@ -149,7 +149,7 @@ void attend_all(const torch::Tensor& q, const torch::Tensor& new_keys, const tor
   }
   // Tasks (block, kv head), shared out as the threads come free (shared_tasks.h): blocks differ in length. A task
   // fetches at most the L1 data cache's worth of the next task's keys, so that a long context's keys do not push the
-  // values being summed out of the caches.
+  // values being summed out of the caches, and as much of its values into L2.
   const int64_t most_ahead = l1_data_bytes();
   const auto run = [&](int64_t begin, int64_t finish) {  // tasks [begin, finish), one after the other
     thread_local std::vector<float> scores, queries;  // each thread's, kept from call to call
@@ -162,13 +162,15 @@ void attend_all(const torch::Tensor& q, const torch::Tensor& new_keys, const tor
       const int64_t stride = (n + W - 1) / W * W;
       const T* k = kp + slot_of(first) * ks0 + h * ks1 + lo * D;
       const T* v = vp + slot_of(first) * vs0 + h * vs1 + lo * D;
-      Ahead ahead;  // the next task's keys, where this thread runs it next
+      Ahead ahead;  // the next task's keys and values, where this thread runs it next
       if (task + 1 < finish) {
         const QueryBlock& next = blocks[(task + 1) / Hkv];
         const int64_t next_lo = start[next.first], next_h = (task + 1) % Hkv;
         ahead.lines = reinterpret_cast<const char*>(kp + slot_of(next.first) * ks0 + next_h * ks1 + next_lo * D);
         ahead.bytes = std::min(most_ahead,
                                (end[next.first + next.count - 1] - next_lo) * D * static_cast<int64_t>(sizeof(T)));
+        ahead.value_lines = reinterpret_cast<const char*>(vp + slot_of(next.first) * vs0 + next_h * vs1 + next_lo * D);
+        ahead.value_bytes = ahead.bytes;
       }
       queries.resize(heads * D);
       lengths.resize(heads);
