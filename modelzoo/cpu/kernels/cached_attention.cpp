@@ -151,6 +151,18 @@ void attend_all(const torch::Tensor& q, const torch::Tensor& new_keys, const tor
   // fetches at most the L1 data cache's worth of the next task's keys, so that a long context's keys do not push the
   // values being summed out of the caches, and as much of its values into L2.
   const int64_t most_ahead = l1_data_bytes();
+  // The query heads of the task from `block` and kv head h, fetched a task ahead (the projection that wrote them has
+  // pushed them out of this core's caches since): the task reads them first, to rotate them.
+  const int64_t query_bytes = D * static_cast<int64_t>(sizeof(Q));
+  const auto prefetch_queries = [&](const QueryBlock& block, int64_t h) {
+    for (int64_t j = 0; j < block.count; ++j) {
+      const int64_t i = block.first + j;
+      for (int64_t g = 0; g < G; ++g) {
+        const char* head = reinterpret_cast<const char*>(qp + i / T_ * qs0 + i % T_ * qs1 + (h * G + g) * qs2);
+        for (int64_t line = 0; line < query_bytes; line += 64) _mm_prefetch(head + line, _MM_HINT_T0);
+      }
+    }
+  };
   const auto run = [&](int64_t begin, int64_t finish) {  // tasks [begin, finish), one after the other
     thread_local std::vector<float> scores, queries;  // each thread's, kept from call to call
     thread_local std::vector<int64_t> lengths;
@@ -171,6 +183,7 @@ void attend_all(const torch::Tensor& q, const torch::Tensor& new_keys, const tor
                                (end[next.first + next.count - 1] - next_lo) * D * static_cast<int64_t>(sizeof(T)));
         ahead.value_lines = reinterpret_cast<const char*>(vp + slot_of(next.first) * vs0 + next_h * vs1 + next_lo * D);
         ahead.value_bytes = ahead.bytes;
+        prefetch_queries(next, next_h);
       }
       queries.resize(heads * D);
       lengths.resize(heads);
