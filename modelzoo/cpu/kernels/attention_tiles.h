@@ -198,20 +198,33 @@ struct Ahead {
   int64_t value_bytes = 0;
 };
 
+// The lines of `bytes` bytes from `first`, fetched with `Hint` a few at a time over `steps` calls of next(): spread
+// over a loop's steps, not in one burst (no division in the loop).
+template <_mm_hint Hint>
+struct SpreadFetch {
+  const char* first;
+  int64_t lines, per_step, line = 0;
+
+  SpreadFetch(const char* first, int64_t bytes, int64_t steps)
+      : first(first), lines((bytes + 63) / 64), per_step((lines + steps - 1) / std::max<int64_t>(steps, 1)) {}
+
+  void next() {
+    for (const int64_t last = std::min(line + per_step, lines); line < last; ++line)
+      _mm_prefetch(first + line * 64, Hint);
+  }
+};
+
 // outs[r][c, c + 16 G) (values of O) = the sum over keys j < n of weights[r * stride + j] * values[j][c, c + 16 G),
 // for each c a multiple of 16 G below D; `ahead` fetched on the way (changes no result).
 template <typename T, typename O, int R, int G>
 inline void weigh_tile(const float* weights, int64_t stride, const T* values, int64_t n, int64_t D, O* const* outs,
                        Ahead ahead) {
   constexpr int V = G * P;  // vectors per query head
-  const int64_t ahead_lines = (ahead.bytes + 63) / 64;
-  const int64_t lines_per_value = (ahead_lines + n - 1) / std::max<int64_t>(n, 1);  // no division in the loop
-  int64_t line = 0;
+  SpreadFetch<_MM_HINT_T0> next_keys(ahead.lines, ahead.bytes, n);
   for (int64_t c = 0; c < D; c += G * W) {
     vecn acc[R][V] = {};
     for (int64_t j = 0; j < n; ++j) {
-      for (const int64_t last = std::min(line + lines_per_value, ahead_lines); line < last; ++line)
-        _mm_prefetch(ahead.lines + line * 64, _MM_HINT_T0);
+      next_keys.next();
       vecn value[V];
       const T* row = values + j * D + c;
       if constexpr (std::is_same_v<T, float>) {
@@ -290,16 +303,12 @@ void attend_tile(const float* q, const int64_t* lengths, const T* keys, const T*
   vecn peaks[R];
   float tile[R * W] = {};
   for (int r = 0; r < R; ++r) peaks[r] = vecn{} - kInfinity;
-  const int64_t value_ahead_lines = (ahead.value_bytes + 63) / 64, groups = (n + W - 1) / W;
-  const int64_t value_lines_per_group = (value_ahead_lines + groups - 1) / std::max<int64_t>(groups, 1);
-  int64_t value_line = 0;
+  SpreadFetch<_MM_HINT_T1> next_values(ahead.value_lines, ahead.value_bytes, (n + W - 1) / W);
   for (int64_t first = 0; first < n; first += W) {
     const int64_t count = std::min<int64_t>(W, n - first);
     const T* block = keys + first * D;
     prefetch_group<T>(keys + (first + kGroupsAhead * W) * D, keys + n * D, values + first * D, D);
-    for (const int64_t last = std::min(value_line + value_lines_per_group, value_ahead_lines); value_line < last;
-         ++value_line)
-      _mm_prefetch(ahead.value_lines + value_line * 64, _MM_HINT_T1);
+    next_values.next();
     int64_t k = 0;
     for (; k + K <= count; k += K) score_keys<T, R, K>(q, block + k * D, D, tile + k);
     for (; k < count; ++k) score_keys<T, R, 1>(q, block + k * D, D, tile + k);
