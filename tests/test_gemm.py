@@ -59,6 +59,29 @@ def test_swap_replaces_every_linear_and_keeps_a_tied_embedding():
     assert weight_bytes(model) >= 30 * 16 * 4 + 16 * 16 * 4
 
 
+def test_candidates_are_timed_taking_turns(monkeypatch):
+    """The candidates' calls alternate, one of each a round after a warm-up call of each, so that a spell where the
+    machine runs slow falls on all of them; each keeps its least time, over TIMING_ROUNDS rounds."""
+    clock, order = [0.0], []
+
+    def call(key: str, seconds: list[float]):
+        def run():
+            order.append(key)
+            clock[0] += seconds[min(order.count(key) - 1, len(seconds) - 1)]
+        return run
+
+    monkeypatch.setattr(gemm.time, "perf_counter", lambda: clock[0])
+    least, most = gemm.TIMING_ROUNDS
+    # slow spells over some of the timed calls: each keeps its least time
+    best = gemm._seconds_per_call({"a": call("a", [1.0, 9.0, 9.0, 2.0]), "b": call("b", [1.0, 3.0, 1.5, 1.5, 1.5, 8.0])},
+                                  budget_s=0.0)
+    assert order == ["a", "b"] + ["a", "b"] * least
+    assert best == {"a": 2.0, "b": 1.5}
+    order.clear()
+    gemm._seconds_per_call({"a": call("a", [0.001]), "b": call("b", [0.001])}, budget_s=1e9)
+    assert order == ["a", "b"] * (1 + most)
+
+
 def test_measure_prefers_batch_invariant_candidates_and_says_why():
     choice = measure_shape(96, 160, torch.float32, FLOAT32_BACKENDS)
     assert set(choice.gflops) | set(choice.rejected) == set(FLOAT32_BACKENDS)
@@ -215,19 +238,19 @@ def test_row_block_size_is_measured_and_the_fastest_kept(backend, monkeypatch):
     """measure_shape times a *_blocks backend with every block size and keeps the fastest batch-invariant one (here
     32 rows, made fastest), its rates those of that size; the job's layers then multiply on blocks of that size,
     and the log names it."""
-    def timed(fn):
-        fn()
-        return {16: 2.0, 32: 1.0, 64: 3.0}[timing_block[0]]
-    timing_block = [0]
+    def timed(calls):  # each call keyed (backend, block rows, rows timed)
+        return {key: {16: 2.0, 32: 1.0, 64: 3.0}[key[1]] for key in calls}
     built = gemm.wrap
+    block_sizes = []
 
     def wrap_noting_block(linear, name, decode_rows=gemm.DECODE_ROWS, block_rows=gemm.BLOCK_ROWS[-1]):
-        timing_block[0] = block_rows
+        block_sizes.append(block_rows)
         return built(linear, name, decode_rows, block_rows)
 
     monkeypatch.setattr(gemm, "_seconds_per_call", timed)
     monkeypatch.setattr(gemm, "wrap", wrap_noting_block)
     choice = measure_shape(32, 48, torch.float32, [backend])
+    assert block_sizes == list(gemm.BLOCK_ROWS)
     assert choice.block_rows == {backend: 32} and choice.invariant == {backend: True}
     rates = {f"M={rows}": float(f"{2 * rows * 32 * 48 / 1.0 / 1e9:.3g}") for rows in (gemm.PREFILL_ROWS, gemm.DECODE_ROWS)}
     assert choice.gflops == {backend: rates}

@@ -64,7 +64,7 @@ INVARIANCE_OFFSETS = (0, 5, 70)  # where those rows sit in the larger call (70: 
 BLOCK_ROWS = (16, 32, 64)  # the row blocks a *_blocks backend is timed with; each shape keeps its fastest
 BLOCK_BACKENDS = ("onednn_blocks", "torch_blocks")
 MEASURED_WEIGHT_BYTES = 64 * 2**20  # a wider weight (a vocabulary head) is timed on as many outputs as fit
-CACHE_VERSION = 2  # 2: the *_blocks backends' measured block rows
+CACHE_VERSION = 3  # 2: the *_blocks backends' measured block rows; 3: candidates timed taking turns
 
 
 class OneDNNLinear(nn.Module):
@@ -194,26 +194,38 @@ class ShapeChoice:
     block_rows: dict[str, int] = field(default_factory=dict)  # a *_blocks backend -> its fastest block, as measured
 
 
-def _seconds_per_call(fn: Callable[[], torch.Tensor], budget_s: float = 0.15) -> float:
-    """Best time of a few calls after a warm-up, within about `budget_s`."""
-    fn()
-    best, spent, calls = float("inf"), 0.0, 0
-    while calls < 3 or (spent < budget_s and calls < 20):
-        start = time.perf_counter()
+TIMING_ROUNDS = (3, 30)  # the least and most rounds of calls measure_shape times each candidate in
+
+
+def _seconds_per_call(calls: dict[tuple, Callable[[], object]], budget_s: float = 0.15) -> dict[tuple, float]:
+    """Each of `calls`' best time, after a warm-up call of each: the calls take turns, one of each a round, for
+    TIMING_ROUNDS rounds, more while less than about `budget_s` a call has passed. A spell where the machine runs slow
+    (a neighbour on a VM, a descheduled vCPU: a few milliseconds cover every call of a small GEMM) falls on every
+    candidate alike, not on whichever ran through it."""
+    for fn in calls.values():
         fn()
-        elapsed = time.perf_counter() - start
-        best, spent, calls = min(best, elapsed), spent + elapsed, calls + 1
+    best = dict.fromkeys(calls, float("inf"))
+    least, most = TIMING_ROUNDS
+    spent, rounds = 0.0, 0
+    while rounds < least or (spent < budget_s * len(calls) and rounds < most):
+        for key, fn in calls.items():
+            start = time.perf_counter()
+            fn()
+            elapsed = time.perf_counter() - start
+            best[key], spent = min(best[key], elapsed), spent + elapsed
+        rounds += 1
     return best
 
 
 def measure_shape(in_features: int, out_features: int, dtype: torch.dtype, backends: list[str],
                   timed_rows: tuple[int, ...] = (PREFILL_ROWS, DECODE_ROWS),
                   build: Callable[[nn.Linear, str], nn.Module] = wrap) -> ShapeChoice:
-    """Times (at each of `timed_rows`) and checks each backend on a random weight of this shape; keeps
-    the fastest invariant one. build(layer, backend): the module a backend multiplies that layer with.
-    A weight over MEASURED_WEIGHT_BYTES is timed on its first outputs only (the rate of a GEMM that wide
-    no longer depends on its width), so that the start-up does not hold a second, random copy of a
-    vocabulary head (0.4 GiB for a 2048 x 49152 float32 one) and each candidate's layout of it."""
+    """Times (at each of `timed_rows`, the candidates taking turns: _seconds_per_call) and checks each backend on a
+    random weight of this shape; keeps the fastest invariant one. build(layer, backend): the module a backend
+    multiplies that layer with. A weight over MEASURED_WEIGHT_BYTES is timed on its first outputs only (the rate of a
+    GEMM that wide no longer depends on its width), so that the start-up does not hold a second, random copy of a
+    vocabulary head (0.4 GiB for a 2048 x 49152 float32 one) and each candidate's layout of it (held side by side
+    while they take turns)."""
     generator = torch.Generator().manual_seed(0)
     out_features = measured_out_features(in_features, out_features, dtype)
     linear = nn.Linear(in_features, out_features, bias=False, dtype=dtype)
@@ -222,34 +234,45 @@ def measure_shape(in_features: int, out_features: int, dtype: torch.dtype, backe
     x = torch.randn(max(PREFILL_ROWS, *timed_rows), in_features, generator=generator, dtype=dtype)
     rows_at = [(rows, offset) for rows in INVARIANCE_ROWS for offset in INVARIANCE_OFFSETS]
     choice = ShapeChoice(backend="torch")
+    parts = {rows: x[:rows].contiguous() for rows in timed_rows}
 
-    def measure(module: nn.Module) -> tuple[dict[str, float], bool]:
-        """({"M=256": GFLOP/s, ...}, whether its rows are batch-invariant) of one module."""
+    def invariant(module: nn.Module) -> bool:
+        """Whether the module's rows are batch-invariant (its first call: a failing candidate raises here)."""
         full = module(x)  # (rows, N)
-        invariant = all(torch.equal(module(x[offset: offset + rows].contiguous()), full[offset: offset + rows])
-                        for rows, offset in rows_at)
-        rates = {}
-        for rows in timed_rows:
-            part = x[:rows].contiguous()
-            seconds = _seconds_per_call(lambda: module(part))
-            rate = 2 * rows * in_features * out_features / seconds / 1e9
-            rates[f"M={rows}"] = float(f"{rate:.3g}")  # 3 significant digits: never 0, tiny shapes too
-        return rates, invariant
+        return all(torch.equal(module(x[offset: offset + rows].contiguous()), full[offset: offset + rows])
+                   for rows, offset in rows_at)
 
     with torch.inference_mode():
+        # (backend, block rows or 0) -> its module and invariance: a *_blocks backend once per block size
+        candidates: dict[tuple[str, int], tuple[nn.Module, bool]] = {}
         for backend in backends:
             try:
-                if backend in BLOCK_BACKENDS:  # wrap's row blocks: each size timed, the fastest kept
-                    trials = {str(rows): measure(wrap(linear, backend, block_rows=rows)) for rows in BLOCK_ROWS}
-                    best = fastest({"gflops": {rows: rates for rows, (rates, _) in trials.items()},
-                                    "invariant": {rows: invariant for rows, (_, invariant) in trials.items()}})
-                    choice.block_rows[backend] = int(best)
-                    rates, invariant = trials[best]
+                if backend in BLOCK_BACKENDS:
+                    for rows in BLOCK_ROWS:
+                        module = wrap(linear, backend, block_rows=rows)
+                        candidates[backend, rows] = module, invariant(module)
                 else:
-                    rates, invariant = measure(build(linear, backend))
-                choice.gflops[backend], choice.invariant[backend] = rates, invariant
+                    module = build(linear, backend)
+                    candidates[backend, 0] = module, invariant(module)
             except (RuntimeError, NotImplementedError) as error:  # e.g. a dtype this CPU's oneDNN lacks
                 choice.rejected[backend] = str(error).strip().splitlines()[0][:200]
+                candidates = {key: value for key, value in candidates.items() if key[0] != backend}
+        # every candidate at every row count, taking turns: the same spells of the machine for all
+        seconds = _seconds_per_call({(*key, rows): functools.partial(module, parts[rows])
+                                     for key, (module, _) in candidates.items() for rows in timed_rows})
+    trials: dict[str, dict[int, tuple[dict[str, float], bool]]] = {}  # backend -> block rows -> (rates, invariant)
+    for (backend, block, rows), elapsed in seconds.items():
+        rate = 2 * rows * in_features * out_features / elapsed / 1e9
+        rates = trials.setdefault(backend, {}).setdefault(block, ({}, candidates[backend, block][1]))[0]
+        rates[f"M={rows}"] = float(f"{rate:.3g}")  # 3 significant digits: never 0, tiny shapes too
+    for backend, by_block in trials.items():
+        if backend in BLOCK_BACKENDS:  # each block size timed, the fastest batch-invariant one kept
+            best = int(fastest({"gflops": {str(block): rates for block, (rates, _) in by_block.items()},
+                                "invariant": {str(block): inv for block, (_, inv) in by_block.items()}}))
+            choice.block_rows[backend] = best
+            choice.gflops[backend], choice.invariant[backend] = by_block[best]
+        else:
+            choice.gflops[backend], choice.invariant[backend] = by_block[0]
     choice.backend = fastest(asdict(choice))
     return choice
 
