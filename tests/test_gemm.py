@@ -73,8 +73,8 @@ def test_candidates_are_timed_taking_turns(monkeypatch):
     monkeypatch.setattr(gemm.time, "perf_counter", lambda: clock[0])
     least, most = gemm.TIMING_ROUNDS
     # slow spells over some of the timed calls: each keeps its least time
-    best = gemm._seconds_per_call({"a": call("a", [1.0, 9.0, 9.0, 2.0]), "b": call("b", [1.0, 3.0, 1.5, 1.5, 1.5, 8.0])},
-                                  budget_s=0.0)
+    calls = {"a": call("a", [1.0, 9.0, 9.0, 2.0]), "b": call("b", [1.0, 3.0, 1.5, 1.5, 1.5, 8.0])}
+    best = gemm._seconds_per_call(calls, budget_s=0.0)
     assert order == ["a", "b"] + ["a", "b"] * least
     assert best == {"a": 2.0, "b": 1.5}
     order.clear()
