@@ -198,6 +198,13 @@ struct Ahead {
   int64_t value_bytes = 0;
 };
 
+// The lines of `bytes` bytes from `first` fetched with `Hint` (changes no result).
+template <_mm_hint Hint>
+inline void fetch_lines(const void* first, int64_t bytes) {
+  const char* lines = static_cast<const char*>(first);
+  for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(lines + line, Hint);
+}
+
 // The lines of `bytes` bytes from `first`, fetched with `Hint` a few at a time over `steps` calls of next(): spread
 // over a loop's steps, not in one burst (no division in the loop).
 template <_mm_hint Hint>
@@ -267,12 +274,9 @@ constexpr int64_t kGroupsAhead = 2;
 // they are read once every score is known. Changes no result.
 template <typename T>
 inline void prefetch_group(const T* ahead, const T* end, const T* values, int64_t D) {
-  const char* key_lines = reinterpret_cast<const char*>(ahead);
-  const char* value_lines = reinterpret_cast<const char*>(values);
   const int64_t bytes = W * D * static_cast<int64_t>(sizeof(T));
-  const int64_t key_bytes = std::clamp<int64_t>(reinterpret_cast<const char*>(end) - key_lines, 0, bytes);
-  for (int64_t line = 0; line < key_bytes; line += 64) _mm_prefetch(key_lines + line, _MM_HINT_T0);
-  for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(value_lines + line, _MM_HINT_T1);
+  fetch_lines<_MM_HINT_T0>(ahead, std::clamp<int64_t>((end - ahead) * static_cast<int64_t>(sizeof(T)), 0, bytes));
+  fetch_lines<_MM_HINT_T1>(values, bytes);
 }
 
 // Scale, mask and peaks of `count` keys' raw scores tile (R, count) from key `first` on into rows of scores: the

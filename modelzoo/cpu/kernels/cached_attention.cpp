@@ -151,16 +151,13 @@ void attend_all(const torch::Tensor& q, const torch::Tensor& new_keys, const tor
   // fetches at most the L1 data cache's worth of the next task's keys, so that a long context's keys do not push the
   // values being summed out of the caches, and as much of its values into L2.
   const int64_t most_ahead = l1_data_bytes();
+  // Query i's head `head` (its D values; i = b * T + t).
+  const auto query_head = [&](int64_t i, int64_t head) { return qp + i / T_ * qs0 + i % T_ * qs1 + head * qs2; };
   // The query heads of the task from `block` and kv head h, fetched a task ahead (the projection that wrote them has
   // pushed them out of this core's caches since): the task reads them first, to rotate them.
-  const int64_t query_bytes = D * static_cast<int64_t>(sizeof(Q));
   const auto prefetch_queries = [&](const QueryBlock& block, int64_t h) {
-    for (int64_t j = 0; j < block.count; ++j) {
-      const int64_t i = block.first + j;
-      for (int64_t g = 0; g < G; ++g) {
-        const char* head = reinterpret_cast<const char*>(qp + i / T_ * qs0 + i % T_ * qs1 + (h * G + g) * qs2);
-        for (int64_t line = 0; line < query_bytes; line += 64) _mm_prefetch(head + line, _MM_HINT_T0);
-      }
+    for (int64_t i = block.first; i < block.first + block.count; ++i) {
+      for (int64_t g = 0; g < G; ++g) fetch_lines<_MM_HINT_T0>(query_head(i, h * G + g), D * sizeof(Q));
     }
   };
   const auto run = [&](int64_t begin, int64_t finish) {  // tasks [begin, finish), one after the other
@@ -189,9 +186,9 @@ void attend_all(const torch::Tensor& q, const torch::Tensor& new_keys, const tor
       lengths.resize(heads);
       outs.resize(heads);
       for (int64_t j = 0; j < block.count; ++j) {
-        const int64_t i = first + j, b = i / T_, t = i % T_;
+        const int64_t i = first + j;
         for (int64_t g = 0; g < G; ++g) {
-          const Q* head = qp + b * qs0 + t * qs1 + (h * G + g) * qs2;
+          const Q* head = query_head(i, h * G + g);
           float* row = queries.data() + (j * G + g) * D;
           if (rotary) {
             rotate_half(head, cosp + i * D, sinp + i * D, row, D);
