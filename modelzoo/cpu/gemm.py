@@ -260,19 +260,18 @@ def measure_shape(in_features: int, out_features: int, dtype: torch.dtype, backe
         # every candidate at every row count, taking turns: the same spells of the machine for all
         seconds = _seconds_per_call({(*key, rows): functools.partial(module, parts[rows])
                                      for key, (module, _) in candidates.items() for rows in timed_rows})
-    trials: dict[str, dict[int, tuple[dict[str, float], bool]]] = {}  # backend -> block rows -> (rates, invariant)
-    for (backend, block, rows), elapsed in seconds.items():
-        rate = 2 * rows * in_features * out_features / elapsed / 1e9
-        rates = trials.setdefault(backend, {}).setdefault(block, ({}, candidates[backend, block][1]))[0]
-        rates[f"M={rows}"] = float(f"{rate:.3g}")  # 3 significant digits: never 0, tiny shapes too
-    for backend, by_block in trials.items():
+    # {"M=256": GFLOP/s, ...} of each candidate, 3 significant digits: never 0, tiny shapes too
+    rates = {key: {f"M={rows}": float(f"{2 * rows * in_features * out_features / seconds[(*key, rows)] / 1e9:.3g}")
+                   for rows in timed_rows} for key in candidates}
+    for backend in dict.fromkeys(backend for backend, _ in candidates):
+        blocks = [block for name, block in candidates if name == backend]
         if backend in BLOCK_BACKENDS:  # each block size timed, the fastest batch-invariant one kept
-            best = int(fastest({"gflops": {str(block): rates for block, (rates, _) in by_block.items()},
-                                "invariant": {str(block): inv for block, (_, inv) in by_block.items()}}))
+            best = int(fastest({"gflops": {str(block): rates[backend, block] for block in blocks},
+                                "invariant": {str(block): candidates[backend, block][1] for block in blocks}}))
             choice.block_rows[backend] = best
-            choice.gflops[backend], choice.invariant[backend] = by_block[best]
         else:
-            choice.gflops[backend], choice.invariant[backend] = by_block[0]
+            best = 0
+        choice.gflops[backend], choice.invariant[backend] = rates[backend, best], candidates[backend, best][1]
     choice.backend = fastest(asdict(choice))
     return choice
 
