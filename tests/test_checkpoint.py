@@ -23,7 +23,12 @@ def test_sharded_safetensors_with_index(tmp_path):
     AutoModelForCausalLM.from_pretrained(single).save_pretrained(sharded, max_shard_size="20KB")
     index = json.loads((sharded / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
-    torch.testing.assert_close(our_last_logits(sharded, PROMPT)[0], our_last_logits(single, PROMPT)[0], rtol=0, atol=0)
+    weights = {path: load_model(path, torch.float32, torch.device("cpu"))[0].state_dict() for path in (sharded, single)}
+    assert weights[sharded].keys() == weights[single].keys()
+    assert all(torch.equal(weights[sharded][name], weights[single][name]) for name in weights[single])
+    # The same weights at other addresses: a one-row product may sum in another order where they are aligned otherwise.
+    torch.testing.assert_close(our_last_logits(sharded, PROMPT)[0], our_last_logits(single, PROMPT)[0],
+                               rtol=0, atol=1e-5)
 
 
 def test_base_model_weight_names_without_prefix(tmp_path):

@@ -100,6 +100,17 @@ class CausalLM(nn.Module):
         return (bool(getattr(head, "fuses_greedy", False)) and not head._forward_hooks and not head._forward_pre_hooks
                 and not self._forward_hooks and type(self).forward is CausalLM.forward)
 
+    def positions_read(self, tokens: torch.Tensor, last: torch.Tensor | None) -> torch.Tensor | None:
+        """The positions (B, N) into T whose last-layer outputs the head reads (`last`, or each row's final one), when
+        forward can compute that layer's outputs at those alone: several positions a row (a prompt), and no LoRA
+        adapters (each token's adapter is chosen for all T positions). None: every position's."""
+        batch, width = tokens.shape[:2]
+        if width == 1 or self.adapter_bank is not None:
+            return None
+        if last is None:
+            return torch.full((batch, 1), width - 1, dtype=torch.long, device=tokens.device)
+        return last[:, None] if last.dim() == 1 else last
+
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 slots: torch.Tensor | None, last: torch.Tensor | None = None, length: int | None = None,
                 greedy: bool = False) -> torch.Tensor:
@@ -114,8 +125,15 @@ class CausalLM(nn.Module):
         if self.adapter_bank is not None:  # each row's (or packed token's) LoRA adapter, its cache slot's
             self.adapter_bank.select(cache.slot_adapter, slots, tokens.shape)
         x, contexts, extra = self.prepare(tokens, positions, cache, slots, last, length)
+        read = self.positions_read(tokens, last)  # (B, N) or None
+        if read is not None:  # the last layer's outputs only where the head reads them; every position's keys
+            contexts = [*contexts[:-1], contexts[-1].reading(read)]
         for layer, ctx in zip(self.get_submodule(self.layers_name), contexts):
             x = layer(x, *extra, ctx)
-        x = self.finish(last_token_states(x, last))  # (B, hidden)
+        if read is not None:  # x: (B, N, hidden), at `last`
+            x = x if last is not None and last.dim() == 2 else x[:, 0]
+        else:
+            x = last_token_states(x, last)
+        x = self.finish(x)  # (B, hidden) or (B, N, hidden)
         head = self.get_submodule(self.head_name)
         return head.greedy(x) if greedy else head(x)  # (B,) or (B, vocab)

@@ -86,7 +86,7 @@ class BloomBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         normed = self.input_layernorm(x)
-        x = (normed if self.residual_post_layernorm else x) + self.self_attention(normed, ctx)
+        x = ctx.kept(normed if self.residual_post_layernorm else x) + self.self_attention(normed, ctx)
         normed = self.post_attention_layernorm(x)
         return (normed if self.residual_post_layernorm else x) + self.mlp(normed)
 

@@ -128,10 +128,11 @@ class FalconDecoderLayer(nn.Module):
         else:
             attn_in = mlp_in = self.input_layernorm(x)
         attn_out = self.self_attention(attn_in, rotary, ctx)
+        x = ctx.kept(x)
         if not self.parallel_attn:
             x = x + attn_out
             return x + self.mlp(self.post_attention_layernorm(x))
-        return x + (self.mlp(mlp_in) + attn_out)  # transformers' op order: (mlp + attn), then the residual
+        return x + (self.mlp(ctx.kept(mlp_in)) + attn_out)  # transformers' op order: (mlp + attn), then the residual
 
 
 class FalconModel(nn.Module):

@@ -123,7 +123,7 @@ class GPT2Block(nn.Module):
         self.mlp = mlp(config)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = self.attn(self.ln_1(x), ctx) + x
+        x = self.attn(self.ln_1(x), ctx) + ctx.kept(x)
         return x + self.mlp(self.ln_2(x))
 
 

@@ -88,6 +88,7 @@ class GPTNeoXLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
         attn = self.attention(self.input_layernorm(x), rotary, ctx)
+        x = ctx.kept(x)
         if self.use_parallel_residual:
             return self.mlp(self.post_attention_layernorm(x)) + attn + x  # HF's summation order
         attn = attn + x

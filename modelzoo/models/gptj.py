@@ -78,7 +78,7 @@ class GPTJBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
         h = self.ln_1(x)
-        return self.attn(h, rotary, ctx) + self.mlp(h) + x
+        return self.attn(h, rotary, ctx) + self.mlp(ctx.kept(h)) + ctx.kept(x)
 
 
 class GPTJModel(nn.Module):

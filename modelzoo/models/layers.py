@@ -5,6 +5,7 @@ float32 upcasts) so that greedy decoding matches the Hugging Face reference toke
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from types import ModuleType
@@ -34,7 +35,10 @@ class ForwardContext:
     forward's own keys and values, not the cache. windowed: the sliding window hides some key.
     segments: packed prompts only: (begin, end, context) of each sequence's tokens, for the PyTorch
     attention path, which runs them one by one (the C++ kernel takes the packed row as it is).
-    rows: the cache rows for the C++ kernel: slots, or 0 .. B-1 when slots is None.
+    rows: the cache rows for the C++ kernel: slots, or 0 .. B-1 when slots is None. read: (B, N) indices into T,
+    or None: the positions whose outputs this layer hands on (the last layer's, where only the head reads them);
+    attention stores every position's keys and values, and returns its outputs, and the layer its states, at
+    these alone (`kept`).
     """
 
     cache: KVCache
@@ -48,10 +52,22 @@ class ForwardContext:
     segments: tuple[tuple[int, int, "ForwardContext"], ...] = ()
     rows: torch.Tensor | None = None
     additive_mask: torch.Tensor | None = None  # on a GPU, `mask` as SDPA takes it fastest, once built (sdpa_mask)
+    read: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.rows is None:
             self.rows = torch.arange(self.positions.shape[0], device=self.positions.device) if self.slots is None else self.slots
+
+    def reading(self, read: torch.Tensor) -> "ForwardContext":
+        """This context for a layer whose outputs are read at positions `read` (B, N) alone."""
+        return dataclasses.replace(self, read=read)
+
+    def kept(self, states: torch.Tensor) -> torch.Tensor:
+        """states (B, T, ...) at the positions read: (B, N, ...), or all of them when every position is read."""
+        if self.read is None:
+            return states
+        rows = torch.arange(states.shape[0], device=states.device)[:, None]
+        return states[rows, self.read]
 
     def sdpa_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
         """The mask for PyTorch's attention in queries of `dtype`: on a GPU a boolean mask becomes additive (0 where a
@@ -200,7 +216,8 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: i
     q: (B, heads, T, hd); k, v: (B, kv_heads, T, hd); any strides with each head's hd features
     contiguous (views of one fused projection are fine). scale: None = 1 / sqrt(hd). rotary: the
     (cos, sin) tables (B, 1, T, hd) of `RotaryEmbedding` to rotate q and k by first (two-halves
-    layout, the whole head), or None. Returns (B, T, heads * hd).
+    layout, the whole head), or None. Returns (B, T, heads * hd), or (B, N, heads * hd) at the
+    positions ctx.read.
     """
     batch, heads, seq, head_dim = q.shape
     kernel = attention_kernel(q, ctx)
@@ -210,12 +227,12 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: i
         out = kernel.cached_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # (B, T, heads, hd)
                                       ctx.cache.keys[layer], ctx.cache.values[layer], ctx.rows, start, end,
                                       head_dim ** -0.5 if scale is None else scale, cos, sin)  # (B, T, heads, hd)
-        return out.view(batch, seq, heads * head_dim)
+        return ctx.kept(out.view(batch, seq, heads * head_dim))
     if ctx.segments:  # packed prompts: one sequence at a time
-        return torch.cat([cached_attention(q[:, :, begin:end], k[:, :, begin:end], v[:, :, begin:end], layer, context,
+        return ctx.kept(torch.cat([cached_attention(q[:, :, begin:end], k[:, :, begin:end], v[:, :, begin:end], layer, context,
                                            scale, None if rotary is None else (rotary[0][:, :, begin:end],
                                                                                rotary[1][:, :, begin:end]))
-                          for begin, end, context in ctx.segments], dim=1)
+                          for begin, end, context in ctx.segments], dim=1))
     if rotary is not None:
         q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
     storage = ctx.cache.keys[layer].dtype
@@ -232,7 +249,7 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: i
     causal = ctx.fresh and not ctx.windowed and ctx.mask.dtype == torch.bool
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=None if causal else ctx.sdpa_mask(q.dtype),
                                          is_causal=causal, scale=scale, enable_gqa=bool(q.shape[1] != keys.shape[1]))
-    return out.transpose(1, 2).reshape(batch, seq, heads * head_dim)
+    return ctx.kept(out.transpose(1, 2).reshape(batch, seq, heads * head_dim))
 
 
 def grouped_query_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,

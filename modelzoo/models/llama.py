@@ -110,7 +110,7 @@ class LlamaDecoderLayer(nn.Module):
         # Each norm's outputs rounded to bfloat16 where its GEMM rounds them so anyway; the MLP's added into x.
         normed = self.input_layernorm(x, round_to_bf16=rounds_inputs_to_bf16(self.self_attn.qkv_proj))
         x, normed = self.post_attention_layernorm.add_and_norm(
-            x, self.self_attn(normed, rotary, ctx), round_to_bf16=rounds_inputs_to_bf16(self.mlp.gate_up_proj))
+            ctx.kept(x), self.self_attn(normed, rotary, ctx), round_to_bf16=rounds_inputs_to_bf16(self.mlp.gate_up_proj))
         return self.mlp.add_to(x, normed)
 
 

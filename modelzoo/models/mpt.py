@@ -109,7 +109,7 @@ class MptBlock(nn.Module):
         self.ffn = DenseMLP(config.hidden_size, config.intermediate_size, config.hidden_act, False, ("up_proj", "down_proj"))
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = self.attn(self.norm_1(x), ctx) + x
+        x = self.attn(self.norm_1(x), ctx) + ctx.kept(x)
         return self.ffn(self.norm_2(x)) + x
 
 

@@ -90,7 +90,7 @@ class OPTDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         h = self.self_attn(self.self_attn_layer_norm(x) if self.pre_norm else x, ctx)
-        x = x + h
+        x = ctx.kept(x) + h
         if not self.pre_norm:
             x = self.self_attn_layer_norm(x)
         h = self.fc2(self.act(self.fc1(self.final_layer_norm(x) if self.pre_norm else x)))

@@ -1,0 +1,95 @@
+"""The last layer computes its outputs only at the positions the head reads (CausalLM.positions_read), every
+position's keys and values still stored: the same logits (and greedy picks), bit for bit, and the same cache as
+when it computes every position, in every family, padded and packed, float32 and the bfloat16 policy."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import OPTConfig
+
+from harness import family_prompts, save_tiny_model
+from precision_policies import needs_bf16
+from tiny_configs import INT8_FAMILIES, VOCAB, bloom_config, falcon_config, neox_config
+
+FAMILIES = {
+    **INT8_FAMILIES,
+    "bloom_residual_post_layernorm": lambda: bloom_config(apply_residual_connection_post_layernorm=True),
+    "falcon_parallel_attention": falcon_config,  # one norm, attention and MLP side by side
+    "gpt_neox_sequential": lambda: neox_config(parallel=False),
+    "opt_pre_norm": lambda: OPTConfig(vocab_size=VOCAB, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                      ffn_dim=96, max_position_embeddings=80, pad_token_id=1,
+                                      do_layer_norm_before=True, architectures=["OPTForCausalLM"]),
+}
+PROMPTS = family_prompts(VOCAB)[:4]  # 3, 11, 1 and 23 tokens
+
+
+def open_job(checkpoint, dtype: str):
+    """The model and its engine's KV cache as the runner opens them (4 rows in flight, max_seq_len 64)."""
+    from modelzoo.runtime import Runtime, RuntimePlan
+    from modelzoo.runtime_spec import RuntimeSpec
+
+    spec = RuntimeSpec(str(checkpoint), dtype=dtype, device="cpu", max_seq_len=64, rows_in_flight=4)
+    runtime = Runtime(RuntimePlan.of(spec), rows_to_do=4)
+    return runtime.model, runtime.engine.cache
+
+
+def prefill_inputs(layout: str) -> tuple[torch.Tensor, ...]:
+    """(tokens, positions, slots, last) of PROMPTS prefilled in one forward: right-padded rows with one read
+    position a row (`padded`), two (`two_a_row`) or the final one (`final`: last None), or side by side (`packed`)."""
+    lengths = torch.tensor([len(p) for p in PROMPTS])
+    if layout == "packed":
+        tokens = torch.tensor([sum(PROMPTS, [])])
+        positions = torch.cat([torch.arange(n) for n in lengths])[None]
+        slots = torch.repeat_interleave(torch.arange(len(PROMPTS)), lengths)[None]
+        return tokens, positions, slots, (lengths.cumsum(0) - 1)[None]
+    width = int(lengths.max())
+    tokens = torch.tensor([p + [0] * (width - len(p)) for p in PROMPTS])
+    positions = torch.arange(width).expand(len(PROMPTS), -1)
+    last = {"padded": lengths - 1, "two_a_row": torch.stack([lengths // 2, lengths - 1], 1), "final": None}[layout]
+    return tokens, positions, torch.arange(len(PROMPTS)), last
+
+
+def run(model, cache, inputs, greedy: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The forward's output and every layer's keys and values after it, from a zeroed cache."""
+    for stored in (*cache.keys, *cache.values):
+        stored.zero_()
+    tokens, positions, slots, last = inputs
+    with torch.inference_mode():
+        out = model(tokens, positions, cache, slots, last, greedy=greedy)
+    return out, [stored.clone() for stored in (*cache.keys, *cache.values)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=needs_bf16)])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_last_layer_runs_at_the_read_positions_alone_with_the_same_outputs(tmp_path, monkeypatch, family, dtype):
+    model, cache = open_job(save_tiny_model(FAMILIES[family](), tmp_path / "model"), dtype)
+    widths = []  # positions a row the last layer handed on, each forward
+    model.get_submodule(model.layers_name)[-1].register_forward_hook(lambda _m, _a, out: widths.append(out.shape[1]))
+    layouts = ["padded", "two_a_row", "final"] + (["packed"] if model.packs_prompts else [])
+    for layout in layouts:
+        inputs = prefill_inputs(layout)
+        last = inputs[3]
+        for greedy in [False] + ([True] if model.fuses_greedy_head() and layout != "two_a_row" else []):
+            got, got_cache = run(model, cache, inputs, greedy)
+            with monkeypatch.context() as every_position:
+                every_position.setattr(model, "positions_read", lambda tokens, last: None)
+                want, want_cache = run(model, cache, inputs, greedy)
+            assert torch.equal(got, want), (layout, greedy)
+            assert all(torch.equal(a, b) for a, b in zip(got_cache, want_cache)), (layout, greedy)
+            read = 1 if last is None or last.dim() == 1 else last.shape[1]
+            assert widths[-2:] == [read, inputs[0].shape[1]], (layout, widths[-2:])  # read positions, then all
+            if not greedy:
+                assert got.shape == ((len(PROMPTS), VOCAB) if last is None or last.dim() == 1
+                                     else (*last.shape, VOCAB))
+
+
+def test_a_decode_step_and_lora_adapters_run_every_position(tmp_path):
+    """Nothing to save at one position a row; and with LoRA adapters attached each token's adapter is chosen for
+    all T positions, so forward computes them all."""
+    model, _ = open_job(save_tiny_model(INT8_FAMILIES["llama_tied"](), tmp_path / "model"), "float32")
+    tokens = torch.zeros((2, 5), dtype=torch.long)
+    assert torch.equal(model.positions_read(tokens, torch.tensor([4, 2])), torch.tensor([[4], [2]]))
+    assert torch.equal(model.positions_read(tokens, None), torch.tensor([[4], [4]]))
+    assert model.positions_read(tokens[:, :1], None) is None
+    model.adapter_bank = object()
+    assert model.positions_read(tokens, torch.tensor([4, 2])) is None
