@@ -2,9 +2,9 @@
 arithmetic peak and memory read bandwidth, and two limits on the workload's speed derived from them.
 
 Both limits count only the linear layers (2 FLOPs per weight per row): every prompt token (a prefix
-all prompts share once) through every layer but the LM head, one row per prompt through the head (its
-first generated token), and every other generated token's input through all of them (a decode step
-feeds a row's last token to choose the next). Attention, norms and sampling are left out, so no
+all prompts share once) through every layer but the LM head, save the last layer's linears after its
+attention, one row per prompt through those and the head (its first generated token), and every other
+generated token's input through all of them (a decode step feeds a row's last token to choose the next). Attention, norms and sampling are left out, so no
 engine reaches either:
   - the GEMM ceiling: those FLOPs at the best rate the job's own probe (modelzoo/cpu/gemm.py) measured
     for each weight shape, prompt rows at M = 1024 and generated rows at M = the rows decoded
@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import platform
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -48,14 +48,22 @@ def cpu_description() -> str:
     return f"{cpu_model() or platform.processor() or 'unknown CPU'} ({platform.machine()}; {flags}{capped})"
 
 
+# The linears that project a layer's input to its attention's queries, keys and values, in every family: a prompt's
+# last layer runs them on every token, and the linears after its attention on one row (CausalLM.positions_read).
+ATTENTION_INPUTS = frozenset({"qkv_proj", "c_attn", "q_proj", "k_proj", "v_proj", "query_key_value", "Wqkv"})
+
+
 @dataclass
 class LinearShapes:
     """The model's linear layers: {(in, out): count} for the decoder layers and for the LM head; kv_features: the
-    values a token's keys (or its values) take in the KV cache over every layer (layers x kv heads x head dim)."""
+    values a token's keys (or its values) take in the KV cache over every layer (layers x kv heads x head dim);
+    read_alone: those of `body` that a prompt runs on one row, not on every token (the last layer's after its
+    attention)."""
 
     body: Counter
     head: tuple[int, int]
     kv_features: int = 0
+    read_alone: Counter = field(default_factory=Counter)
 
     def weights(self) -> int:
         """The weights of every linear layer, the head's included."""
@@ -84,8 +92,11 @@ def model_shapes(checkpoint: str) -> LinearShapes:
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     head = max(linears, key=lambda m: m.out_features)  # the vocabulary projection
     body = Counter((m.in_features, m.out_features) for m in linears if m is not head)
+    last_layer = model.get_submodule(model.layers_name)[-1]
+    read_alone = Counter((m.in_features, m.out_features) for name, m in last_layer.named_modules()
+                         if isinstance(m, nn.Linear) and name.rpartition(".")[2] not in ATTENTION_INPUTS)
     return LinearShapes(body, (head.in_features, head.out_features),
-                        config.num_layers * config.num_kv_heads * config.head_dim)
+                        config.num_layers * config.num_kv_heads * config.head_dim, read_alone)
 
 
 def timed_rows(decode_rows: int) -> tuple[int, ...]:
@@ -112,9 +123,9 @@ def gemm_rates(shapes: LinearShapes, dtype: torch.dtype, decode_rows: int) -> di
 
 @dataclass
 class Workload:
-    """The rows each linear layer multiplies: prompt tokens (a shared prefix once) through the body,
-    one row per prompt through the head (its first generated token), every other generated token's input through
-    both, decoded `decode_rows` at a time."""
+    """The rows each linear layer multiplies: prompt tokens (a shared prefix once) through the body, one row per
+    prompt through the head (its first generated token) and the last layer's linears after its attention, every
+    other generated token's input through all of them, decoded `decode_rows` at a time."""
 
     prompt_tokens: int  # the shared prefix counted once
     prompts: int
@@ -128,9 +139,10 @@ class Workload:
 
     def prefill_flops(self, shapes: LinearShapes) -> float:
         """The linear layers' FLOPs over the prompts: every prompt token through the body, a row a prompt through the
-        head (its first generated token)."""
+        head (its first generated token) and the linears read alone."""
         head = shapes.head[0] * shapes.head[1]
-        return 2 * ((shapes.weights() - head) * self.prompt_tokens + head * self.prompts)
+        alone = sum(count * i * o for (i, o), count in shapes.read_alone.items())
+        return 2 * ((shapes.weights() - head - alone) * self.prompt_tokens + (head + alone) * self.prompts)
 
     def decode_flops(self, shapes: LinearShapes) -> float:
         """The linear layers' FLOPs of the decode steps: a row through every layer for each token they choose."""
@@ -206,8 +218,10 @@ def ceiling_tokens_per_s(shapes: LinearShapes, rates: dict, work: Workload) -> f
         best = max(by_rows[f"M={rate_rows}"] for by_rows in rates[shape].gflops.values())
         return 2 * shape[0] * shape[1] * rows / (best * 1e9)
 
-    decode, prefill = work.decode_rows, RATE_ROWS[1]  # the head's one row a prompt: at the decode rate too
-    total = sum(count * (seconds(shape, work.prompt_tokens, prefill) + seconds(shape, work.decode_tokens, decode))
+    decode, prefill = work.decode_rows, RATE_ROWS[1]  # one row a prompt (the head, read alone): the decode rate
+    total = sum((count - shapes.read_alone[shape]) * seconds(shape, work.prompt_tokens, prefill)
+                + shapes.read_alone[shape] * seconds(shape, work.prompts, decode)
+                + count * seconds(shape, work.decode_tokens, decode)
                 for shape, count in shapes.body.items())
     total += seconds(shapes.head, work.prompts, decode) + seconds(shapes.head, work.decode_tokens, decode)
     return work.generated_tokens / total

@@ -105,6 +105,9 @@ def test_decode_bound_counts_every_weight_once_a_step_and_each_rows_cache() -> N
     # the prefill: every prompt token through the body, a row a prompt through the head; each decoded token's input
     # row through every layer
     assert work.prefill_flops(shapes) == 2 * (64 * 10 + 40 * 2) and work.decode_flops(shapes) == 2 * 104 * 6
+    # one of the two body layers read alone (the last layer's after its attention): a row a prompt, as the head
+    alone = machine.LinearShapes(Counter({(4, 8): 2}), (4, 10), 6, read_alone=Counter({(4, 8): 1}))
+    assert work.prefill_flops(alone) == 2 * (32 * 10 + (40 + 32) * 2) and work.decode_flops(alone) == 2 * 104 * 6
     assert work.flops(shapes) == work.prefill_flops(shapes) + work.decode_flops(shapes)
     bound = machine.decode_bound(shapes, "float32", work, peak_gflops=1e-6, bandwidth_gbps=1e-6)
     assert (bound.steps, bound.weight_bytes, bound.kv_bytes) == (3, 104 * 4, 42 * 2 * 6 * 4)
@@ -186,3 +189,20 @@ def test_kernel_builds(capsys: pytest.CaptureFixture) -> None:
         kernel_builds.main(["a=/nonexistent/folder", *tiny])
     with pytest.raises(SystemExit, match="--min_context <= --max_context <= --prefill_tokens"):
         kernel_builds.main(["--max_context", "2000"])
+
+
+def test_gemm_ceiling_times_each_shape_at_its_rate_for_its_rows() -> None:
+    """The GEMM ceiling: prompt tokens through the body at the M = 1024 rate, one row a prompt through the head and
+    the linears read alone at the decode rate, every decoded token through all at the decode rate."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    machine = load_script("benchmarks/machine.py")
+    shapes = machine.LinearShapes(Counter({(4, 8): 2}), (4, 10), read_alone=Counter({(4, 8): 1}))
+    rates = {shape: SimpleNamespace(gflops={"a": {"M=1024": 1.0, "M=2": 0.5}, "b": {"M=1024": 2.0, "M=2": 0.25}})
+             for shape in [(4, 8), (4, 10)]}  # the best backend's rate at each M: 2 (prefill), 0.5 (decode)
+    work = machine.Workload(prompt_tokens=10, prompts=2, generated_tokens=8, decode_rows=2)
+    prefill = 2 * 32 * 10 / 2e9  # one body layer over the prompt tokens
+    one_row = 2 * (32 + 40) * 2 / 0.5e9  # the layer read alone and the head, a row a prompt
+    decode = 2 * (64 + 40) * 6 / 0.5e9
+    assert machine.ceiling_tokens_per_s(shapes, rates, work) == pytest.approx(8 / (prefill + one_row + decode))

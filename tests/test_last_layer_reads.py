@@ -93,3 +93,35 @@ def test_a_decode_step_and_lora_adapters_run_every_position(tmp_path):
     assert model.positions_read(tokens[:, :1], None) is None
     model.adapter_bank = object()
     assert model.positions_read(tokens, torch.tensor([4, 2])) is None
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_benchmarks_workload_counts_the_linears_that_ran_on_one_row(tmp_path, family):
+    """benchmarks/machine.py's model_shapes names as read alone (one row a prompt in prefill) exactly the linears
+    of the last layer that a prefill forward runs on the read positions."""
+    from collections import Counter
+
+    from torch import nn
+
+    from modelzoo.models.checkpoint import load_model
+    from modelzoo.models.kv_cache import KVCache
+    from repo_scripts import load_script
+
+    checkpoint = save_tiny_model(FAMILIES[family](), tmp_path / "model")
+    model, _ = load_model(checkpoint, torch.float32, torch.device("cpu"))
+    c = model.config
+    cache = KVCache(c.num_layers, len(PROMPTS), c.num_kv_heads, 64, c.head_dim, torch.float32, torch.device("cpu"))
+    rows = {}  # each last-layer linear, (in, out, id) -> the rows it multiplied
+
+    def record(linear: nn.Linear, args: tuple, _out: torch.Tensor) -> None:
+        rows[linear.in_features, linear.out_features, id(linear)] = args[0].reshape(-1, linear.in_features).shape[0]
+
+    for module in model.get_submodule(model.layers_name)[-1].modules():
+        if isinstance(module, nn.Linear):
+            module.register_forward_hook(record)
+    tokens, positions, slots, last = prefill_inputs("padded")
+    with torch.inference_mode():
+        model(tokens, positions, cache, slots, last)
+    one_row_a_prompt = Counter((i, o) for (i, o, _), n in rows.items() if n == len(PROMPTS))
+    assert all(n in (len(PROMPTS), tokens.numel()) for n in rows.values())
+    assert load_script("benchmarks/machine.py").model_shapes(str(checkpoint)).read_alone == one_row_a_prompt
