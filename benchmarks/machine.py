@@ -4,8 +4,8 @@ arithmetic peak and memory read bandwidth, and two limits on the workload's spee
 Both limits count only the linear layers (2 FLOPs per weight per row): every prompt token (a prefix
 all prompts share once) through every layer but the LM head, save the last layer's linears after its
 attention, one row per prompt through those and the head (its first generated token), and every other
-generated token's input through all of them (a decode step feeds a row's last token to choose the next). Attention, norms and sampling are left out, so no
-engine reaches either:
+generated token's input through all of them (a decode step feeds a row's last token to choose the next).
+Attention, norms and sampling are left out, so no engine reaches either:
   - the GEMM ceiling: those FLOPs at the best rate the job's own probe (modelzoo/cpu/gemm.py) measured
     for each weight shape, prompt rows at M = 1024 and generated rows at M = the rows decoded
     together. The fraction of it an engine reaches says how much of the machine it uses.

@@ -229,10 +229,11 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: i
                                       head_dim ** -0.5 if scale is None else scale, cos, sin)  # (B, T, heads, hd)
         return ctx.kept(out.view(batch, seq, heads * head_dim))
     if ctx.segments:  # packed prompts: one sequence at a time
-        return ctx.kept(torch.cat([cached_attention(q[:, :, begin:end], k[:, :, begin:end], v[:, :, begin:end], layer, context,
-                                           scale, None if rotary is None else (rotary[0][:, :, begin:end],
-                                                                               rotary[1][:, :, begin:end]))
-                          for begin, end, context in ctx.segments], dim=1))
+        out = torch.cat([cached_attention(q[:, :, begin:end], k[:, :, begin:end], v[:, :, begin:end], layer, context,
+                                          scale, None if rotary is None else (rotary[0][:, :, begin:end],
+                                                                              rotary[1][:, :, begin:end]))
+                         for begin, end, context in ctx.segments], dim=1)
+        return ctx.kept(out)
     if rotary is not None:
         q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
     storage = ctx.cache.keys[layer].dtype

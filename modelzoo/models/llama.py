@@ -109,8 +109,9 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
         # Each norm's outputs rounded to bfloat16 where its GEMM rounds them so anyway; the MLP's added into x.
         normed = self.input_layernorm(x, round_to_bf16=rounds_inputs_to_bf16(self.self_attn.qkv_proj))
+        attended = self.self_attn(normed, rotary, ctx)
         x, normed = self.post_attention_layernorm.add_and_norm(
-            ctx.kept(x), self.self_attn(normed, rotary, ctx), round_to_bf16=rounds_inputs_to_bf16(self.mlp.gate_up_proj))
+            ctx.kept(x), attended, round_to_bf16=rounds_inputs_to_bf16(self.mlp.gate_up_proj))
         return self.mlp.add_to(x, normed)
 
 
