@@ -167,6 +167,9 @@ def test_bf16_linear_rejects_bad_inputs(amx):
         getattr(cpu_kernels(), layer.kernel)(torch.randn(2, 32), layer.packed, None, 17)
     with pytest.raises(RuntimeError, match=r"packed must be contiguous bfloat16 \(N/16, K/2, 16, 2\)"):
         getattr(cpu_kernels(), layer.kernel)(torch.randn(2, 32), layer.packed.float(), None, 16)
+    empty = torch.zeros((1, 0, 16, 2), dtype=BF16)  # a weight of no inputs, packed
+    with pytest.raises(RuntimeError, match=r"x has no inputs \(K = 0\)"):
+        getattr(cpu_kernels(), layer.kernel)(torch.randn(2, 0), empty, None, 16)
 
 
 @needs_bf16
