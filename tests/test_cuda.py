@@ -111,6 +111,20 @@ def test_captured_step_equals_eager_across_buckets(tmp_path, dtype):
     assert engine.decode.captures_in_flight == 2
 
 
+def test_the_additive_mask_is_built_once_a_forward():
+    """On a GPU a boolean mask becomes additive once for every layer's context, the last layer's (which reads the
+    head's positions alone) included."""
+    from modelzoo.models.kv_cache import KVCache
+    from modelzoo.models.layers import ForwardContext
+
+    device = torch.device("cuda")
+    cache = KVCache(1, 2, 1, 8, 4, torch.bfloat16, device)
+    ctx = ForwardContext.build(cache, None, torch.arange(5, device=device).expand(2, -1))
+    mask = ctx.sdpa_mask(torch.bfloat16)  # (2, 1, 5, 5): 0 where visible, -inf where hidden
+    assert ctx.reading(torch.tensor([[4], [2]], device=device)).sdpa_mask(torch.bfloat16) is mask
+    assert torch.equal(mask == 0, ctx.mask) and bool(torch.isneginf(mask[~ctx.mask]).all())
+
+
 def test_attention_backends_timed_on_cuda():
     """The set-up timing on the GPU: prefill under each SDPA backend called, decode under each replayed from a CUDA
     graph; the backends chosen are the fastest of those timed."""

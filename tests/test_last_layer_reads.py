@@ -95,6 +95,19 @@ def test_a_decode_step_and_lora_adapters_run_every_position(tmp_path):
     assert model.positions_read(tokens, torch.tensor([4, 2])) is None
 
 
+def test_the_last_layers_context_shares_the_masks_built_for_the_others():
+    """The context reading the head's positions is a copy of the one every other layer takes: the additive masks
+    built for PyTorch's attention on a GPU (sdpa_mask) are built once for both."""
+    from modelzoo.models.kv_cache import KVCache
+    from modelzoo.models.layers import ForwardContext
+
+    cache = KVCache(1, 2, 1, 8, 4, torch.float32, torch.device("cpu"))
+    ctx = ForwardContext.build(cache, None, torch.arange(5).expand(2, -1))
+    reading = ctx.reading(torch.tensor([[4], [2]]))
+    assert reading.additive_masks is ctx.additive_masks and reading.mask is ctx.mask
+    assert torch.equal(reading.read, torch.tensor([[4], [2]])) and ctx.read is None
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_the_benchmarks_workload_counts_the_linears_that_ran_on_one_row(tmp_path, family):
     """benchmarks/machine.py's model_shapes names as read alone (one row a prompt in prefill) exactly the linears

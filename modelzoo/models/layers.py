@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Callable
 
@@ -51,7 +51,7 @@ class ForwardContext:
     windowed: bool = False
     segments: tuple[tuple[int, int, "ForwardContext"], ...] = ()
     rows: torch.Tensor | None = None
-    additive_mask: torch.Tensor | None = None  # on a GPU, `mask` as SDPA takes it fastest, once built (sdpa_mask)
+    additive_masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)  # sdpa_mask's, shared by copies
     read: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
@@ -59,7 +59,8 @@ class ForwardContext:
             self.rows = torch.arange(self.positions.shape[0], device=self.positions.device) if self.slots is None else self.slots
 
     def reading(self, read: torch.Tensor) -> "ForwardContext":
-        """This context for a layer whose outputs are read at positions `read` (B, N) alone."""
+        """This context for a layer whose outputs are read at positions `read` (B, N) alone; it shares this one's
+        additive masks (sdpa_mask), built once for both."""
         return dataclasses.replace(self, read=read)
 
     def kept(self, states: torch.Tensor) -> torch.Tensor:
@@ -71,14 +72,14 @@ class ForwardContext:
 
     def sdpa_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
         """The mask for PyTorch's attention in queries of `dtype`: on a GPU a boolean mask becomes additive (0 where a
-        key is visible, -inf where hidden), built once for every layer sharing this context (SDPA would convert it
-        in each call); elsewhere the mask as it is."""
+        key is visible, -inf where hidden), built once for every layer sharing this context or a copy of it (SDPA
+        would convert it in each call); elsewhere the mask as it is."""
         if self.mask is None or self.mask.dtype != torch.bool or self.mask.device.type != "cuda":
             return self.mask
-        if self.additive_mask is None or self.additive_mask.dtype != dtype:
-            self.additive_mask = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device).masked_fill_(
+        if dtype not in self.additive_masks:
+            self.additive_masks[dtype] = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device).masked_fill_(
                 ~self.mask, float("-inf"))
-        return self.additive_mask
+        return self.additive_masks[dtype]
 
     @classmethod
     def build(cls, cache: KVCache, slots: torch.Tensor | None, positions: torch.Tensor,
