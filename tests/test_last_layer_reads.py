@@ -8,6 +8,7 @@ import torch
 from transformers import OPTConfig
 
 from harness import family_prompts, save_tiny_model
+from lora_adapters import make_adapter
 from precision_policies import needs_bf16
 from tiny_configs import INT8_FAMILIES, VOCAB, bloom_config, falcon_config, neox_config
 
@@ -23,14 +24,20 @@ FAMILIES = {
 PROMPTS = family_prompts(VOCAB)[:4]  # 3, 11, 1 and 23 tokens
 
 
-def open_job(checkpoint, dtype: str):
-    """The model and its engine's KV cache as the runner opens them (4 rows in flight, max_seq_len 64)."""
+def open_job(checkpoint, dtype: str, adapters: dict[str, str] | None = None):
+    """The model and its engine's KV cache as the runner opens them (4 rows in flight, max_seq_len 64); `adapters`:
+    LoRA adapters per row (name -> folder), the four slots running the first, none, the second and the first."""
     from modelzoo.runtime import Runtime, RuntimePlan
     from modelzoo.runtime_spec import RuntimeSpec
 
-    spec = RuntimeSpec(str(checkpoint), dtype=dtype, device="cpu", max_seq_len=64, rows_in_flight=4)
+    row_adapters = tuple(adapters) if adapters else None
+    spec = RuntimeSpec(str(checkpoint), dtype=dtype, device="cpu", max_seq_len=64, rows_in_flight=4,
+                       adapters=adapters or {}, row_adapters=row_adapters)
     runtime = Runtime(RuntimePlan.of(spec), rows_to_do=4)
-    return runtime.model, runtime.engine.cache
+    cache = runtime.engine.cache
+    if adapters:
+        cache.slot_adapter[:] = torch.tensor([0, -1, 1, 0])
+    return runtime.model, cache
 
 
 def prefill_inputs(layout: str) -> tuple[torch.Tensor, ...]:
@@ -63,6 +70,23 @@ def run(model, cache, inputs, greedy: bool) -> tuple[torch.Tensor, list[torch.Te
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_last_layer_runs_at_the_read_positions_alone_with_the_same_outputs(tmp_path, monkeypatch, family, dtype):
     model, cache = open_job(save_tiny_model(FAMILIES[family](), tmp_path / "model"), dtype)
+    check_read_positions_alone(model, cache, monkeypatch)
+
+
+@pytest.mark.parametrize("family", ["llama_tied", "gpt2", "falcon_parallel_attention"])
+def test_with_lora_adapters_per_row(tmp_path, monkeypatch, family):
+    """Rows running different LoRA adapters (and none): the last layer's projections after attention take each read
+    position's own adapter, packed or padded."""
+    base = save_tiny_model(FAMILIES[family](), tmp_path / "model")
+    adapters = {name: str(make_adapter(base, tmp_path / name, seed=seed)) for name, seed in (("one", 1), ("two", 2))}
+    model, cache = open_job(base, "float32", adapters)
+    assert model.adapter_bank is not None
+    check_read_positions_alone(model, cache, monkeypatch)
+
+
+def check_read_positions_alone(model, cache, monkeypatch) -> None:
+    """Each layout's logits (and greedy picks), and every layer's keys and values, equal to every position computed;
+    the last layer hands on the read positions alone."""
     widths = []  # positions a row the last layer handed on, each forward
     model.get_submodule(model.layers_name)[-1].register_forward_hook(lambda _m, _a, out: widths.append(out.shape[1]))
     layouts = ["padded", "two_a_row", "final"] + (["packed"] if model.packs_prompts else [])
@@ -83,16 +107,13 @@ def test_last_layer_runs_at_the_read_positions_alone_with_the_same_outputs(tmp_p
                                      else (*last.shape, VOCAB))
 
 
-def test_a_decode_step_and_lora_adapters_run_every_position(tmp_path):
-    """Nothing to save at one position a row; and with LoRA adapters attached each token's adapter is chosen for
-    all T positions, so forward computes them all."""
+def test_a_decode_step_runs_every_position(tmp_path):
+    """Nothing to save at one position a row."""
     model, _ = open_job(save_tiny_model(INT8_FAMILIES["llama_tied"](), tmp_path / "model"), "float32")
     tokens = torch.zeros((2, 5), dtype=torch.long)
     assert torch.equal(model.positions_read(tokens, torch.tensor([4, 2])), torch.tensor([[4], [2]]))
     assert torch.equal(model.positions_read(tokens, None), torch.tensor([[4], [4]]))
     assert model.positions_read(tokens[:, :1], None) is None
-    model.adapter_bank = object()
-    assert model.positions_read(tokens, torch.tensor([4, 2])) is None
 
 
 def test_the_last_layers_context_shares_the_masks_built_for_the_others():

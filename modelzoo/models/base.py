@@ -101,11 +101,11 @@ class CausalLM(nn.Module):
                 and not self._forward_hooks and type(self).forward is CausalLM.forward)
 
     def positions_read(self, tokens: torch.Tensor, last: torch.Tensor | None) -> torch.Tensor | None:
-        """The positions (B, N) into T whose last-layer outputs the head reads (`last`, or each row's final one), when
-        forward can compute that layer's outputs at those alone: several positions a row (a prompt), and no LoRA
-        adapters (each token's adapter is chosen for all T positions). None: every position's."""
+        """The positions (B, N) into T whose last-layer outputs the head reads (`last`, or each row's final one), where
+        forward computes that layer's outputs at those alone: several positions a row (a prompt). None: every
+        position's (one a row: a decode step)."""
         batch, width = tokens.shape[:2]
-        if width == 1 or self.adapter_bank is not None:
+        if width == 1:
             return None
         if last is None:
             return torch.full((batch, 1), width - 1, dtype=torch.long, device=tokens.device)
@@ -122,10 +122,10 @@ class CausalLM(nn.Module):
         (B, N, vocab); with `greedy` (where fuses_greedy_head()), their argmax (B,) or (B, N) long instead: the
         first largest logit's index, the logits never written.
         """
-        if self.adapter_bank is not None:  # each row's (or packed token's) LoRA adapter, its cache slot's
-            self.adapter_bank.select(cache.slot_adapter, slots, tokens.shape)
-        x, contexts, extra = self.prepare(tokens, positions, cache, slots, last, length)
         read = self.positions_read(tokens, last)  # (B, N) or None
+        if self.adapter_bank is not None:  # each row's (or packed token's) LoRA adapter, its cache slot's
+            self.adapter_bank.select(cache.slot_adapter, slots, tokens.shape, read)
+        x, contexts, extra = self.prepare(tokens, positions, cache, slots, last, length)
         if read is not None:  # the last layer's outputs only where the head reads them; every position's keys
             contexts = [*contexts[:-1], contexts[-1].reading(read)]
         for layer, ctx in zip(self.get_submodule(self.layers_name), contexts):

@@ -208,16 +208,29 @@ class AdapterBank:
     def __init__(self, names: list[str]) -> None:
         self.names = names
         self.current: torch.Tensor | None = None  # (B, 1) or (1, T) long: each row's (or packed token's) adapter
+        self.read: torch.Tensor | None = None  # (B, 1) or (1, N): the same at the positions the last layer reads
 
-    def select(self, slot_adapter: torch.Tensor, slots: torch.Tensor | None, shape: torch.Size) -> None:
+    def select(self, slot_adapter: torch.Tensor, slots: torch.Tensor | None, shape: torch.Size,
+               read: torch.Tensor | None = None) -> None:
         """Before a forward of tokens `shape` (B, T) over a cache whose slots run `slot_adapter` (S,): slots (B,)
-        cache rows, None for every slot in order, or (1, T) packed tokens' slots. No host sync."""
+        cache rows, None for every slot in order, or (1, T) packed tokens' slots; read: (B, N) positions into T
+        where the last layer alone computes (CausalLM.positions_read), or None. No host sync."""
         if slots is None:
             self.current = slot_adapter[: shape[0], None]
         elif slots.dim() == 2:
             self.current = slot_adapter[slots]
         else:
             self.current = slot_adapter[slots][:, None]
+        packed = self.current.shape[1] > 1
+        self.read = self.current.gather(1, read) if packed and read is not None else self.current
+
+    def adapters(self, x: torch.Tensor) -> torch.Tensor:
+        """The adapter of each token of x (B, T', in) or of each row of x (B, in): (B, T') or (B,) long. A packed
+        forward's last layer runs some projections at every position and the rest at the read ones alone."""
+        if x.dim() == 2:
+            return self.current[:, 0]
+        tokens = self.current if self.current.shape[1] in (1, x.shape[1]) else self.read
+        return tokens.expand(x.shape[:-1])
 
 
 class LoraLinear(nn.Module):
@@ -239,7 +252,7 @@ class LoraLinear(nn.Module):
         self.owner = owner.to(a.device)  # (C,) each column's adapter
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        adapter = self.bank.current.expand(x.shape[:-1]) if x.dim() == 3 else self.bank.current[:, 0]  # x.shape[:-1]
+        adapter = self.bank.adapters(x)  # x.shape[:-1]
         out = self.base(x)  # (..., N)
         kernels = fused_kernels(x)
         if kernels is not None and out.dtype == x.dtype and out.is_contiguous():
