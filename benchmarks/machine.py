@@ -33,7 +33,7 @@ from torch import nn
 from benchmarks import peak_rate
 from modelzoo.cpu.facts import cpu_flags, cpu_model, held_to_avx2
 from modelzoo.cpu.gemm import ShapeChoice, available_backends, available_bf16_kernels, measure_shape, wrap
-from modelzoo.cpu.precision import BF16Linear, HalfLinear, precision_policy
+from modelzoo.cpu.precision import BF16Linear, HalfLinear, linear_like, linear_shape, precision_policy
 
 INT8_GROUP = 32  # model.int8_group_size's default: a float32 scale per 32 int8 weights
 RATE_ROWS = (32, 1024)  # decode-sized and prefill-sized M, always timed
@@ -46,11 +46,6 @@ def cpu_description() -> str:
     flags = " ".join(flag for flag in SHOWN_FLAGS if flag in cpu_flags()) or "no AVX2 / AVX-512 flags"
     capped = ", run at AVX2 (ATEN_CPU_CAPABILITY)" if held_to_avx2() else ""
     return f"{cpu_model() or platform.processor() or 'unknown CPU'} ({platform.machine()}; {flags}{capped})"
-
-
-# The linears that project a layer's input to its attention's queries, keys and values, in every family: a prompt's
-# last layer runs them on every token, and the linears after its attention on one row (CausalLM.positions_read).
-ATTENTION_INPUTS = frozenset({"qkv_proj", "c_attn", "q_proj", "k_proj", "v_proj", "query_key_value", "Wqkv"})
 
 
 @dataclass
@@ -80,23 +75,36 @@ def storage_bytes(dtype: str) -> tuple[float, int]:
 
 
 def model_shapes(checkpoint: str) -> LinearShapes:
-    """The linear shapes of the checkpoint's model, built on the meta device (no weights read)."""
+    """The linear shapes of the checkpoint's model, built on the meta device (no weights read); which of the last
+    layer's linears a prompt runs on one row, seen in a two-token forward there."""
     from modelzoo.models.checkpoint import load_hf_config
     from modelzoo.models import model_class
+    from modelzoo.models.kv_cache import KVCache
 
     hf_config = load_hf_config(checkpoint)
     cls = model_class(hf_config)
     config = cls.config_from_hf(hf_config)
-    with torch.device("meta"):
+    meta = torch.device("meta")
+    with meta:
         model = cls(config)
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    head = max(linears, key=lambda m: m.out_features)  # the vocabulary projection
-    body = Counter((m.in_features, m.out_features) for m in linears if m is not head)
-    last_layer = model.get_submodule(model.layers_name)[-1]
-    read_alone = Counter((m.in_features, m.out_features) for name, m in last_layer.named_modules()
-                         if isinstance(m, nn.Linear) and name.rpartition(".")[2] not in ATTENTION_INPUTS)
-    return LinearShapes(body, (head.in_features, head.out_features),
-                        config.num_layers * config.num_kv_heads * config.head_dim, read_alone)
+    model.build_buffers(meta)
+    head = model.get_submodule(model.head_name)  # the vocabulary projection
+    body = Counter(linear_shape(m) for m in model.modules() if linear_like(m) and m is not head)
+    rows: dict[nn.Module, int] = {}  # each last-layer linear -> the rows it multiplied
+
+    def record(linear: nn.Module, args: tuple, _out: torch.Tensor) -> None:
+        rows[linear] = args[0].shape[:-1].numel()
+
+    for module in model.get_submodule(model.layers_name)[-1].modules():
+        if linear_like(module):
+            module.register_forward_hook(record)
+    cache = KVCache(config.num_layers, 1, config.num_kv_heads, 2, config.head_dim, torch.float32, meta)
+    tokens = torch.zeros((1, 2), dtype=torch.long, device=meta)  # one prompt of two tokens
+    with torch.inference_mode():
+        model(tokens, torch.arange(2, device=meta)[None], cache, None, length=2)
+    read_alone = Counter(linear_shape(m) for m, count in rows.items() if count == 1)
+    return LinearShapes(body, linear_shape(head), config.num_layers * config.num_kv_heads * config.head_dim,
+                        read_alone)
 
 
 def timed_rows(decode_rows: int) -> tuple[int, ...]:

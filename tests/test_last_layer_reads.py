@@ -132,11 +132,14 @@ def test_the_last_layers_context_shares_the_masks_built_for_the_others():
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_the_benchmarks_workload_counts_the_linears_that_ran_on_one_row(tmp_path, family):
     """benchmarks/machine.py's model_shapes names as read alone (one row a prompt in prefill) exactly the linears
-    of the last layer that a prefill forward runs on the read positions."""
+    of the last layer that a prefill forward runs on the read positions, and counts the same weights in its linears
+    as transformers' model of the checkpoint has in its own (fused or not, Conv1D or Linear), head aside."""
     from collections import Counter
 
-    from torch import nn
+    from transformers import AutoModelForCausalLM
+    from transformers.pytorch_utils import Conv1D
 
+    from modelzoo.cpu.precision import linear_like, linear_shape
     from modelzoo.models.checkpoint import load_model
     from modelzoo.models.kv_cache import KVCache
     from repo_scripts import load_script
@@ -145,17 +148,25 @@ def test_the_benchmarks_workload_counts_the_linears_that_ran_on_one_row(tmp_path
     model, _ = load_model(checkpoint, torch.float32, torch.device("cpu"))
     c = model.config
     cache = KVCache(c.num_layers, len(PROMPTS), c.num_kv_heads, 64, c.head_dim, torch.float32, torch.device("cpu"))
-    rows = {}  # each last-layer linear, (in, out, id) -> the rows it multiplied
+    rows = {}  # each last-layer linear -> the rows it multiplied
 
-    def record(linear: nn.Linear, args: tuple, _out: torch.Tensor) -> None:
-        rows[linear.in_features, linear.out_features, id(linear)] = args[0].reshape(-1, linear.in_features).shape[0]
+    def record(linear: torch.nn.Module, args: tuple, _out: torch.Tensor) -> None:
+        rows[linear] = args[0].reshape(-1, linear_shape(linear)[0]).shape[0]
 
     for module in model.get_submodule(model.layers_name)[-1].modules():
-        if isinstance(module, nn.Linear):
+        if linear_like(module):
             module.register_forward_hook(record)
     tokens, positions, slots, last = prefill_inputs("padded")
     with torch.inference_mode():
         model(tokens, positions, cache, slots, last)
-    one_row_a_prompt = Counter((i, o) for (i, o, _), n in rows.items() if n == len(PROMPTS))
-    assert all(n in (len(PROMPTS), tokens.numel()) for n in rows.values())
-    assert load_script("benchmarks/machine.py").model_shapes(str(checkpoint)).read_alone == one_row_a_prompt
+    one_row_a_prompt = Counter(linear_shape(linear) for linear, n in rows.items() if n == len(PROMPTS))
+    assert rows and all(n in (len(PROMPTS), tokens.numel()) for n in rows.values())
+    shapes = load_script("benchmarks/machine.py").model_shapes(str(checkpoint))
+    assert shapes.read_alone == one_row_a_prompt
+
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint)
+    head = reference.get_output_embeddings()
+    hf_weights = sum(m.weight.numel() for m in reference.modules()
+                     if isinstance(m, (torch.nn.Linear, Conv1D)) and m is not head)
+    assert sum(count * i * o for (i, o), count in shapes.body.items()) == hf_weights
+    assert shapes.head == (head.in_features, head.out_features)
