@@ -186,11 +186,12 @@ inline void score_keys(const float* q, const T* keys, int64_t D, float* tile) {
   }
 }
 
-// Memory that the next task reads: its keys, fetched into L1 while a tile sums its values (the scoring pass fetched
+// Memory that the next task reads, fetched into L2: its keys while a tile sums its values (the scoring pass fetched
 // those values already, so without this the memory would idle through the summing pass and the next task's scoring
-// would wait for every key group it starts on), a few lines per value row read; and its values, fetched into L2
-// while a tile scores its keys, a few lines per key group (a core streams from memory at half the rate when each
-// task starts its streams cold: the summing pass would wait on them).
+// would wait for every key group it starts on), a few lines per value row read; and its values while a tile scores
+// its keys, a few lines per key group (a core streams from memory at half the rate when each task starts its streams
+// cold: the summing pass would wait on them). Into L2, not L1: the next task's keys in L1 pushed out the values
+// being summed, and a decode step's attention ran slower (prefetch_group brings each key group on into L1).
 struct Ahead {
   const char* lines = nullptr;
   int64_t bytes = 0;
@@ -227,7 +228,7 @@ template <typename T, typename O, int R, int G>
 inline void weigh_tile(const float* weights, int64_t stride, const T* values, int64_t n, int64_t D, O* const* outs,
                        Ahead ahead) {
   constexpr int V = G * P;  // vectors per query head
-  SpreadFetch<_MM_HINT_T0> next_keys(ahead.lines, ahead.bytes, n);
+  SpreadFetch<_MM_HINT_T1> next_keys(ahead.lines, ahead.bytes, n);
   for (int64_t c = 0; c < D; c += G * W) {
     vecn acc[R][V] = {};
     for (int64_t j = 0; j < n; ++j) {

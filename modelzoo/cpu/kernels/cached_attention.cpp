@@ -148,9 +148,9 @@ void attend_all(const torch::Tensor& q, const torch::Tensor& new_keys, const tor
     blocks.push_back({i, 1});
   }
   // Tasks (block, kv head), shared out as the threads come free (shared_tasks.h): blocks differ in length. A task
-  // fetches at most the L1 data cache's worth of the next task's keys, so that a long context's keys do not push the
-  // values being summed out of the caches, and as much of its values into L2.
-  const int64_t most_ahead = l1_data_bytes();
+  // fetches into L2 at most an eighth of it of the next task's keys, and as much of its values, so that a long
+  // context's do not push out the keys and values it reads itself.
+  const int64_t most_ahead = l2_cache_bytes() / 8;
   // Query i's head `head` (its D values; i = b * T + t).
   const auto query_head = [&](int64_t i, int64_t head) { return qp + i / T_ * qs0 + i % T_ * qs1 + head * qs2; };
   // The query heads of the task from `block` and kv head h, fetched a task ahead (the projection that wrote them has

@@ -1,6 +1,5 @@
 // This core's cache sizes as the system reports them (sysconf), each read once; a typical size where it does not say.
-// The kernels size what they keep or fetch ahead by them: the attention's next-task keys (L1), the AMX GEMM's row
-// groups (L2).
+// The kernels size what they keep or fetch ahead by them: the attention's next task, the AMX GEMM's row groups.
 #pragma once
 
 #include <unistd.h>
@@ -13,12 +12,6 @@ namespace zoo {
 inline int64_t reported_cache_bytes(int name, int64_t fallback) {
   const long reported = sysconf(name);
   return reported > 0 ? static_cast<int64_t>(reported) : fallback;
-}
-
-// The L1 data cache per core (32 KiB where the system does not say).
-inline int64_t l1_data_bytes() {
-  static const int64_t bytes = reported_cache_bytes(_SC_LEVEL1_DCACHE_SIZE, int64_t{32} << 10);
-  return bytes;
 }
 
 // The L2 cache per core (1 MiB where the system does not say).
