@@ -77,8 +77,8 @@ class ForwardContext:
         if self.mask is None or self.mask.dtype != torch.bool or self.mask.device.type != "cuda":
             return self.mask
         if dtype not in self.additive_masks:
-            self.additive_masks[dtype] = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device).masked_fill_(
-                ~self.mask, float("-inf"))
+            additive = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
+            self.additive_masks[dtype] = additive.masked_fill_(~self.mask, float("-inf"))
         return self.additive_masks[dtype]
 
     @classmethod
