@@ -1,6 +1,7 @@
 """The last layer computes its outputs only at the positions the head reads (CausalLM.positions_read), every
 position's keys and values still stored: the same logits (and greedy picks), bit for bit, and the same cache as
-when it computes every position, in every family, padded and packed, float32 and the bfloat16 policy."""
+when it computes every position, in every family, padded and packed, float32 and the bfloat16 policy, and with
+LoRA adapters per row; and the benchmark's workload counts what a prefill runs."""
 from __future__ import annotations
 
 import pytest
