@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """C++ kernel builds taking turns inside one real job: each forward pass runs on the next build (prefill groups take
 turns among themselves, decode steps among themselves), and every kernel call is timed; printed per build, each
-kernel's seconds per phase, and per phase each build's kernel time a token fed against the first's.
+kernel's seconds per phase, per phase each build's kernel time a token fed against the first's, and each build's
+forward passes: their seconds and the part of them outside the kernels (Python, PyTorch's views and dispatch, while
+the other threads wait: the serial part of a step, which more threads do not shorten).
 
 Two whole jobs one after the other drift with the machine (on a shared VM, +-10% between runs of the same code), and
 kernel_builds.py's loop over one kernel at a time misses what a job does between calls (the KV cache streamed
@@ -11,10 +13,12 @@ in the same state of the machine, and its drift falls on both alike.
     python -m modelzoo.cpu.kernels        # prints this checkout's build folder; edit a kernel, run it again
     python benchmarks/job_kernel_builds.py before=<build folder> after=<build folder> -- \\
         --params params.yaml --model_dir out --overwrite
+    python benchmarks/job_kernel_builds.py -- --params params.yaml ...     # this checkout's build: where passes go
 
 The arguments after `--` are run_inference.py's. The job's outputs mix the builds' rows: kernel_builds.py and the
 tests check that builds compute the same bits, this script only times them. Calls outside a forward pass (the
-set-up's GEMM timing) run on the first build, untimed.
+set-up's GEMM timing) run on the first build, untimed. The timing adds about a microsecond a call to the time outside
+the kernels.
 """
 from __future__ import annotations
 
@@ -45,6 +49,8 @@ class TakingTurns:
         self.tokens: dict[tuple[str, str], int] = defaultdict(int)  # (build, phase) -> the tokens its passes fed
         self.seconds: dict[tuple[str, str, str], float] = defaultdict(float)
         self.calls: dict[tuple[str, str, str], int] = defaultdict(int)
+        self.forward_seconds: dict[tuple[str, str], float] = defaultdict(float)  # (build, phase) -> its passes' time
+        self.passes: dict[tuple[str, str], int] = defaultdict(int)
 
     @property
     def label(self) -> str:
@@ -69,10 +75,14 @@ class TakingTurns:
         """CausalLM.forward on its phase's next build, the phase named by its tokens (B, T): decode where T is 1."""
         def forward_in_turn(model: Any, tokens: Any, *args: Any, **kwargs: Any) -> Any:
             self.phase = "decode" if tokens.shape[1] == 1 else "prefill"
+            start = time.perf_counter()
             try:
                 return forward(model, tokens, *args, **kwargs)
             finally:
-                self.tokens[(self.label, self.phase)] += tokens.numel()
+                key = (self.label, self.phase)
+                self.forward_seconds[key] += time.perf_counter() - start
+                self.passes[key] += 1
+                self.tokens[key] += tokens.numel()
                 self.turns[self.phase] += 1
                 self.phase = None
 
@@ -80,7 +90,8 @@ class TakingTurns:
 
     def report(self) -> str:
         """Seconds per kernel and phase for each build; then per phase, each build's kernel time a token fed against
-        the first build's (passes of one phase alternate between the builds, but differ in size)."""
+        the first build's (passes of one phase alternate between the builds, but differ in size), and its passes'
+        time in and outside the kernels."""
         rows = sorted({(phase, name) for _, phase, name in self.seconds})
         lines = []
         for phase, name in rows:
@@ -95,6 +106,11 @@ class TakingTurns:
             lines.append(f"{phase} kernel us a token: " + " | ".join(
                 f"{label} {micros:.2f} ({self.tokens[(label, phase)]} tokens"
                 + (f", {micros / first:.3f}x {self.labels[0]})" if first else ")") for label, micros in per_token.items()))
+        for (label, phase), seconds in sorted(self.forward_seconds.items(), key=lambda item: item[0][::-1]):
+            passes = self.passes[(label, phase)]
+            inside = sum(s for (build, in_phase, _), s in self.seconds.items() if (build, in_phase) == (label, phase))
+            lines.append(f"{phase} passes, {label}: {passes} in {seconds:.4f} s, the kernels {inside:.4f} s, outside "
+                         f"them {seconds - inside:.4f} s ({(seconds - inside) / passes * 1e3:.3f} ms a pass)")
         return "\n".join(lines)
 
 
@@ -115,12 +131,10 @@ def install(turns: TakingTurns) -> None:
 
 def main(argv: list[str]) -> int:
     if "--" not in argv:
-        sys.exit("usage: job_kernel_builds.py label=<build folder> [label=<build folder> ...] -- "
+        sys.exit("usage: job_kernel_builds.py [label=<build folder> ...] -- "
                  "<run_inference.py arguments>")
     split = argv.index("--")
-    specs, job_args = argv[:split], argv[split + 1:]
-    if len(specs) < 2:
-        sys.exit("error: give at least two builds (label=folder) to take turns")
+    specs, job_args = argv[:split], argv[split + 1:]  # no build: this checkout's
     turns = TakingTurns(load_builds(specs))
     install(turns)
     from modelzoo.job.cli import main as run_job

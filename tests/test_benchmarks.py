@@ -397,4 +397,27 @@ def test_kernel_builds_take_turns_in_a_job(tmp_path: Path) -> None:
         assert re.search(r"one: +[0-9.]+ s \([1-9][0-9]* calls\) \| two: +[0-9.]+ s \([1-9][0-9]* calls\)", line), line
         assert re.search(rf"{phase} kernel us a token: one [0-9.]+ \([0-9]+ tokens, 1\.000x one\) \| "
                          r"two [0-9.]+ \([0-9]+ tokens, [0-9.]+x one\)", turns.stdout), turns.stdout
+        for label in ("one", "two"):
+            assert_passes_line(turns.stdout, phase, label)
     assert (stacked_predictions(tmp_path / "turns") == stacked_predictions(tmp_path / "plain")).all()
+    alone = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks/job_kernel_builds.py"), "--", *job,
+                            str(tmp_path / "alone")], capture_output=True, text=True, cwd=REPO_ROOT, timeout=600)
+    assert alone.returncode == 0, alone.stderr
+    decode_steps = assert_passes_line(alone.stdout, "decode", "current")  # no build named: this checkout's
+    assert decode_steps == 5 * 2  # max_tokens 6: the first token from each prompt's prefill, 5 steps a pair of rows
+    assert_passes_line(alone.stdout, "prefill", "current")
+    assert (stacked_predictions(tmp_path / "alone") == stacked_predictions(tmp_path / "plain")).all()
+
+
+def assert_passes_line(report: str, phase: str, label: str) -> int:
+    """The line of job_kernel_builds.py's report on `label`'s forward passes of `phase`: the time outside the kernels
+    is the passes' time less the kernels' (neither negative). Returns the passes."""
+    pattern = (rf"{phase} passes, {label}: ([0-9]+) in ([0-9.]+) s, the kernels ([0-9.]+) s, outside them ([0-9.-]+) s "
+               r"\(([0-9.-]+) ms a pass\)")
+    match = re.search(pattern, report)
+    assert match, report
+    passes, seconds, inside, outside, per_pass = (float(group) for group in match.groups())
+    assert passes >= 1 and 0 <= inside <= seconds and outside >= 0  # seconds printed to a tenth of a millisecond
+    assert abs(seconds - inside - outside) <= 0.0002
+    assert abs(outside / passes * 1e3 - per_pass) <= 0.05 / passes + 0.0005
+    return int(passes)
