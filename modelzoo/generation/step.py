@@ -50,6 +50,9 @@ LENGTH_BUCKET = 128
 # The smallest decode step where steps may run fewer rows than slots: the smallest of 8, 16, 32, ... rows that
 # holds the rows in flight (`smaller_steps`), so a step's cost follows the rows left, not the slots.
 SMALLEST_STEP_ROWS = 8
+# Logits a token choice takes at once (rows x vocab) where it copies them (sampling, log-probabilities): 64 MB in
+# float32, so a choice's copies stay within a few hundred MB however many rows a step runs.
+SAMPLING_VALUES = 1 << 24
 
 
 def length_bucket(longest: int, max_len: int) -> int:
@@ -157,8 +160,28 @@ def choose_tokens(logits: torch.Tensor, state: SlotState, slots: torch.Tensor | 
     """Next token (R,) from logits (R, vocab) of `slots` (None = every slot, in order); where the state keeps
     them, its log-probability (R,) under the distribution it was picked from (after repetition control and
     temperature, top-k, top-p: the scores transformers' processors leave), and the K likeliest tokens of that
-    distribution with theirs, ((R, K) long, (R, K) float32, descending). No host sync."""
-    rows = slice(None) if slots is None else slots
+    distribution with theirs, ((R, K) long, (R, K) float32, descending). No host sync.
+
+    Rows are chosen SAMPLING_VALUES logits at a time where sampling or log-probabilities make (rows, vocab) float32
+    and float64 copies of them: a row's choice is its own, and those copies of 4096 rows over a 128k vocabulary would
+    take several GB each."""
+    if choice is None and state.logprobs is None:  # the plain argmax: no copies
+        return greedy_tokens(logits), None, None
+    rows_at_once = max(1, SAMPLING_VALUES // logits.shape[-1])
+    if logits.shape[0] <= rows_at_once:
+        return _choose_rows(logits, state, slice(None) if slots is None else slots, choice)
+    parts = [_choose_rows(logits[first:first + rows_at_once], state,
+                          slice(first, first + rows_at_once) if slots is None else slots[first:first + rows_at_once],
+                          choice)
+             for first in range(0, logits.shape[0], rows_at_once)]
+    tokens, logprobs, tops = zip(*parts)
+    top = None if tops[0] is None else (torch.cat([ids for ids, _ in tops]), torch.cat([values for _, values in tops]))
+    return torch.cat(tokens), None if logprobs[0] is None else torch.cat(logprobs), top
+
+
+def _choose_rows(logits: torch.Tensor, state: SlotState, rows: torch.Tensor | slice, choice: TokenChoice | None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+    """choose_tokens for logits (R, vocab) of the slots `rows` (a tensor of slots, or a slice of every slot)."""
     if choice is None:
         tokens, scores = greedy_tokens(logits), logits
     else:
