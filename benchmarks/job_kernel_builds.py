@@ -2,8 +2,8 @@
 """C++ kernel builds taking turns inside one real job: each forward pass runs on the next build (prefill groups take
 turns among themselves, decode steps among themselves), and every kernel call is timed; printed per build, each
 kernel's seconds per phase, per phase each build's kernel time a token fed against the first's, and each build's
-forward passes: their seconds and the part of them outside the kernels (Python, PyTorch's views and dispatch, while
-the other threads wait: the serial part of a step, which more threads do not shorten).
+forward passes: their seconds and the part of them outside the kernels (Python, PyTorch's views, ops and dispatch,
+while the other threads wait; measure it at the thread count that matters: on Zen 4 it shrank from one thread to two).
 
 Two whole jobs one after the other drift with the machine (on a shared VM, +-10% between runs of the same code), and
 kernel_builds.py's loop over one kernel at a time misses what a job does between calls (the KV cache streamed
