@@ -168,12 +168,12 @@ def choose_tokens(logits: torch.Tensor, state: SlotState, slots: torch.Tensor | 
     if choice is None and state.logprobs is None:  # the plain argmax: no copies
         return greedy_tokens(logits), None, None
     rows_at_once = max(1, SAMPLING_VALUES // logits.shape[-1])
-    if logits.shape[0] <= rows_at_once:
-        return _choose_rows(logits, state, slice(None) if slots is None else slots, choice)
     parts = [_choose_rows(logits[first:first + rows_at_once], state,
                           slice(first, first + rows_at_once) if slots is None else slots[first:first + rows_at_once],
                           choice)
              for first in range(0, logits.shape[0], rows_at_once)]
+    if len(parts) == 1:
+        return parts[0]
     tokens, logprobs, tops = zip(*parts)
     top = None if tops[0] is None else (torch.cat([ids for ids, _ in tops]), torch.cat([values for _, values in tops]))
     return torch.cat(tokens), None if logprobs[0] is None else torch.cat(logprobs), top
