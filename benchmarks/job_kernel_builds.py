@@ -98,19 +98,20 @@ class TakingTurns:
             cells = [f"{label}: {self.seconds[(label, phase, name)]:8.3f} s ({self.calls[(label, phase, name)]} calls)"
                      for label in self.labels]
             lines.append(f"{phase:8s} {name:22s} " + " | ".join(cells))
+        inside: dict[tuple[str, str], float] = defaultdict(float)  # (build, phase) -> its kernels' seconds
+        for (label, phase, _), seconds in self.seconds.items():
+            inside[(label, phase)] += seconds
         for phase in sorted({phase for _, phase in self.tokens}):
-            per_token = {label: sum(s for (build, in_phase, _), s in self.seconds.items()
-                                    if (build, in_phase) == (label, phase)) / self.tokens[(label, phase)] * 1e6
+            per_token = {label: inside[(label, phase)] / self.tokens[(label, phase)] * 1e6
                          for label in self.labels if self.tokens[(label, phase)]}
             first = per_token.get(self.labels[0])
             lines.append(f"{phase} kernel us a token: " + " | ".join(
                 f"{label} {micros:.2f} ({self.tokens[(label, phase)]} tokens"
                 + (f", {micros / first:.3f}x {self.labels[0]})" if first else ")") for label, micros in per_token.items()))
         for (label, phase), seconds in sorted(self.forward_seconds.items(), key=lambda item: item[0][::-1]):
-            passes = self.passes[(label, phase)]
-            inside = sum(s for (build, in_phase, _), s in self.seconds.items() if (build, in_phase) == (label, phase))
-            lines.append(f"{phase} passes, {label}: {passes} in {seconds:.4f} s, the kernels {inside:.4f} s, outside "
-                         f"them {seconds - inside:.4f} s ({(seconds - inside) / passes * 1e3:.3f} ms a pass)")
+            passes, kernels = self.passes[(label, phase)], inside[(label, phase)]
+            lines.append(f"{phase} passes, {label}: {passes} in {seconds:.4f} s, the kernels {kernels:.4f} s, outside "
+                         f"them {seconds - kernels:.4f} s ({(seconds - kernels) / passes * 1e3:.3f} ms a pass)")
         return "\n".join(lines)
 
 
