@@ -12,11 +12,13 @@ tokens whatever the batch size, the number of ranks, the device or a resume in b
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from modelzoo.cpu.kernels import cpu_kernels
 from modelzoo.generation.ngrams import earlier_occurrences
 from modelzoo.generation.options import GenerationOptions, RequestVariety
 
@@ -89,6 +91,24 @@ def greedy_tokens(scores: Tensor) -> Tensor:
     return scores.max(-1).indices if scores.device.type == "cpu" else scores.argmax(-1)
 
 
+def vocabulary_kernels(scores: Tensor) -> ModuleType | None:
+    """The C++ kernels where they take these (B, V) float32 CPU rows (not under torch.compile, which cannot trace
+    them): `sort_rows` and `draw_rows`, each with its PyTorch spelling's results over a vocabulary in a fraction of its
+    time; None for PyTorch's ops."""
+    if (scores.device.type != "cpu" or scores.dtype != torch.float32 or scores.dim() != 2
+            or torch.compiler.is_compiling()):
+        return None
+    return cpu_kernels()
+
+
+def sort_ascending(scores: Tensor) -> tuple[Tensor, Tensor]:
+    """torch.sort(scores, -1, stable=True) of (B, V) rows: (values, indices); on the CPU by the kernels' radix sort."""
+    kernels = vocabulary_kernels(scores)
+    if kernels is None:
+        return torch.sort(scores, dim=-1, descending=False, stable=True)
+    return kernels.sort_rows(scores.contiguous())
+
+
 def draw(probs: Tensor, u: Tensor) -> Tensor:
     """Inverse-CDF sampling: for each row, the first token whose cumulative probability exceeds u * total.
 
@@ -97,7 +117,11 @@ def draw(probs: Tensor, u: Tensor) -> Tensor:
     threshold, and the pick is capped at the last token of positive probability (u * total < total, but float64
     rounding should not be trusted with that). A row with nothing to draw from (total 0 or NaN: softmax of a row
     that is all -inf) gets token 0, what argmax gives there and so what transformers' greedy search picks.
+    On the CPU the kernels' `draw_rows` adds the same float64 sums in the same order without writing them out.
     """
+    kernels = vocabulary_kernels(probs)
+    if kernels is not None:
+        return kernels.draw_rows(probs.contiguous(), u.to(torch.float64).contiguous())
     cdf = probs.double().cumsum(-1)  # (B, V), non-decreasing; float64: a float32 running sum over 150k terms drifts
     total = cdf[:, -1:].contiguous()  # (B, 1)
     token = torch.searchsorted(cdf, u.to(cdf)[:, None] * total, right=True)  # (B, 1): first cdf > threshold
@@ -173,6 +197,8 @@ def apply_temperature(scores: Tensor, temperature: float) -> Tensor:
     """
     scaled = scores / temperature
     overflow = torch.isposinf(scaled).any(-1, keepdim=True)  # (B, 1)
+    if scores.device.type == "cpu" and not torch.compiler.is_compiling() and not overflow.any():
+        return scaled  # nothing to shift (a GPU and a compiled step take the where() below: no sync, no branch)
     shifted = (scores - scores.amax(-1, keepdim=True)) / temperature
     return torch.where(overflow, shifted, scaled)
 
@@ -200,7 +226,7 @@ def keep_top_p_cut(scores: Tensor, cut: float | Tensor) -> Tensor:
     first), so the result is the same on every device and batch; transformers' default sort is unstable on CPU
     and may keep another one of the tied tokens there, always as many of them.
     """
-    sorted_scores, order = torch.sort(scores, dim=-1, descending=False, stable=True)  # (B, V)
+    sorted_scores, order = sort_ascending(scores)  # (B, V)
     cumulative = sorted_scores.softmax(-1).cumsum(-1)
     remove = cumulative <= cut
     remove[:, -1] = False

@@ -3,8 +3,9 @@ attention over the KV cache (cached_attention.cpp) and the fused small ops of a 
 (decoder_ops.cpp: RMSNorm, residual add + RMSNorm, SiLU gate), each a template over float32,
 bfloat16 and float16 storage (storage.h) computing in float32; and the GEMMs of int8 weights on AVX512-VNNI
 (int8_gemm.cpp), of bfloat16 weights with float32 outputs on AVX512-BF16 (bf16_gemm.cpp) or AMX tiles
-(amx_gemm.cpp) and of bfloat16 or float16 weights widened to float32 on any AVX2 CPU (half_gemm.cpp); and the
-updates of LoRA adapters chosen per row (lora_update.cpp).
+(amx_gemm.cpp) and of bfloat16 or float16 weights widened to float32 on any AVX2 CPU (half_gemm.cpp); the
+updates of LoRA adapters chosen per row (lora_update.cpp); and sampling's passes over a whole vocabulary, its sort and
+its draw (token_draws.cpp).
 
 `make setup` builds them (`python -m modelzoo.cpu.kernels`); a process that finds them missing builds
 them itself (about a minute, once), and one that cannot (no C++ compiler) logs why and runs the
@@ -45,7 +46,8 @@ log = logging.getLogger("zoo-infer")
 
 SOURCES = [Path(__file__).with_name(name) for name in ("bindings.cpp", "cached_attention.cpp", "decoder_ops.cpp",
                                                          "int8_gemm.cpp", "bf16_gemm.cpp", "amx_gemm.cpp",
-                                                         "half_gemm.cpp", "lora_update.cpp")]
+                                                         "half_gemm.cpp", "lora_update.cpp",
+                                                         "token_draws.cpp")]
 HEADERS = [Path(__file__).with_name(name) for name in ("amx_tiles.h", "attention_tiles.h", "cpu_caches.h",
                                                          "greedy_picks.h", "kernels.h", "shared_tasks.h", "storage.h",
                                                          "timed_choice.h", "weight_rows.h")]

@@ -123,5 +123,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "every adapter's stacked a (C, K padded to 16) and b_t (C, N) float32 and segments (S, 5) int64 (adapter, "
         "columns, outputs); the layout is modelzoo/lora.py's",
         py::arg("out"), py::arg("x"), py::arg("row_adapter"), py::arg("a"), py::arg("b_t"), py::arg("segments"));
+  m.def("sort_rows", &zoo::sort_rows,
+        "torch.sort(scores, -1, stable=True) of float32 rows (B, V): (values, int64 indices), by a radix sort",
+        py::arg("scores"));
+  m.def("draw_rows", &zoo::draw_rows,
+        "sampling.draw(probs, u): each row's first index whose float64 running sum of probs (B, V) float32 exceeds "
+        "u (B,) float64 times the row's total, capped at its last positive weight; 0 where the total is not positive",
+        py::arg("probs"), py::arg("u"));
   m.def("silu_mul", &zoo::silu_mul, "silu(gate) * up for gate_up = gate | up along the last dimension");
 }

@@ -102,6 +102,12 @@ std::string half_gemm_path(const std::string& use);
 // lora_update.cpp: out[m] += B_g A_g x[m], the update of each row's own LoRA adapter g (modelzoo/lora.py).
 void lora_update_(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& row_adapter, const torch::Tensor& a,
                   const torch::Tensor& b_t, const torch::Tensor& segments);
+// token_draws.cpp: sampling's whole-vocabulary passes, with their PyTorch spellings' results.
+// torch.sort(scores, -1, stable=True) of float32 rows (B, V): (values (B, V), indices (B, V) int64).
+std::tuple<torch::Tensor, torch::Tensor> sort_rows(const torch::Tensor& scores);
+// sampling.draw(probs, u): each row's first index whose float64 running sum of probs (B, V) float32 exceeds u (B,)
+// float64 times the row's total, capped at its last positive weight; 0 where the total is not positive. (B,) int64.
+torch::Tensor draw_rows(const torch::Tensor& probs, const torch::Tensor& u);
 // out[0, d) = x * cos + rotate_half(x) * sin in float32 for one head of d values of T (the two halves' layout).
 template <typename T>
 void rotate_half(const T* x, const T* cos, const T* sin, float* out, int64_t d);
