@@ -19,6 +19,8 @@ What it does, in order:
          each through its script in benchmarks/peers/ (install notes: benchmarks/peers/README.md).
          vLLM's script runs under --vllm_python (default: $VLLM_PYTHON, else this interpreter), so
          vLLM can live in a virtualenv of its own (its pinned transformers differs from .venv's).
+     With --temperature above 0, zoo-infer and vLLM sample instead (at --top_p), each from its own random
+     streams (so their tokens differ and no equality is reported), and no other engine runs.
      transformers float32 always runs (first): it is the reference of the ratio and equality
      columns; --transformers_dtypes limits its other dtypes. --dtypes int8 runs zoo-infer (int8
      weights, float32 arithmetic) and llama.cpp's Q8_0 GGUF (no transformers or vLLM row). --baseline_repo runs another zoo-infer checkout (an older
@@ -211,11 +213,12 @@ def run_zoo_dtype(args: argparse.Namespace, prep: Prepared, out: Path, dtype: st
     """zoo-infer in one of DTYPES from the checkout `repo` (named "zoo-infer <label>" unless it is this one), with its
     RSS bound."""
     int8 = dtype == "int8"
+    sampling = {"temperature": args.temperature, "top_p": args.top_p} if args.temperature > 0 else {}
     variant = "_".join(part for part in ("int8" if int8 else "", label.replace(" ", "_")) if part)
     cache = {"weight_cache": str(args.weight_cache.resolve())} if args.weight_cache else None
-    int8_keys = {"weight_dtype": "int8", "int8_group_size": machine.INT8_GROUP} if int8 else None
+    int8_keys = {"weight_dtype": "int8", "int8_group_size": machine.INT8_GROUP} if int8 else {}
     row, generated = run_zoo(args, prep, out, "float32" if int8 else dtype, threads, variant=variant,
-                             model_keys=int8_keys, runconfig_keys=cache, repo=repo)
+                             model_keys={**int8_keys, **sampling}, runconfig_keys=cache, repo=repo)
     row.update(engine=f"zoo-infer {label}" if label else "zoo-infer", dtype=dtype,
                rss_bound_mib=rss_bound_mib(args.model, dtype, args.batch_size, prep.max_seq_len))
     return row, generated
@@ -251,6 +254,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--baseline_label", default="baseline", help="its name in the table (default: baseline)")
     parser.add_argument("--peers", default="auto", help="auto (every installed peer), none, or a list of "
                         f"{', '.join(PEERS)} (default: auto)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="above 0: zoo-infer and vLLM sample at this "
+                        "temperature (and --top_p) instead of decoding greedily; needs --transformers_dtypes none and "
+                        "--peers vllm or none (default: 0, greedy)")
+    parser.add_argument("--top_p", type=float, default=1.0, help="with --temperature: the top-p both engines keep "
+                        "(default: 1.0, every token)")
     parser.add_argument("--repeats", type=int, default=1, help="rounds of the zoo-infer and peer runs, one after "
                         "another (transformers' reference runs once): each row then gives the median round's tokens/s "
                         "and each ratio to a peer the median of the rounds' ratios, on a machine whose speed moves "
@@ -301,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.num_prompts, args.max_tokens, args.batch_size, args.repeats) < 1:
         sys.exit("error: --num_prompts, --max_tokens, --batch_size and --repeats must be >= 1")
     check_gguf_options(args.gguf)
+    if not 0.0 < args.top_p <= 1.0 or args.temperature < 0 or (args.top_p < 1.0 and args.temperature == 0):
+        sys.exit("error: --temperature must be >= 0, --top_p in (0, 1], and --top_p below 1 comes with a --temperature")
     if os.sep in args.vllm_python:  # a path: absolute, since the engines run from the repo root (no
         args.vllm_python = os.path.abspath(args.vllm_python)  # symlink resolving: a venv's python is a link)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -308,6 +318,9 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     threads = args.threads or len(os.sched_getaffinity(0))
     peers = select_peers(args.peers, args.vllm_python)
+    if args.temperature > 0 and (hf_dtypes or "int8" in dtypes or set(peers) - {"vllm"}):
+        sys.exit("error: --temperature runs zoo-infer and vLLM only, in float dtypes: pass --transformers_dtypes none "
+                 "and --peers vllm (or none)")
     if is_random(args.model):  # built in a process of its own: an engine's peak RSS (wait4) would otherwise start
         # at this process's, which held the whole model while building it (Linux carries it across fork and exec)
         with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as child:
@@ -327,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {row['engine']:<13} {row['dtype']:<9} {rate}", flush=True)
         return row, generated
 
+    sampling_options = ["--temperature", str(args.temperature), "--top_p", str(args.top_p)] if args.temperature else []
     print("running (one process at a time):", flush=True)
     runs = [ran(*run_child("transformers", PEERS_DIR / "hf_generate.py", args, prep, out, dtype, threads))
             for dtype in hf_dtypes]  # the reference: once
@@ -340,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
                                               args.baseline_label)) for dtype in dtypes]
         for name in peers:
             for dtype in peer_dtypes + (["int8"] if name == "llamacpp" and "int8" in dtypes else []):
-                rounds[-1].append(ran(*run_peer(name, args, prep, out, dtype, threads)))
+                rounds[-1].append(ran(*run_peer(name, args, prep, out, dtype, threads, sampling_options)))
     chosen, round_rates = combine_rounds(rounds)
     for row, generated in runs + chosen:
         rows.append(row)
@@ -358,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     config = {
         "model": str(args.model), "prompt_set": f"{PYPI_NAME} (HumanEval), seed {args.seed}, chat template",
         "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "batch_size": args.batch_size,
-        "dtypes": dtypes, "repeats": args.repeats, "transformers_dtypes": hf_dtypes, "peers": peers,
+        "dtypes": dtypes, "temperature": args.temperature, "top_p": args.top_p, "repeats": args.repeats,
+        "transformers_dtypes": hf_dtypes, "peers": peers,
         "peer_dtypes": peer_dtypes, "threads": threads, "eos_id": prep.eos_id,
         **({"baseline_repo": str(args.baseline_repo.resolve()), "baseline_label": args.baseline_label}
            if args.baseline_repo is not None else {}),
@@ -372,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     csv_path, json_path = write_outputs(rows, out, config)
     print()
-    print(f"{args.num_prompts} prompts, max_tokens {args.max_tokens}, batch_size {args.batch_size}, "
+    decoding = f"sampled at temperature {args.temperature}, top_p {args.top_p}" if args.temperature else "greedy"
+    print(f"{args.num_prompts} prompts, max_tokens {args.max_tokens}, batch_size {args.batch_size}, {decoding}, "
           f"{threads} threads; seconds = generation only, process s = whole process")
     print(format_table(rows))
     if args.repeats > 1:

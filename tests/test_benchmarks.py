@@ -14,6 +14,7 @@ import platform
 import re
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import h5py
 import pytest
@@ -421,3 +422,39 @@ def assert_passes_line(report: str, phase: str, label: str) -> int:
     assert abs(seconds - inside - outside) <= 0.0002
     assert abs(outside / passes * 1e3 - per_pass) <= 0.05 / passes + 0.0005
     return int(passes)
+
+
+def test_sampled_runs_are_zoo_infer_and_vllm_only(tmp_path: Path, monkeypatch) -> None:
+    """--temperature: zoo-infer's params and vLLM's options sample at it and --top_p; a run that would put a greedy
+    engine beside them, or a --top_p without it, is refused before anything runs."""
+    throughput = load_script("benchmarks/throughput.py")
+    base = ["--dtypes", "bfloat16", "--out", str(tmp_path)]
+    for bad, message in ((["--temperature", "0.8", "--peers", "none"], "runs zoo-infer and vLLM only"),
+                         (["--temperature", "0.8", "--transformers_dtypes", "none", "--peers", "none", "--dtypes",
+                           "bfloat16,int8"], "runs zoo-infer and vLLM only"),
+                         (["--top_p", "0.9"], "--top_p below 1 comes with a --temperature"),
+                         (["--temperature", "0.8", "--top_p", "0"], "--top_p in \\(0, 1\\]"),
+                         (["--temperature", "-1"], "--temperature must be >= 0")):
+        with pytest.raises(SystemExit, match=message):
+            throughput.main([*base, *bad])
+    calls = []
+    monkeypatch.setattr(throughput, "run_zoo", lambda *args, **kwargs: (calls.append(kwargs["model_keys"]) or {}, None))
+    monkeypatch.setattr(throughput, "rss_bound_mib", lambda *args: 0.0)
+    for options in ([], ["--temperature", "0.8", "--top_p", "0.9"]):
+        args = throughput.build_parser().parse_args([*base, *options])
+        for dtype in ("bfloat16", "int8"):
+            throughput.run_zoo_dtype(args, SimpleNamespace(max_seq_len=16), tmp_path, dtype, 1)
+    int8 = {"weight_dtype": "int8", "int8_group_size": throughput.machine.INT8_GROUP}
+    sampled = {"temperature": 0.8, "top_p": 0.9}
+    assert calls == [{}, int8, sampled, {**int8, **sampled}]
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks" / "peers"))
+    try:
+        vllm_generate = load_script("benchmarks/peers/vllm_generate.py")
+    finally:
+        sys.path.remove(str(REPO_ROOT / "benchmarks" / "peers"))
+    result = tmp_path / "vllm.json"
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps({"token_ids": [[1, 2]]}))
+    assert vllm_generate.main(["--model", "m", "--tokens_json", str(tokens), "--out", str(result),
+                               "--temperature", "0.8", "--top_p", "0.9"]) == 0
+    assert "skipped" in json.loads(result.read_text()) or "tokens" in json.loads(result.read_text())

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""vLLM peer of benchmarks/throughput.py: offline `LLM.generate`, greedy, on the CPU backend.
+"""vLLM peer of benchmarks/throughput.py: offline `LLM.generate`, greedy (or sampled), on the CPU backend.
 
     python benchmarks/peers/vllm_generate.py --model models/smollm2-135m-instruct \\
         --tokens_json out/tokens.json --dtype bfloat16 --batch_size 32 --max_tokens 64 --out out/vllm.json
@@ -9,7 +9,8 @@ vLLM starts worker processes, so everything runs under `if __name__ == "__main__
 
 Settings, chosen to match the other engines: the already tokenized prompts go in as
 `{"prompt_token_ids": ...}` (no second tokenization, no chat template applied twice);
-SamplingParams(temperature=0, max_tokens, stop_token_ids=[eos]) is greedy and stops at EOS;
+SamplingParams(temperature=0, max_tokens, stop_token_ids=[eos]) is greedy and stops at EOS (--temperature and
+--top_p sample instead, from the engine's seed);
 max_num_seqs=--batch_size caps the sequences decoded together (vLLM's continuous batching, the
 counterpart of zoo-infer's in-flight batching); vLLM's prefix caching (its default) stays on while
 the prompts are all different, where it can only reuse the chat template's shared system prefix,
@@ -94,7 +95,10 @@ def _parent(pid: str) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     """Starts the engine, generates, writes the result JSON."""
-    args = base_parser(__doc__).parse_args(argv)
+    parser = base_parser(__doc__)
+    parser.add_argument("--temperature", type=float, default=0.0, help="above 0: sample (default: 0, greedy)")
+    parser.add_argument("--top_p", type=float, default=1.0, help="with --temperature: the top-p kept (default: 1.0)")
+    args = parser.parse_args(argv)
     token_ids = read_token_ids(args.tokens_json)
     count = threads(args)
     # vLLM's CPU backend pins one OpenMP thread per listed core; "0-(n-1)" uses the first n.
@@ -118,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         enable_prefix_caching=len(set(map(tuple, token_ids))) == len(token_ids), seed=0, kv_cache_memory_bytes=kv_bytes,
     )
     load_seconds = time.perf_counter() - load_start
-    sampling = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, stop_token_ids=[args.eos_id])
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
+                              stop_token_ids=[args.eos_id])  # seeded by LLM(seed=0), not per request
     prompts = [{"prompt_token_ids": list(ids)} for ids in token_ids]
 
     start = time.perf_counter()  # --- timed: generation only ---
