@@ -194,7 +194,7 @@ def decode_token(token_id: int) -> str:
 
 
 def test_rows_chosen_in_chunks_equal_all_rows_at_once(checkpoint, tmp_path, monkeypatch):
-    """Where a step's logits exceed step.SAMPLING_VALUES, its rows are chosen a chunk at a time (here 1 row, then 2
+    """Where a step's logits exceed step.SAMPLING_VALUES (the CPU's), its rows are chosen a chunk at a time (here 1 row, then 2
     rows and a remainder of 1): the same tokens, log-probabilities and top tokens as all rows at once, sampling
     under a repetition penalty, temperature and top-p."""
     from modelzoo.generation import step as step_module
@@ -208,7 +208,7 @@ def test_rows_chosen_in_chunks_equal_all_rows_at_once(checkpoint, tmp_path, monk
     vocab = tiny_llama_config().vocab_size
     for rows in (1, 2):
         chunk_rows.clear()
-        monkeypatch.setattr(step_module, "SAMPLING_VALUES", rows * vocab + vocab - 1)
+        monkeypatch.setitem(step_module.SAMPLING_VALUES, "cpu", rows * vocab + vocab - 1)
         chunked = load_predictions(run(tmp_path, checkpoint, f"chunks_of_{rows}", **keys))
         assert max(chunk_rows) == rows  # those steps in chunks
         assert chunked.keys() == whole.keys()

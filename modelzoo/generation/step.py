@@ -50,9 +50,11 @@ LENGTH_BUCKET = 128
 # The smallest decode step where steps may run fewer rows than slots: the smallest of 8, 16, 32, ... rows that
 # holds the rows in flight (`smaller_steps`), so a step's cost follows the rows left, not the slots.
 SMALLEST_STEP_ROWS = 8
-# Logits a token choice takes at once (rows x vocab) where it copies them (sampling, log-probabilities): 64 MB in
-# float32, so a choice's copies stay within a few hundred MB however many rows a step runs.
-SAMPLING_VALUES = 1 << 24
+# Logits a token choice takes at once (rows x vocab) where it copies them (sampling, log-probabilities), by device: on
+# a GPU 16M (64 MB in float32), so a choice's copies stay within a few hundred MB however many rows a step runs; on
+# the CPU 2M, so that each copy (16 MB at most: top-p's int64 order) stays under glibc's largest mmap threshold
+# (32 MB) and a step reuses the memory the last one freed, instead of mapping fresh pages and faulting them in.
+SAMPLING_VALUES = {"cpu": 1 << 21, "cuda": 1 << 24}
 
 
 def length_bucket(longest: int, max_len: int) -> int:
@@ -164,10 +166,10 @@ def choose_tokens(logits: torch.Tensor, state: SlotState, slots: torch.Tensor | 
 
     Rows are chosen SAMPLING_VALUES logits at a time where sampling or log-probabilities make (rows, vocab) float32
     and float64 copies of them: a row's choice is its own, and those copies of 4096 rows over a 128k vocabulary would
-    take several GB each."""
+    take several GB each (on the CPU, copies of a few MB are also the fast ones)."""
     if choice is None and state.logprobs is None:  # the plain argmax: no copies
         return greedy_tokens(logits), None, None
-    rows_at_once = max(1, SAMPLING_VALUES // logits.shape[-1])
+    rows_at_once = max(1, SAMPLING_VALUES.get(logits.device.type, SAMPLING_VALUES["cuda"]) // logits.shape[-1])
     parts = [_choose_rows(logits[first:first + rows_at_once], state,
                           slice(first, first + rows_at_once) if slots is None else slots[first:first + rows_at_once],
                           choice)
