@@ -194,9 +194,9 @@ def decode_token(token_id: int) -> str:
 
 
 def test_rows_chosen_in_chunks_equal_all_rows_at_once(checkpoint, tmp_path, monkeypatch):
-    """Where a step's logits exceed step.SAMPLING_VALUES (the CPU's), its rows are chosen a chunk at a time (here 1 row, then 2
-    rows and a remainder of 1): the same tokens, log-probabilities and top tokens as all rows at once, sampling
-    under a repetition penalty, temperature and top-p."""
+    """Where a step's logits exceed step.SAMPLING_VALUES (the CPU's), its rows are chosen a chunk at a time (here 1
+    row, then 2 rows and a remainder of 1): the same tokens, log-probabilities and top tokens as all rows at once,
+    sampling under a repetition penalty, temperature and top-p."""
     from modelzoo.generation import step as step_module
 
     keys = {"temperature": 0.9, "top_p": 0.9, "repetition_penalty": 1.3, "top_logprobs": 3, "seed": 7}

@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from modelzoo.cpu.kernels import cpu_kernels
 from modelzoo.generation.ngrams import earlier_occurrences
 from modelzoo.generation.options import GenerationOptions, RequestVariety
+from modelzoo.models.layers import fused_kernels
 
 # splitmix64 (Steele, Lea and Flood, 2014): the increment and the two finaliser multipliers, and a second odd
 # constant to step along the row (it must differ from the increment, or (index, length + 1) and (index + 1, length)
@@ -92,13 +92,10 @@ def greedy_tokens(scores: Tensor) -> Tensor:
 
 
 def vocabulary_kernels(scores: Tensor) -> ModuleType | None:
-    """The C++ kernels where they take these (B, V) float32 CPU rows (not under torch.compile, which cannot trace
-    them): `sort_rows` and `draw_rows`, each with its PyTorch spelling's results over a vocabulary in a fraction of its
-    time; None for PyTorch's ops."""
-    if (scores.device.type != "cpu" or scores.dtype != torch.float32 or scores.dim() != 2
-            or torch.compiler.is_compiling()):
-        return None
-    return cpu_kernels()
+    """The C++ kernels where they take these (B, V) float32 rows (`fused_kernels`: on the CPU, not under
+    torch.compile): `sort_rows` and `draw_rows`, each with its PyTorch spelling's results over a vocabulary in a
+    fraction of its time; None for PyTorch's ops."""
+    return fused_kernels(scores) if scores.dtype == torch.float32 and scores.dim() == 2 else None
 
 
 def sort_ascending(scores: Tensor) -> tuple[Tensor, Tensor]:
