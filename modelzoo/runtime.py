@@ -21,6 +21,7 @@ from modelzoo.cpu.gemm import (GemmPlan, JobWork, apply_bf16_kernels, apply_gemm
                                weight_bytes)
 from modelzoo.cpu.int8_compute import apply_int8_backend
 from modelzoo.cpu.kernels import cpu_kernels, kernel_build_dir, machine_dir
+from modelzoo.cpu.memory import keep_freed_memory
 from modelzoo.cpu.precision import PrecisionPolicy, apply_half_gemm, keep_gemm_weights, precision_policy
 from modelzoo.cpu.quantization import int8_summary
 from modelzoo.cuda.attention_backends import choose_attention_backends
@@ -186,6 +187,10 @@ class Runtime:
                 weight_cache.save(Path(spec.weight_cache), cache_key, CachedLayout(self.model, self.gemm))
         self.step_rows = self._smaller_steps()  # row counts of smaller decode steps
         laid_out = time.perf_counter()
+        if self.device.type == "cpu":
+            kept = keep_freed_memory()
+            if kept:
+                log.info("host memory while generating: %s", kept)
         self.drafter = self._drafter()
         self.engine = self._build_engine(defaults, variety)
         self._scoring_cache: KVCache | None = None

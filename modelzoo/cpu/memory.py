@@ -151,6 +151,39 @@ def release_freed_memory() -> None:
         trim(0)
 
 
+# mallopt's parameters (glibc's malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+# While generating: allocations under this many bytes come from malloc's heap, and its free top is kept up to as much.
+KEPT_ALLOCATION_BYTES = 256 * 2**20
+KEPT_HEAP_TOP_BYTES = 2**30
+
+
+@functools.cache
+def _mallopt() -> Callable[[int, int], int] | None:
+    libc = ctypes.CDLL(None)
+    mallopt = getattr(libc, "mallopt", None)  # glibc (and musl, where it does nothing)
+    if mallopt is not None:
+        mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return mallopt
+
+
+def keep_freed_memory() -> str | None:
+    """Asks glibc's malloc to keep memory freed while generating for the next allocations instead of giving it back
+    to the system: a step's activations (a few MiB to tens of MiB each, freed at the end of the step) then reuse pages
+    already faulted in. By default malloc serves an allocation over a threshold that moves with the sizes freed so far
+    (128 KiB to 32 MiB) from a fresh mapping, and returns its heap's free top past twice that: from one run of the
+    same job to the next, 0.2 to 1.5 million pages faulted in and zeroed afresh, the job up to 10% slower. Called
+    once the weights are laid out (loading keeps malloc's defaults and malloc_trim, release_freed_memory, still
+    returns memory when called). Returns what was set, for the log; None off glibc."""
+    mallopt = _mallopt()
+    if mallopt is None or not sys.platform.startswith("linux"):
+        return None
+    if not (mallopt(M_MMAP_THRESHOLD, KEPT_ALLOCATION_BYTES) and mallopt(M_TRIM_THRESHOLD, KEPT_HEAP_TOP_BYTES)):
+        return None
+    return (f"malloc keeps freed memory for reuse (allocations under {KEPT_ALLOCATION_BYTES // 2**20} MiB from its "
+            f"heap, up to {KEPT_HEAP_TOP_BYTES // 2**20} MiB of it kept free)")
+
+
 MADV_POPULATE_READ = 22  # Linux 5.14 and later (Python's mmap module does not name it)
 
 
