@@ -77,6 +77,14 @@ class CausalLM(nn.Module):
         """The chosen positions' states (B, hidden) -> the head's input: the final norm."""
         raise NotImplementedError
 
+    def layer_chains(self, x: torch.Tensor, contexts: Sequence[ForwardContext], extra: tuple[torch.Tensor, ...]
+                     ) -> list[Callable[[torch.Tensor, ForwardContext], torch.Tensor] | None]:
+        """Per layer, what runs it in place of its modules for this forward's input states x (B, T, hidden), its
+        context and `extra` (as `prepare` returns them): a callable (x, ctx) -> x with the modules' bits that skips
+        the Python between their kernels (modelzoo/models/llama.py's KernelChain), or None for the layer itself.
+        Found once a forward, not layer by layer between the kernels. Default: none."""
+        return [None] * len(contexts)
+
     def decode_attention(self, cache: KVCache, compiled: bool) -> str:
         """Which attention a decode step runs over `cache`, for the log and summary.json: `cpu_kernel` (the C++
         kernel), or SDPA, over grouped queries where query heads share kv heads; `compiled`: under torch.compile,
@@ -128,8 +136,9 @@ class CausalLM(nn.Module):
         x, contexts, extra = self.prepare(tokens, positions, cache, slots, last, length)
         if read is not None:  # the last layer's outputs only where the head reads them; every position's keys
             contexts = [*contexts[:-1], contexts[-1].reading(read)]
-        for layer, ctx in zip(self.get_submodule(self.layers_name), contexts):
-            x = layer(x, *extra, ctx)
+        layers = self.get_submodule(self.layers_name)
+        for layer, ctx, chain in zip(layers, contexts, self.layer_chains(x, contexts, extra)):
+            x = layer(x, *extra, ctx) if chain is None else chain(x, ctx)
         if read is not None:  # x: (B, N, hidden), at `last`
             x = x if last is not None and last.dim() == 2 else x[:, 0]
         else:

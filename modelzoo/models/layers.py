@@ -194,16 +194,24 @@ def split_heads(x: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
 
 
 def attention_kernel(q: torch.Tensor, ctx: ForwardContext) -> ModuleType | None:
-    """The C++ kernel module where it handles this attention (on the CPU, q and the cache of one of
-    KERNEL_DTYPES, the cache of q's dtype or 16-bit under float32 queries, no ALiBi bias, 1 to 8 query
-    heads per kv head, head_dim 16, 32, 64 or 128, not under torch.compile); None for the PyTorch path."""
+    """The C++ kernel module where it handles this attention of q (B, heads, T, hd) (attention_kernel_for); None for
+    the PyTorch path."""
+    return attention_kernel_for(q.device, q.dtype, q.shape[1], q.shape[3], ctx)
+
+
+def attention_kernel_for(device: torch.device, dtype: torch.dtype, heads: int, head_dim: int,
+                         ctx: ForwardContext) -> ModuleType | None:
+    """The C++ kernel module where it handles attention of queries of `dtype` on `device` over ctx's cache (on the
+    CPU, queries and cache of one of KERNEL_DTYPES, the cache of the queries' dtype or 16-bit under float32 queries,
+    no ALiBi bias, 1 to 8 query heads per kv head, head_dim 16, 32, 64 or 128, not under torch.compile); None for the
+    PyTorch path."""
     storage = ctx.cache.keys[0].dtype
-    if (q.device.type != "cpu" or q.dtype not in KERNEL_DTYPES
-            or not (storage == q.dtype or (q.dtype == torch.float32 and storage in KERNEL_DTYPES))
+    if (device.type != "cpu" or dtype not in KERNEL_DTYPES
+            or not (storage == dtype or (dtype == torch.float32 and storage in KERNEL_DTYPES))
             or torch.compiler.is_compiling()
             or (ctx.mask is not None and ctx.mask.dtype != torch.bool)):
         return None
-    heads, head_dim, kv_heads = q.shape[1], q.shape[3], ctx.cache.keys[0].shape[1]
+    kv_heads = ctx.cache.keys[0].shape[1]
     if head_dim not in (16, 32, 64, 128) or heads % kv_heads or heads // kv_heads > 8:
         return None
     return cpu_kernels()

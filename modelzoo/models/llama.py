@@ -9,17 +9,21 @@ sliding window on the layers its config marks "sliding_attention" (only with use
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
+from torch.nn.modules import module as module_hooks
 
+from modelzoo.cpu.kernels import cpu_kernels
+from modelzoo.cpu.precision import BF16Linear, SiluGatedBF16Linear
 from modelzoo.models.kv_cache import KVCache
 from modelzoo.models.base import CausalLM
 from modelzoo.models.config import DecoderConfig, RopeConfig
-from modelzoo.models.layers import (ForwardContext, GatedMLP, RMSNorm, cached_attention, rounds_inputs_to_bf16,
-                                    split_heads)
+from modelzoo.models.layers import (ForwardContext, GatedMLP, RMSNorm, attention_kernel_for, cached_attention,
+                                    rounds_inputs_to_bf16, split_heads)
 from modelzoo.models.positions import RotaryEmbedding
 
 
@@ -96,8 +100,68 @@ class LlamaAttention(nn.Module):
         return self.o_proj(cached_attention(q, k, v, self.layer, ctx, rotary=rotary))
 
 
+class KernelChain:
+    """A decoder layer's forward as the chain of C++ kernel calls its modules make on the CPU under the bfloat16
+    policy, called one after the other with nothing between them: the input norm (rms_norm), q | k | v (bf16_linear),
+    the attention over the cache read from that projection where it lies (cached_attention_qkv), o (bf16_linear), the
+    residual add and the next norm (add_rms_norm_), gate | up with its SiLU gate (bf16_silu_gate), down with the
+    residual add (bf16_linear_add_). The same kernels on the same inputs with the same options as the modules' own
+    path (LlamaDecoderLayer.forward), so the same bits, without the Python and PyTorch views between the calls, which
+    cost more than the small kernels between them once the large ones have pushed the interpreter out of the CPU's
+    caches. Built where every part takes that path (`of`); valid while the layer holds the same modules."""
+
+    def __init__(self, layer: "LlamaDecoderLayer") -> None:
+        attention, mlp = layer.self_attn, layer.mlp
+        self.layer, self.heads, self.head_dim = attention.layer, attention.num_heads, attention.head_dim
+        self.scale = attention.head_dim ** -0.5
+        self.input_norm = (layer.input_layernorm.weight, layer.input_layernorm.eps)
+        self.post_norm = (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
+        self.qkv, self.o, self.down = ((module.packed, module.bias, module.out_features)
+                                       for module in (attention.qkv_proj, attention.o_proj, mlp.down_proj))
+        self.gate_up = (mlp.gate_up_proj.packed, mlp.gate_up_proj.out_features)  # no bias (silu_gate_fusable)
+
+    @classmethod
+    def of(cls, layer: "LlamaDecoderLayer") -> "KernelChain | None":
+        """The chain of `layer`, or None where a part of it takes another path: a GEMM other than packed bf16_linear
+        (and bf16_silu_gate for gate | up), norms not in float32."""
+        modules = chain_modules(layer)[:4]
+        gemms = tuple(type(module) for module in modules)
+        if gemms != (BF16Linear, BF16Linear, SiluGatedBF16Linear, BF16Linear) or any(m.amx for m in modules):
+            return None
+        if any(norm.weight.dtype != torch.float32 for norm in (layer.input_layernorm, layer.post_attention_layernorm)):
+            return None
+        return cls(layer)
+
+    def __call__(self, x: torch.Tensor, ctx: ForwardContext, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x (B, T, hidden) float32 -> the layer's output: x itself, updated in place. cos, sin: the rotary tables
+        (B, T, hd)."""
+        kernels = cpu_kernels()
+        start, end = ctx.key_ranges
+        qkv = kernels.bf16_linear(kernels.rms_norm(x, *self.input_norm, True), *self.qkv)  # (B, T, (nh + 2 nkv) hd)
+        attended = kernels.cached_attention_qkv(qkv, self.heads, ctx.cache.keys[self.layer],
+                                                ctx.cache.values[self.layer], ctx.rows, start, end, self.scale, cos,
+                                                sin)  # (B, T, nh hd)
+        normed = kernels.add_rms_norm_(x, kernels.bf16_linear(attended, *self.o), *self.post_norm, True)
+        return kernels.bf16_linear_add_(x, kernels.bf16_silu_gate(normed, *self.gate_up, True), *self.down)
+
+
+def global_module_hooks() -> bool:
+    """Whether hooks run around every module's forward (torch.nn.modules.module.register_module_forward_hook)."""
+    return bool(module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks)
+
+
+def chain_modules(layer: "LlamaDecoderLayer") -> tuple[nn.Module, ...]:
+    """The modules a KernelChain stands for: q | k | v, o, gate | up and down first, then the rest of the attention's
+    and the MLP's, the layer's own (its norms, the attention, the MLP) and the layer (read from their module dicts:
+    a forward's chains are looked up before the first layer runs, every layer's at once)."""
+    attention, mlp = layer._modules["self_attn"]._modules, layer._modules["mlp"]._modules
+    return (attention["qkv_proj"], attention["o_proj"], mlp["gate_up_proj"], mlp["down_proj"], *attention.values(),
+            *mlp.values(), *layer._modules.values(), layer)
+
+
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); on the CPU under the bfloat16 policy, run by the
+    model as one chain of kernel calls (KernelChain)."""
 
     def __init__(self, config: LlamaFamilyConfig, layer: int) -> None:
         super().__init__()
@@ -105,6 +169,23 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias)
+
+    def __getstate__(self) -> dict:
+        """The layer's state for pickling (the weight cache) without its KernelChain, found again when next run."""
+        state = dict(self.__dict__)
+        state.pop("_kernel_chain", None)
+        return state
+
+    def kernel_chain(self) -> KernelChain | None:
+        """This layer's KernelChain for its present modules (found again when one was replaced), or None: none to
+        build, or a hook on one of its modules, or on the layer, that the chain would not call."""
+        modules = chain_modules(self)
+        if any(module._forward_hooks or module._forward_pre_hooks for module in modules):
+            return None
+        found = self.__dict__.get("_kernel_chain")  # (the modules it was found for, the chain)
+        if found is None or found[0] != modules:  # modules compare by identity
+            found = self.__dict__["_kernel_chain"] = (modules, KernelChain.of(self))
+        return found[1]
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
         # Each norm's outputs rounded to bfloat16 where its GEMM rounds them so anyway; the MLP's added into x.
@@ -162,3 +243,22 @@ class LlamaForCausalLM(CausalLM):
 
     def finish(self, x: torch.Tensor) -> torch.Tensor:
         return self.model.norm(x)
+
+    def layer_chains(self, x: torch.Tensor, contexts: Sequence[ForwardContext], extra: tuple[torch.Tensor, ...]
+                     ) -> list[Callable[[torch.Tensor, ForwardContext], torch.Tensor] | None]:
+        """Each layer's KernelChain where the modules' path would run its kernels on x (float32, contiguous, on the
+        CPU) and the layer's context (the C++ attention over its cache; every position's outputs read, which the
+        last layer of a prompt does not), not under torch.compile and with no hook around every module."""
+        layers = self.model.layers
+        if (x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous()
+                or torch.compiler.is_compiling() or global_module_hooks()):
+            return [None] * len(layers)
+        c = self.config
+        cos, sin = extra[0][0][:, 0], extra[0][1][:, 0]  # (B, 1, T, hd) -> (B, T, hd)
+        attends = {id(ctx): attention_kernel_for(x.device, x.dtype, c.num_heads, c.head_dim, ctx) is not None
+                   for ctx in contexts}
+        chains = []
+        for layer, ctx in zip(layers, contexts):
+            chain = layer.kernel_chain() if attends[id(ctx)] and ctx.read is None else None
+            chains.append(None if chain is None else functools.partial(chain, cos=cos, sin=sin))
+        return chains

@@ -8,6 +8,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "sin (B, T, D), q and the new keys are rotated first (rotary embedding, two-halves layout).",
         py::arg("q"), py::arg("new_keys"), py::arg("new_values"), py::arg("keys"), py::arg("values"), py::arg("slots"),
         py::arg("starts"), py::arg("ends"), py::arg("scale"), py::arg("cos") = py::none(), py::arg("sin") = py::none());
+  m.def("cached_attention_qkv", &zoo::cached_attention_qkv,
+        "cached_attention of the queries, new keys and new values of one fused projection qkv (B, T, (heads + 2 Hkv) "
+        "D), q | k | v, read where they lie (no views to build first); returns (B, T, heads D).",
+        py::arg("qkv"), py::arg("heads"), py::arg("keys"), py::arg("values"), py::arg("slots"), py::arg("starts"),
+        py::arg("ends"), py::arg("scale"), py::arg("cos") = py::none(), py::arg("sin") = py::none());
   m.def("attention_keys_at_once", &zoo::attention_keys_at_once,
         "Keys cached_attention's tiles of 4-6 query heads score at once on this CPU: 8 or 4 with AVX-512 (the faster "
         "of the two, timed at the first call; `use` sets it instead), 2 on AVX2. The results are the same bits "

@@ -283,6 +283,21 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& new_
   return out;
 }
 
+torch::Tensor cached_attention_qkv(const torch::Tensor& qkv, int64_t heads, const torch::Tensor& keys,
+                                   const torch::Tensor& values, const torch::Tensor& slots, const torch::Tensor& starts,
+                                   const torch::Tensor& ends, double scale, const c10::optional<torch::Tensor>& cos,
+                                   const c10::optional<torch::Tensor>& sin) {
+  TORCH_CHECK(qkv.dim() == 3 && keys.dim() == 4 && qkv.stride(2) == 1,
+              "qkv must be (B, T, (heads + 2 kv_heads) head_dim) with unit last stride, the cache (S, Hkv, M, D)");
+  const int64_t B = qkv.size(0), T = qkv.size(1), kv_heads = keys.size(1), D = keys.size(3);
+  TORCH_CHECK(heads >= 1 && qkv.size(2) == (heads + 2 * kv_heads) * D, "qkv's last dimension is ", qkv.size(2),
+              ", not (heads + 2 kv_heads) head_dim = (", heads, " + 2 x ", kv_heads, ") x ", D);
+  const auto q = qkv.narrow(2, 0, heads * D).view({B, T, heads, D});
+  const auto k = qkv.narrow(2, heads * D, kv_heads * D).view({B, T, kv_heads, D});
+  const auto v = qkv.narrow(2, (heads + kv_heads) * D, kv_heads * D).view({B, T, kv_heads, D});
+  return cached_attention(q, k, v, keys, values, slots, starts, ends, scale, cos, sin).view({B, T, heads * D});
+}
+
 int64_t attention_keys_at_once(int64_t use) {
   constexpr int64_t kWide = kKeysAtOnce<kTileRows, false>, kNarrow = kKeysAtOnce<kTileRows, true>;
   TORCH_CHECK(use == 0 || use == kWide || use == kNarrow, "keys at once: 0 (as timed), ", kWide, " or ", kNarrow,

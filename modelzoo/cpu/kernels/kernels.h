@@ -11,6 +11,11 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& new_
                                const torch::Tensor& keys, const torch::Tensor& values, const torch::Tensor& slots,
                                const torch::Tensor& starts, const torch::Tensor& ends, double scale,
                                const c10::optional<torch::Tensor>& cos, const c10::optional<torch::Tensor>& sin);
+// cached_attention of one fused projection qkv (B, T, (H + 2 Hkv) D), q | k | v, read where it lies: (B, T, H D).
+torch::Tensor cached_attention_qkv(const torch::Tensor& qkv, int64_t heads, const torch::Tensor& keys,
+                                   const torch::Tensor& values, const torch::Tensor& slots, const torch::Tensor& starts,
+                                   const torch::Tensor& ends, double scale, const c10::optional<torch::Tensor>& cos,
+                                   const c10::optional<torch::Tensor>& sin);
 // Keys a tile of 6 query heads scores at once on this CPU (the faster way, timed at the first call; `use` sets it).
 int64_t attention_keys_at_once(int64_t use);
 
