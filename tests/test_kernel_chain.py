@@ -101,7 +101,7 @@ def test_a_hook_or_another_gemm_sets_the_chain_aside(bf16_model):
     o_proj = layer.self_attn.o_proj
     replacement = precision.BF16Linear(nn.Linear(o_proj.in_features, o_proj.out_features, bias=False))
     layer.self_attn.o_proj = replacement  # another packed weight: a new chain over it
-    assert layer.kernel_chain() is not chain and layer.kernel_chain().o[0] is replacement.packed
+    assert layer.kernel_chain() is not chain and layer.kernel_chain().mlp_args[0] is replacement.packed
     layer.self_attn.o_proj = nn.Linear(o_proj.in_features, o_proj.out_features, bias=False)  # PyTorch's GEMM
     assert layer.kernel_chain() is None
     layer.self_attn.o_proj = o_proj
@@ -115,7 +115,7 @@ def test_a_pickled_layer_leaves_its_chain_behind(bf16_model):
     assert layer.kernel_chain() is not None
     copy = pickle.loads(pickle.dumps(layer))
     assert "_kernel_chain" not in copy.__dict__
-    assert copy.kernel_chain() is not None and copy.kernel_chain().qkv[0] is copy.self_attn.qkv_proj.packed
+    assert copy.kernel_chain() is not None and copy.kernel_chain().attention_args[2] is copy.self_attn.qkv_proj.packed
 
 
 def attention_inputs(dtype: torch.dtype = torch.float32) -> tuple:
@@ -158,3 +158,18 @@ def test_cached_attention_qkv_refuses_a_projection_of_another_shape():
         kernels.cached_attention_qkv(strided, 4, keys, values, slots, starts, ends, 0.25, cos, sin)
     with pytest.raises(RuntimeError, match=r"qkv must be \(B, T, \(heads \+ 2 kv_heads\) head_dim\)"):
         kernels.cached_attention_qkv(qkv[0], 4, keys, values, slots, starts, ends, 0.25, cos, sin)
+
+
+@needs_bf16
+@pytest.mark.parametrize("bf16_model", ["llama"], indirect=True)
+def test_the_layer_call_refuses_states_it_cannot_add_into(bf16_model):
+    model = bf16_model
+    c = model.config
+    chain = model.model.layers[0].kernel_chain()
+    cache = KVCache(c.num_layers, 1, c.num_kv_heads, 8, c.head_dim, F16, torch.device("cpu"))
+    x, contexts, extra = model.prepare(torch.tensor([[5]]), torch.tensor([[3]]), cache, None, None)
+    cos, sin = extra[0][0][:, 0], extra[0][1][:, 0]
+    for states in (x.bfloat16(), torch.zeros(1, 1, 2 * c.hidden_size)[..., ::2], x[0]):  # 16-bit, strided, 2-D
+        with pytest.raises(RuntimeError, match=r"x must be contiguous float32 \(B, T, hidden\)"):
+            chain(states, contexts[0], cos, sin)
+    assert torch.equal(chain(x.clone(), contexts[0], cos, sin), model.model.layers[0](x.clone(), *extra, contexts[0]))

@@ -102,23 +102,24 @@ class LlamaAttention(nn.Module):
 
 class KernelChain:
     """A decoder layer's forward as the chain of C++ kernel calls its modules make on the CPU under the bfloat16
-    policy, called one after the other with nothing between them: the input norm (rms_norm), q | k | v (bf16_linear),
-    the attention over the cache read from that projection where it lies (cached_attention_qkv), o (bf16_linear), the
-    residual add and the next norm (add_rms_norm_), gate | up with its SiLU gate (bf16_silu_gate), down with the
-    residual add (bf16_linear_add_). The same kernels on the same inputs with the same options as the modules' own
-    path (LlamaDecoderLayer.forward), so the same bits, without the Python and PyTorch views between the calls, which
-    cost more than the small kernels between them once the large ones have pushed the interpreter out of the CPU's
-    caches. Built where every part takes that path (`of`); valid while the layer holds the same modules."""
+    policy, made in one call (bf16_decoder_layer): the input norm (rms_norm), q | k | v (bf16_linear), the attention
+    over the cache read from that projection where it lies (cached_attention_qkv), o (bf16_linear), the residual add
+    and the next norm (add_rms_norm_), gate | up with its SiLU gate (bf16_silu_gate), down with the residual add
+    (bf16_linear_add_). The same kernels on the same inputs with the same options as the modules' own path
+    (LlamaDecoderLayer.forward), so the same bits, without the Python and PyTorch views between the calls, which cost
+    more than the small kernels between them once the large ones have pushed the interpreter out of the CPU's caches.
+    Built where every part takes that path (`of`); valid while the layer holds the same modules."""
 
     def __init__(self, layer: "LlamaDecoderLayer") -> None:
         attention, mlp = layer.self_attn, layer.mlp
-        self.layer, self.heads, self.head_dim = attention.layer, attention.num_heads, attention.head_dim
+        self.layer = attention.layer
         self.scale = attention.head_dim ** -0.5
-        self.input_norm = (layer.input_layernorm.weight, layer.input_layernorm.eps)
-        self.post_norm = (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
-        self.qkv, self.o, self.down = ((module.packed, module.bias, module.out_features)
-                                       for module in (attention.qkv_proj, attention.o_proj, mlp.down_proj))
-        self.gate_up = (mlp.gate_up_proj.packed, mlp.gate_up_proj.out_features)  # no bias (silu_gate_fusable)
+        norm, post_norm = layer.input_layernorm, layer.post_attention_layernorm
+        qkv, o, gate_up, down = attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj
+        # bf16_decoder_layer's arguments before the cache's, between the attention's and the MLP's, after them
+        self.attention_args = (norm.weight, norm.eps, qkv.packed, qkv.bias, qkv.out_features, attention.num_heads)
+        self.mlp_args = (o.packed, o.bias, post_norm.weight, post_norm.eps, gate_up.packed, gate_up.out_features,
+                         down.packed, down.bias)
 
     @classmethod
     def of(cls, layer: "LlamaDecoderLayer") -> "KernelChain | None":
@@ -135,14 +136,9 @@ class KernelChain:
     def __call__(self, x: torch.Tensor, ctx: ForwardContext, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x (B, T, hidden) float32 -> the layer's output: x itself, updated in place. cos, sin: the rotary tables
         (B, T, hd)."""
-        kernels = cpu_kernels()
-        start, end = ctx.key_ranges
-        qkv = kernels.bf16_linear(kernels.rms_norm(x, *self.input_norm, True), *self.qkv)  # (B, T, (nh + 2 nkv) hd)
-        attended = kernels.cached_attention_qkv(qkv, self.heads, ctx.cache.keys[self.layer],
-                                                ctx.cache.values[self.layer], ctx.rows, start, end, self.scale, cos,
-                                                sin)  # (B, T, nh hd)
-        normed = kernels.add_rms_norm_(x, kernels.bf16_linear(attended, *self.o), *self.post_norm, True)
-        return kernels.bf16_linear_add_(x, kernels.bf16_silu_gate(normed, *self.gate_up, True), *self.down)
+        return cpu_kernels().bf16_decoder_layer(x, *self.attention_args, ctx.cache.keys[self.layer],
+                                                ctx.cache.values[self.layer], ctx.rows, *ctx.key_ranges, self.scale,
+                                                cos, sin, *self.mlp_args)
 
 
 def global_module_hooks() -> bool:
@@ -172,7 +168,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def __getstate__(self) -> dict:
         """The layer's state for pickling (the weight cache) without its KernelChain, found again when next run."""
-        state = dict(self.__dict__)
+        state = super().__getstate__()
         state.pop("_kernel_chain", None)
         return state
 

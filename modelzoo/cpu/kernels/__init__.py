@@ -44,7 +44,8 @@ from modelzoo.cpu.facts import cpu_flags, cpu_model, held_to_avx2
 
 log = logging.getLogger("zoo-infer")
 
-SOURCES = [Path(__file__).with_name(name) for name in ("bindings.cpp", "cached_attention.cpp", "decoder_ops.cpp",
+SOURCES = [Path(__file__).with_name(name) for name in ("bindings.cpp", "cached_attention.cpp", "decoder_layer.cpp",
+                                                         "decoder_ops.cpp",
                                                          "int8_gemm.cpp", "bf16_gemm.cpp", "amx_gemm.cpp",
                                                          "half_gemm.cpp", "lora_update.cpp",
                                                          "token_draws.cpp")]

@@ -16,6 +16,17 @@ torch::Tensor cached_attention_qkv(const torch::Tensor& qkv, int64_t heads, cons
                                    const torch::Tensor& values, const torch::Tensor& slots, const torch::Tensor& starts,
                                    const torch::Tensor& ends, double scale, const c10::optional<torch::Tensor>& cos,
                                    const c10::optional<torch::Tensor>& sin);
+// decoder_layer.cpp: a Llama-family layer under the bfloat16 policy as one call of the kernels above and below;
+// returns x, added into in place.
+torch::Tensor bf16_decoder_layer(torch::Tensor& x, const torch::Tensor& input_norm, double input_eps,
+                                 const torch::Tensor& qkv_packed, const c10::optional<torch::Tensor>& qkv_bias,
+                                 int64_t qkv_features, int64_t heads, const torch::Tensor& keys,
+                                 const torch::Tensor& values, const torch::Tensor& slots, const torch::Tensor& starts,
+                                 const torch::Tensor& ends, double scale, const torch::Tensor& cos,
+                                 const torch::Tensor& sin, const torch::Tensor& o_packed,
+                                 const c10::optional<torch::Tensor>& o_bias, const torch::Tensor& post_norm,
+                                 double post_eps, const torch::Tensor& gate_up_packed, int64_t intermediate,
+                                 const torch::Tensor& down_packed, const c10::optional<torch::Tensor>& down_bias);
 // Keys a tile of 6 query heads scores at once on this CPU (the faster way, timed at the first call; `use` sets it).
 int64_t attention_keys_at_once(int64_t use);
 

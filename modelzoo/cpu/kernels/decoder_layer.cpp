@@ -1,0 +1,28 @@
+// A pre-norm decoder layer with a SwiGLU MLP (the Llama family) under the bfloat16 policy, as one call: the kernels
+// its modules call, in their order, with their arguments (modelzoo/models/llama.py's KernelChain), so the same bits,
+// with nothing between them (the Python between the calls costs more than the small kernels once the large ones have
+// pushed the interpreter out of the CPU's caches).
+#include "kernels.h"
+
+namespace zoo {
+
+torch::Tensor bf16_decoder_layer(torch::Tensor& x, const torch::Tensor& input_norm, double input_eps,
+                                 const torch::Tensor& qkv_packed, const c10::optional<torch::Tensor>& qkv_bias,
+                                 int64_t qkv_features, int64_t heads, const torch::Tensor& keys,
+                                 const torch::Tensor& values, const torch::Tensor& slots, const torch::Tensor& starts,
+                                 const torch::Tensor& ends, double scale, const torch::Tensor& cos,
+                                 const torch::Tensor& sin, const torch::Tensor& o_packed,
+                                 const c10::optional<torch::Tensor>& o_bias, const torch::Tensor& post_norm,
+                                 double post_eps, const torch::Tensor& gate_up_packed, int64_t intermediate,
+                                 const torch::Tensor& down_packed, const c10::optional<torch::Tensor>& down_bias) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "x must be contiguous float32 (B, T, hidden): the layer adds into it in place");
+  const int64_t hidden = x.size(2);
+  const auto qkv = bf16_linear(rms_norm(x, input_norm, input_eps, true), qkv_packed, qkv_bias, qkv_features);
+  const auto attended = cached_attention_qkv(qkv, heads, keys, values, slots, starts, ends, scale, cos, sin);
+  const auto normed = add_rms_norm_(x, bf16_linear(attended, o_packed, o_bias, hidden), post_norm, post_eps, true);
+  return bf16_linear_add_(x, bf16_silu_gate(normed, gate_up_packed, intermediate, true), down_packed, down_bias,
+                          hidden);
+}
+
+}  // namespace zoo
