@@ -14,6 +14,8 @@ in the same state of the machine, and its drift falls on both alike.
     python benchmarks/job_kernel_builds.py before=<build folder> after=<build folder> -- \\
         --params params.yaml --model_dir out --overwrite
     python benchmarks/job_kernel_builds.py -- --params params.yaml ...     # this checkout's build: where passes go
+    python benchmarks/job_kernel_builds.py --per_kernel -- ...   # a Llama layer's kernels timed one by one, not as
+                                                                 # the one call (bf16_decoder_layer) a job makes
 
 The arguments after `--` are run_inference.py's. The job's outputs mix the builds' rows: kernel_builds.py and the
 tests check that builds compute the same bits, this script only times them. Calls outside a forward pass (the
@@ -132,10 +134,17 @@ def install(turns: TakingTurns) -> None:
 
 def main(argv: list[str]) -> int:
     if "--" not in argv:
-        sys.exit("usage: job_kernel_builds.py [label=<build folder> ...] -- "
+        sys.exit("usage: job_kernel_builds.py [--per_kernel] [label=<build folder> ...] -- "
                  "<run_inference.py arguments>")
     split = argv.index("--")
     specs, job_args = argv[:split], argv[split + 1:]  # no build: this checkout's
+    if "--per_kernel" in specs:  # every layer through its modules: each kernel timed on its own, not one layer call
+        from modelzoo.models import REGISTRY, registered_class
+        from modelzoo.models.base import CausalLM
+
+        specs.remove("--per_kernel")
+        for architecture in REGISTRY:
+            registered_class(architecture).layer_chains = CausalLM.layer_chains
     turns = TakingTurns(load_builds(specs))
     install(turns)
     from modelzoo.job.cli import main as run_job

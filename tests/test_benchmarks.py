@@ -367,7 +367,8 @@ def test_repeated_rounds_keep_the_median_run_and_the_median_ratio() -> None:
 def test_kernel_builds_take_turns_in_a_job(tmp_path: Path) -> None:
     """benchmarks/job_kernel_builds.py: two copies of this checkout's kernel build take turns, forward by forward, in a
     job on a tiny Llama (run as a process of its own: the tool patches zoo-infer's modules): both run the attention in
-    decode and in prefill, and the predictions are those of the same job run plainly (the same library either way)."""
+    decode and in prefill (--per_kernel: every layer through its modules, never one bf16_decoder_layer call), and the
+    predictions are those of the same job run plainly (the same library either way)."""
     import shutil
     import subprocess
 
@@ -390,8 +391,9 @@ def test_kernel_builds_take_turns_in_a_job(tmp_path: Path) -> None:
     job = ["--params", str(params), "--model_dir"]
     plain = subprocess.run([sys.executable, str(REPO_ROOT / "run_inference.py"), *job, str(tmp_path / "plain")],
                            capture_output=True, text=True, cwd=REPO_ROOT, timeout=600)
-    turns = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks/job_kernel_builds.py"), *builds, "--", *job,
-                            str(tmp_path / "turns")], capture_output=True, text=True, cwd=REPO_ROOT, timeout=600)
+    turns = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks/job_kernel_builds.py"), "--per_kernel",
+                            *builds, "--", *job, str(tmp_path / "turns")],  # each kernel on its own, not a layer call
+                           capture_output=True, text=True, cwd=REPO_ROOT, timeout=600)
     assert plain.returncode == 0 and turns.returncode == 0, plain.stderr + turns.stderr
     for phase in ("decode", "prefill"):
         line = next(line for line in turns.stdout.splitlines() if re.match(rf"{phase} +cached_attention ", line))
