@@ -57,7 +57,6 @@ def step_faults(mode: str) -> int:
     """Minor page faults of eight rounds of STEPS_SCRIPT's allocations, in a process of their own (the setting is
     process-wide)."""
     import subprocess
-    import sys
     from pathlib import Path
 
     done = subprocess.run([sys.executable, "-c", STEPS_SCRIPT, mode], capture_output=True, text=True, check=True,
