@@ -59,6 +59,19 @@ def test_swap_replaces_every_linear_and_keeps_a_tied_embedding():
     assert weight_bytes(model) >= 30 * 16 * 4 + 16 * 16 * 4
 
 
+def test_a_linear_subclass_is_swapped_too():
+    """FalconLinear (x @ W.T + b as two ops) is multiplied by the chosen backend like any nn.Linear: left to PyTorch's
+    own GEMM, its rows' bits followed the batch where MKL is not batch-invariant (an Intel Xeon with AMX)."""
+    from modelzoo.models.falcon import FalconLinear
+
+    model = nn.Sequential(FalconLinear(16, 24), nn.Linear(24, 16))
+    assert [layer for _, _, layer in linear_layers(model)] == list(model)
+    plan = apply_gemm_backend(model, torch.float32, CPU, "auto")
+    assert set(plan.layers) == {"float32 16x24", "float32 24x16"}
+    assert all(isinstance(layer, nn.Linear) == (plan.layers[key] == "torch")
+               for layer, key in zip(model, ("float32 16x24", "float32 24x16")))
+
+
 def test_candidates_are_timed_taking_turns(monkeypatch):
     """The candidates' calls alternate, one of each a round after a warm-up call of each, so that a spell where the
     machine runs slow falls on all of them; each keeps its least time, over TIMING_ROUNDS rounds."""

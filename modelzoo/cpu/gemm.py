@@ -353,9 +353,10 @@ def measured_shapes(shapes: dict[str, tuple[int, int]], dtype: torch.dtype, back
 
 
 def linear_layers(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
-    """(parent, attribute name, layer) of every plain nn.Linear of `model` (not int8 or other subclasses)."""
+    """(parent, attribute name, layer) of every nn.Linear of `model`, subclasses (FalconLinear) included: a layer
+    left to PyTorch's own GEMM would give rows that depend on the batch where that GEMM is not batch-invariant."""
     return [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-            if type(child) is nn.Linear]
+            if isinstance(child, nn.Linear)]
 
 
 def apply_gemm_backend(model: nn.Module, dtype: torch.dtype, device: torch.device, requested: str = "auto",
