@@ -12,9 +12,9 @@ from torch import nn
 from modelzoo.cpu import precision
 from modelzoo.cpu.kernels import cpu_kernels
 from modelzoo.models.kv_cache import KVCache
-from modelzoo.models.llama import KernelChain
+from modelzoo.models.llama import KernelChain, chain_modules
 from harness import save_tiny_model
-from precision_policies import F16, needs_bf16, needs_kernels
+from precision_policies import F16, amx_tiles, needs_bf16, needs_kernels
 from test_precision_models import bfloat16_setup
 from tiny_configs import VOCAB, mistral_config, qwen2_config, tiny_llama_config
 
@@ -50,12 +50,31 @@ def passes(model: nn.Module) -> tuple[list[torch.Tensor], KVCache]:
     return logits, cache
 
 
+def put_on_amx(model: nn.Module, gemms: str) -> list[bool]:
+    """Sets which of the layers' bfloat16 GEMMs multiply on AMX tiles (their weights are packed alike for both):
+    none, all, or every other one (the first layer's q | k | v and gate | up, then o and down, ...); returns the flags
+    in the layers' order (q | k | v, o, gate | up, down each)."""
+    flags = []
+    for i, layer in enumerate(model.model.layers):
+        for j, module in enumerate(chain_modules(layer)[:4]):
+            module.amx = gemms == "amx_bf16_linear" or (gemms == "mixed" and (i + j) % 2 == 0)
+            flags.append(module.amx)
+    return flags
+
+
+ON_AMX = pytest.mark.skipif(not amx_tiles, reason="amx_bf16_linear needs an AMX-BF16 CPU and Linux granting its tiles")
+
+
 @needs_bf16
+@pytest.mark.parametrize("gemms", ["bf16_linear", pytest.param("amx_bf16_linear", marks=ON_AMX),
+                                   pytest.param("mixed", marks=ON_AMX)])
 @pytest.mark.parametrize("bf16_model", list(CONFIGS), indirect=True)
-def test_chains_give_the_bits_of_the_modules_path(bf16_model, monkeypatch):
+def test_chains_give_the_bits_of_the_modules_path(bf16_model, gemms, monkeypatch):
     model = bf16_model
     layers = model.model.layers
+    on_amx = put_on_amx(model, gemms)
     assert all(layer.kernel_chain() is not None for layer in layers)
+    assert [flag for layer in layers for flag in layer.kernel_chain().mlp_args[-1]] == on_amx
     chained = []
     call = KernelChain.__call__
     monkeypatch.setattr(KernelChain, "__call__", lambda self, *args, **kwargs: chained.append(self.layer)
@@ -173,3 +192,7 @@ def test_the_layer_call_refuses_states_it_cannot_add_into(bf16_model):
         with pytest.raises(RuntimeError, match=r"x must be contiguous float32 \(B, T, hidden\)"):
             chain(states, contexts[0], cos, sin)
     assert torch.equal(chain(x.clone(), contexts[0], cos, sin), model.model.layers[0](x.clone(), *extra, contexts[0]))
+    chain.mlp_args = (*chain.mlp_args[:-1], [False] * 3)
+    with pytest.raises(RuntimeError, match=r"on_amx must say for each GEMM \(q \| k \| v, o, gate \| up, down\) "
+                                           r"whether it runs on AMX tiles, got 3 values"):
+        chain(x.clone(), contexts[0], cos, sin)

@@ -105,7 +105,8 @@ class KernelChain:
     policy, made in one call (bf16_decoder_layer): the input norm (rms_norm), q | k | v (bf16_linear), the attention
     over the cache read from that projection where it lies (cached_attention_qkv), o (bf16_linear), the residual add
     and the next norm (add_rms_norm_), gate | up with its SiLU gate (bf16_silu_gate), down with the residual add
-    (bf16_linear_add_). The same kernels on the same inputs with the same options as the modules' own path
+    (bf16_linear_add_); each GEMM on AMX tiles where its module multiplies there (amx_bf16_linear, amx_bf16_silu_gate,
+    down's outputs added after it). The same kernels on the same inputs with the same options as the modules' own path
     (LlamaDecoderLayer.forward), so the same bits, without the Python and PyTorch views between the calls, which cost
     more than the small kernels between them once the large ones have pushed the interpreter out of the CPU's caches.
     Built where every part takes that path (`of`); valid while the layer holds the same modules."""
@@ -119,15 +120,14 @@ class KernelChain:
         # bf16_decoder_layer's arguments before the cache's, between the attention's and the MLP's, after them
         self.attention_args = (norm.weight, norm.eps, qkv.packed, qkv.bias, qkv.out_features, attention.num_heads)
         self.mlp_args = (o.packed, o.bias, post_norm.weight, post_norm.eps, gate_up.packed, gate_up.out_features,
-                         down.packed, down.bias)
+                         down.packed, down.bias, [gemm.amx for gemm in (qkv, o, gate_up, down)])
 
     @classmethod
     def of(cls, layer: "LlamaDecoderLayer") -> "KernelChain | None":
         """The chain of `layer`, or None where a part of it takes another path: a GEMM other than packed bf16_linear
-        (and bf16_silu_gate for gate | up), norms not in float32."""
-        modules = chain_modules(layer)[:4]
-        gemms = tuple(type(module) for module in modules)
-        if gemms != (BF16Linear, BF16Linear, SiluGatedBF16Linear, BF16Linear) or any(m.amx for m in modules):
+        or amx_bf16_linear (and their SiLU gates for gate | up), norms not in float32."""
+        gemms = tuple(type(module) for module in chain_modules(layer)[:4])
+        if gemms != (BF16Linear, BF16Linear, SiluGatedBF16Linear, BF16Linear):
             return None
         if any(norm.weight.dtype != torch.float32 for norm in (layer.input_layernorm, layer.post_attention_layernorm)):
             return None

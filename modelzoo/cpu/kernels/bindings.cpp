@@ -16,13 +16,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_decoder_layer", &zoo::bf16_decoder_layer,
         "A Llama-family decoder layer under the bfloat16 policy in one call: rms_norm, bf16_linear (q | k | v), "
         "cached_attention_qkv, bf16_linear (o), add_rms_norm_, bf16_silu_gate, bf16_linear_add_ (down), each as the "
-        "layer's modules call it (norm outputs rounded to bfloat16). x (B, T, hidden) contiguous float32 is added into "
-        "in place and returned.",
+        "layer's modules call it (norm outputs rounded to bfloat16); on_amx: for each GEMM (q | k | v, o, gate | up, "
+        "down), whether it multiplies on AMX tiles instead (amx_bf16_linear, amx_bf16_silu_gate, down's outputs added "
+        "after). x (B, T, hidden) contiguous float32 is added into in place and returned.",
         py::arg("x"), py::arg("input_norm"), py::arg("input_eps"), py::arg("qkv_packed"), py::arg("qkv_bias"),
         py::arg("qkv_features"), py::arg("heads"), py::arg("keys"), py::arg("values"), py::arg("slots"),
         py::arg("starts"), py::arg("ends"), py::arg("scale"), py::arg("cos"), py::arg("sin"), py::arg("o_packed"),
         py::arg("o_bias"), py::arg("post_norm"), py::arg("post_eps"), py::arg("gate_up_packed"),
-        py::arg("intermediate"), py::arg("down_packed"), py::arg("down_bias"));
+        py::arg("intermediate"), py::arg("down_packed"), py::arg("down_bias"), py::arg("on_amx"));
   m.def("attention_keys_at_once", &zoo::attention_keys_at_once,
         "Keys cached_attention's tiles of 4-6 query heads score at once on this CPU: 8 or 4 with AVX-512 (the faster "
         "of the two, timed at the first call; `use` sets it instead), 2 on AVX2. The results are the same bits "

@@ -26,7 +26,8 @@ torch::Tensor bf16_decoder_layer(torch::Tensor& x, const torch::Tensor& input_no
                                  const torch::Tensor& sin, const torch::Tensor& o_packed,
                                  const c10::optional<torch::Tensor>& o_bias, const torch::Tensor& post_norm,
                                  double post_eps, const torch::Tensor& gate_up_packed, int64_t intermediate,
-                                 const torch::Tensor& down_packed, const c10::optional<torch::Tensor>& down_bias);
+                                 const torch::Tensor& down_packed, const c10::optional<torch::Tensor>& down_bias,
+                                 const std::vector<bool>& on_amx);
 // Keys a tile of 6 query heads scores at once on this CPU (the faster way, timed at the first call; `use` sets it).
 int64_t attention_keys_at_once(int64_t use);
 
