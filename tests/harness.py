@@ -220,8 +220,8 @@ SMALL_VOCAB, SMALL_SAMPLES, SMALL_BATCH, SMALL_STEPS = 80, 90, 4, 23
 
 
 def small_job(root: Path, num_samples: int = SMALL_SAMPLES, batch_size: int = SMALL_BATCH,
-              vocab: int = SMALL_VOCAB) -> dict[str, Any]:
-    """A tiny Llama, `num_samples` random prompts (start token = vocab) and their params (max_tokens 40,
+              vocab: int = SMALL_VOCAB, dtype: str = "float32") -> dict[str, Any]:
+    """A tiny Llama, `num_samples` random prompts (start token = vocab) and their params (`dtype`, max_tokens 40,
     a progress line per step, batch_size rows in flight so that files appear one after another as in
     a long job), plus one uninterrupted run's output in root/reference: the workload of the resume and
     failure tests."""
@@ -233,7 +233,7 @@ def small_job(root: Path, num_samples: int = SMALL_SAMPLES, batch_size: int = SM
     prompts = [rng.integers(0, vocab, size=rng.integers(1, 20)).tolist() for _ in range(num_samples)]
     write_h5(root / "data", prompt_rows(prompts, 64, vocab))
     params = write_params(root / "params.yaml", checkpoint, root / "data", batch_size=batch_size, start_token=vocab,
-                          max_tokens=40, log_steps=1, rows_in_flight=batch_size)
+                          max_tokens=40, dtype=dtype, log_steps=1, rows_in_flight=batch_size)
     assert run_job(params, root / "reference") == 0
     return {"params": params, "reference": root / "reference", "checkpoint": checkpoint, "data": root / "data",
             "prompts": prompts}
