@@ -173,8 +173,9 @@ def keep_freed_memory() -> str | None:
     already faulted in. By default malloc serves an allocation over a threshold that moves with the sizes freed so far
     (128 KiB to 32 MiB) from a fresh mapping, and returns its heap's free top past twice that: from one run of the
     same job to the next, a different number of pages faulted in and zeroed afresh every step, the runs with the most
-    the slowest (benchmarks/README.md). Called once the weights are laid out (loading keeps malloc's defaults and malloc_trim, release_freed_memory, still
-    returns memory when called). Returns what was set, for the log; None off glibc."""
+    the slowest (benchmarks/README.md). Called once the weights are laid out (loading keeps malloc's defaults, and
+    malloc_trim, release_freed_memory, still returns memory when called). Returns what was set, for the log; None off
+    glibc."""
     mallopt = _mallopt()
     if mallopt is None or not sys.platform.startswith("linux"):
         return None
