@@ -32,6 +32,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 
@@ -59,6 +60,16 @@ constexpr int64_t kChunk = 16;     // input pairs per A or B tile (64 bytes a ro
 constexpr int64_t kTileRows = 2 * kHalfRows;  // rows per task
 constexpr int64_t kTileBlocks = 4;  // blocks per task: 2 tile products of 2 blocks (a SiLU gate's 2 gate + 2 up)
 constexpr int64_t kAhead = 4;       // weight tiles prefetched ahead of the one multiplied
+
+struct FreeMemory {
+  void operator()(void* p) const { std::free(p); }
+};
+// n values of T starting on a cache line: each 64-byte row of a tile then lies in one line, not two.
+template <typename T>
+std::unique_ptr<T[], FreeMemory> line_aligned(int64_t n) {
+  const size_t bytes = std::max<size_t>(64, (n * sizeof(T) + 63) / 64 * 64);
+  return std::unique_ptr<T[], FreeMemory>(static_cast<T*>(std::aligned_alloc(64, bytes)));
+}
 
 // Every thread configures its own tiles before using them.
 void configure_tiles() {
@@ -137,7 +148,7 @@ torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, cons
   // The rows as bfloat16, zero-padded to whole tiles: (row_tiles * 32, chunks * 16 pairs).
   const int64_t chunks = (pairs + kChunk - 1) / kChunk, padded_pairs = chunks * kChunk;
   const int64_t row_tiles = (rows + kTileRows - 1) / kTileRows;
-  std::unique_ptr<uint32_t[]> xb(new uint32_t[row_tiles * kTileRows * padded_pairs]);
+  const auto xb = line_aligned<uint32_t>(row_tiles * kTileRows * padded_pairs);
   ZOO_DISPATCH_FLOATS(x.scalar_type(), "amx_bf16_linear", [&] {
     const scalar_t* xp = input.data_ptr<scalar_t>();
     at::parallel_for(0, row_tiles * kTileRows, 16, [&](int64_t begin, int64_t end) {
@@ -160,26 +171,31 @@ torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, cons
   const int64_t tail_pairs = pairs % kChunk;
   const int64_t a_stride = padded_pairs * 4;  // bytes per row of xb
   constexpr int64_t kGated = kTileBlocks / 2 * kBlock;  // a gated tile's output features
-  // Rows in groups whose inputs fill half the L2 cache (as Linux reports it), then output columns, then the group's
-  // rows: each thread streams its share of the weights once per group, the group's inputs staying in its L2 cache.
+  // Rows in groups whose inputs fill half the L2 cache (as Linux reports it), then output columns in groups whose
+  // weights fill a quarter of it, then the row group's rows, each multiplied by its column group's columns in turn: a
+  // thread streams its share of the weights from memory once per row group, the weights and the inputs stay in its L2
+  // cache, and a row tile's inputs in L1 while it meets its column group (the weights' tiles alone come from L2).
   const int64_t group_tiles = std::max<int64_t>(1, l2_cache_bytes() / 2 / (kTileRows * a_stride));
   const int64_t whole_groups = row_tiles / group_tiles;
-  at::parallel_for(0, column_tiles * row_tiles, 1, [&](int64_t begin, int64_t end) {
+  const int64_t tile_weights = kTileBlocks * pairs * 2 * kBlock * static_cast<int64_t>(sizeof(uint16_t));
+  const int64_t quarter_l2 = std::max<int64_t>(1, l2_cache_bytes() / 4);
+  // Column groups: as many as the weights need, and enough for four tasks a thread.
+  const int64_t needed = std::max((column_tiles * tile_weights + quarter_l2 - 1) / quarter_l2,
+                                  (4 * at::get_num_threads() + row_tiles - 1) / row_tiles);
+  const int64_t group_columns = (column_tiles + std::min(needed, column_tiles) - 1) / std::min(needed, column_tiles);
+  const int64_t column_groups = (column_tiles + group_columns - 1) / group_columns;
+  at::parallel_for(0, column_groups * row_tiles, 1, [&](int64_t begin, int64_t end) {
     configure_tiles();
     alignas(64) float result[2][kTileRows * 2 * kBlock];  // two tile products of 32 rows x 32 outputs
     alignas(64) uint16_t tail_copy[kTileBlocks][kChunk * 2 * kBlock];  // the blocks' last pairs, zero-padded
     float silu[kGated];
     int64_t tail_for = -1;  // the column tile whose tails tail_copy holds
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t group = std::min(task / (group_tiles * column_tiles), whole_groups);
-      const int64_t in_group = task - group * group_tiles * column_tiles;  // the task's place in its group
-      const int64_t group_size = std::min(group_tiles, row_tiles - group * group_tiles);  // row tiles in the group
-      const int64_t block = in_group / group_size * kTileBlocks;
-      const int64_t row = (group * group_tiles + in_group % group_size) * kTileRows;
+    // Rows [row, row + 32) times the column tile of blocks [block, block + 4), its epilogue applied. fetch: prefetch
+    // the weights (the first rows of a row group to meet them find them in memory, the later ones in L2).
+    const auto column_tile = [&](int64_t row, int64_t block, bool fetch) {
       const int64_t tile_rows_count = std::min(kTileRows, rows - row);
       const int64_t tile_blocks = std::min(kTileBlocks, blocks - block);
       const int64_t halves = tile_rows_count > kHalfRows ? 2 : 1;
-      const bool fetch = task == begin || in_group % group_size == 0;
       if (tail_pairs && tail_for != block) {
         for (int64_t b = 0; b < tile_blocks; ++b) {
           const uint16_t* last = wp + ((block + b) * pairs + pairs - tail_pairs) * 2 * kBlock;
@@ -234,6 +250,16 @@ torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, cons
           }
         }
       }
+    };
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t group = std::min(task / (group_tiles * column_groups), whole_groups);
+      const int64_t in_group = task - group * group_tiles * column_groups;  // the task's place in its row group
+      const int64_t group_size = std::min(group_tiles, row_tiles - group * group_tiles);  // row tiles in the group
+      const int64_t first_tile = in_group / group_size * group_columns;
+      const int64_t row = (group * group_tiles + in_group % group_size) * kTileRows;
+      const bool fetch = task == begin || in_group % group_size == 0;
+      for (int64_t tile = first_tile; tile < std::min(column_tiles, first_tile + group_columns); ++tile)
+        column_tile(row, tile * kTileBlocks, fetch);
     }
     _tile_release();
   });
