@@ -194,32 +194,38 @@ def test_silu_gated_bf16_linear_has_silu_muls_bits_and_is_batch_invariant(rows, 
 
 
 @needs_bf16
+@pytest.mark.parametrize("amx", BF16_GEMMS)
 @pytest.mark.parametrize("rows, in_features, intermediate", [(1, 64, 32), (7, 575, 96), (40, 96, 64)])
-def test_the_silu_gate_rounded_for_the_down_projection_changes_no_bit(rows, in_features, intermediate):
-    """bf16_silu_gate(_rows) with `rounded` writes its outputs as bfloat16, each the float32 one rounded as bf16_linear
-    rounds its inputs; bf16_linear multiplies a bfloat16 input where it lies (even K) or rounded (odd K), with the same
-    sums as from the float32 it came from: the MLP's output is the same bits (GatedMLP hands them over so)."""
+def test_the_silu_gate_rounded_for_the_down_projection_changes_no_bit(rows, in_features, intermediate, amx):
+    """bf16_silu_gate(_rows) or amx_bf16_silu_gate with `rounded` writes its outputs as bfloat16, each the float32 one
+    rounded as bf16_linear rounds its inputs; bf16_linear (amx_bf16_linear) multiplies a bfloat16 input where it lies
+    (even K) or rounded (odd K), with the same sums as from the float32 it came from: the MLP's output is the same bits
+    (GatedMLP hands them over so)."""
     kernels = cpu_kernels()
+    silu_gate = kernels.amx_bf16_silu_gate if amx else kernels.bf16_silu_gate
+    linear = kernels.amx_bf16_linear if amx else kernels.bf16_linear
     generator = torch.Generator().manual_seed(rows)
     gate, up = torch.randn(2, intermediate, in_features, generator=generator).to(BF16)
     gated = precision.pack_bf16_parts([gate, up], silu_gate=True)
     x = torch.randn(rows, in_features, generator=generator) * 3
-    full = kernels.bf16_silu_gate(x, gated, intermediate)  # (rows, intermediate) float32
-    rounded = kernels.bf16_silu_gate(x, gated, intermediate, True)
-    assert rounded.dtype == BF16 and torch.equal(rounded, full.to(BF16))
-    assert torch.equal(kernels.bf16_silu_gate_rows(x, gate, up, True), rounded)
+    full = silu_gate(x, gated, intermediate)  # (rows, intermediate) float32
+    rounded = silu_gate(x, gated, intermediate, True)
+    assert full.dtype == F32 and rounded.dtype == BF16 and torch.equal(rounded, full.to(BF16))
+    if not amx:
+        assert torch.equal(kernels.bf16_silu_gate_rows(x, gate, up, True), rounded)
     for width in (intermediate, intermediate - 1):  # pairs read in place; an odd K rounded into pairs
         down = torch.randn(48, width, generator=generator).to(BF16)
         packed = precision.pack_bf16_weight(down)
-        want = kernels.bf16_linear(full[:, :width], packed, None, 48)
-        assert torch.equal(kernels.bf16_linear(rounded[:, :width], packed, None, 48), want)
-        assert torch.equal(kernels.bf16_linear(rounded[:, :width].contiguous(), packed, None, 48), want)
+        want = linear(full[:, :width], packed, None, 48)
+        assert torch.equal(linear(rounded[:, :width], packed, None, 48), want)
+        assert torch.equal(linear(rounded[:, :width].contiguous(), packed, None, 48), want)
     mlp = GatedMLP(in_features, intermediate, "silu", bias=False).to(BF16)
     with torch.no_grad():
         mlp.gate_up_proj.weight.copy_(torch.cat([gate, up]))
         mlp.down_proj.weight.normal_(generator=generator)
-    mlp.gate_up_proj = precision.SiluGatedBF16Linear(mlp.gate_up_proj)
-    mlp.down_proj = precision.BF16Linear(mlp.down_proj)
+    mlp.gate_up_proj = precision.SiluGatedBF16Linear(mlp.gate_up_proj, amx)
+    mlp.down_proj = precision.BF16Linear(mlp.down_proj, amx)
+    assert mlp.gate_up_proj(x, round_to_bf16=True).dtype == BF16
     got = mlp(x)
     assert got.dtype == F32 and torch.equal(got, mlp.down_proj(full))  # as from the float32 gate it rounds
 

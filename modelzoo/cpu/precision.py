@@ -261,11 +261,11 @@ class SiluGatedBF16Linear(BF16Linear):
 
     def forward(self, x: torch.Tensor, round_to_bf16: bool = False) -> torch.Tensor:
         """silu(gate) * up (..., N/2) float32; with `round_to_bf16` (for a consumer that rounds its inputs to bfloat16
-        anyway) bfloat16 where the kernel writes it so, half the bytes (bf16_silu_gate; amx_bf16_silu_gate: float32)."""
+        anyway) bfloat16, half the bytes."""
         from modelzoo.cpu.kernels import cpu_kernels
 
         if self.amx:
-            return cpu_kernels().amx_bf16_silu_gate(x, self.packed, self.out_features)
+            return cpu_kernels().amx_bf16_silu_gate(x, self.packed, self.out_features, round_to_bf16)
         return cpu_kernels().bf16_silu_gate(x, self.packed, self.out_features, round_to_bf16)
 
 

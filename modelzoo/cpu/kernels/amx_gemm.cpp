@@ -18,7 +18,7 @@
 // straight into the output; the others through a scratch.
 //
 // amx_bf16_silu_gate is bf16_silu_gate's counterpart: the gate | up weight packed in tiles of 2 gate + 2 up blocks,
-// silu(gate) * up written with silu_mul's bits. amx_bf16_greedy writes no outputs, only each row's pick
+// silu(gate) * up written with silu_mul's bits, or `rounded` to bfloat16 as the next GEMM rounds its inputs. amx_bf16_greedy writes no outputs, only each row's pick
 // (greedy_picks.h).
 #include "amx_tiles.h"
 #include "cpu_caches.h"
@@ -133,14 +133,15 @@ void tile_any(bool fetch, int64_t halves, int64_t blocks, const uint16_t* a, int
 // What multiply() writes: x @ W^T (+ bias), silu(gate) * up, or each row's first largest output's index.
 enum class Epilogue { kOutputs, kSiluGate, kGreedy };
 
+// rounded: a SiLU gate's outputs written as bfloat16.
 torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
-                       int64_t out_features, Epilogue epilogue) {
+                       int64_t out_features, Epilogue epilogue, bool rounded = false) {
   TORCH_CHECK(amx_tiles_granted(), "Linux did not grant this process the AMX tiles (arch_prctl)");
   const bool silu_gate = epilogue == Epilogue::kSiluGate, greedy = epilogue == Epilogue::kGreedy;
   check_bf16_gemm(x, packed, bias, out_features, silu_gate);
   // (..., out_features) float32 outputs, or (...) int64 picks
   auto out = greedy ? torch::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kLong))
-                    : bf16_gemm_output(x, packed, bias, out_features, silu_gate);
+                    : bf16_gemm_output(x, packed, bias, out_features, silu_gate, rounded);
   const int64_t blocks = packed.size(0), pairs = packed.size(1), k = x.size(-1);
   const auto input = x.contiguous();
   const int64_t rows = k ? input.numel() / k : 0;
@@ -165,7 +166,8 @@ torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, cons
   });
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
-  float* yp = greedy ? nullptr : out.data_ptr<float>();
+  float* yp = greedy || rounded ? nullptr : out.data_ptr<float>();
+  c10::BFloat16* gated16 = rounded ? out.data_ptr<c10::BFloat16>() : nullptr;
   const int64_t column_tiles = (blocks + kTileBlocks - 1) / kTileBlocks;
   std::unique_ptr<GreedyPicks> picks(greedy ? new GreedyPicks(rows, column_tiles) : nullptr);
   const int64_t tail_pairs = pairs % kChunk;
@@ -230,15 +232,20 @@ torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, cons
           picks->keep(row + r, block / kTileBlocks, values, bp ? bp + first : nullptr, first, last - first);
           continue;
         }
-        float* y = yp + (row + r) * out_features;
-        const float* gate = result[0] + r * 2 * kBlock;
         if (silu_gate) {  // silu(gate) * up, as silu_mul computes it from the full output
+          const float* gate = result[0] + r * 2 * kBlock;
           const float* up = result[1] + r * 2 * kBlock;
-          const int64_t first = block / 2 * kBlock;
+          const int64_t first = (row + r) * out_features + block / 2 * kBlock;
           silu_row(gate, silu, kGated);
-          for (int64_t n = 0; n < kGated; ++n) y[first + n] = silu[n] * up[n];
+          for (int64_t n = 0; n < kGated; ++n) silu[n] *= up[n];
+          if (rounded) {
+            round_to_bf16(silu, kGated, gated16 + first);
+          } else {
+            std::memcpy(yp + first, silu, kGated * sizeof(float));
+          }
           continue;
         }
+        float* y = yp + (row + r) * out_features;
         for (int64_t half = 0; half * 2 < tile_blocks; ++half) {
           const float* values = result[half] + r * 2 * kBlock;
           const int64_t first = (block + 2 * half) * kBlock;
@@ -281,8 +288,9 @@ torch::Tensor amx_bf16_greedy(const torch::Tensor& x, const torch::Tensor& packe
   return multiply(x, packed, bias, out_features, Epilogue::kGreedy);
 }
 
-torch::Tensor amx_bf16_silu_gate(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features) {
-  return multiply(x, packed, c10::nullopt, out_features, Epilogue::kSiluGate);
+torch::Tensor amx_bf16_silu_gate(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
+                                 bool rounded) {
+  return multiply(x, packed, c10::nullopt, out_features, Epilogue::kSiluGate, rounded);
 }
 #else
 bool amx_bf16_available() { return false; }
@@ -296,7 +304,7 @@ torch::Tensor amx_bf16_greedy(const torch::Tensor&, const torch::Tensor&, const 
   TORCH_CHECK(false, "amx_bf16_greedy needs AMX-BF16, which this build's CPU lacks");
 }
 
-torch::Tensor amx_bf16_silu_gate(const torch::Tensor&, const torch::Tensor&, int64_t) {
+torch::Tensor amx_bf16_silu_gate(const torch::Tensor&, const torch::Tensor&, int64_t, bool) {
   TORCH_CHECK(false, "amx_bf16_silu_gate needs AMX-BF16, which this build's CPU lacks");
 }
 #endif

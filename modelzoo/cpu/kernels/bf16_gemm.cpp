@@ -87,9 +87,10 @@ void check_bf16_gemm(const torch::Tensor& x, const torch::Tensor& packed, const 
 }
 
 torch::Tensor bf16_gemm_output(const torch::Tensor& x, const torch::Tensor& packed,
-                               const c10::optional<torch::Tensor>& bias, int64_t out_features, bool silu_gate) {
+                               const c10::optional<torch::Tensor>& bias, int64_t out_features, bool silu_gate,
+                               bool rounded) {
   check_bf16_gemm(x, packed, bias, out_features, silu_gate);
-  return checked_output(x, bias, out_features, silu_gate);
+  return checked_output(x, bias, out_features, silu_gate, rounded);
 }
 
 bool bf16_dot_available() {

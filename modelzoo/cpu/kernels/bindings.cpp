@@ -105,8 +105,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(), py::arg("out_features"));
   m.def("amx_bf16_silu_gate", &zoo::amx_bf16_silu_gate,
         "bf16_silu_gate on AMX tiles: silu(gate) * up for the gate | up weight packed as bf16_silu_gate's; float32 "
-        "(..., out_features), silu_mul's bits",
-        py::arg("x"), py::arg("packed"), py::arg("out_features"));
+        "(..., out_features), silu_mul's bits; with `rounded`, those outputs rounded to bfloat16",
+        py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("rounded") = false);
   m.def("half_linear", &zoo::half_linear,
         "x (..., K) float32 @ W^T (+ bias) for a bfloat16, float16 or float32 W packed (N/16, K, 16) by "
         "modelzoo/precision.py, widened to float32 as it is read: one fused multiply-add per input in ascending order, "

@@ -31,7 +31,7 @@ torch::Tensor bf16_decoder_layer(torch::Tensor& x, const torch::Tensor& input_no
   const auto qkv = linear(qkv_amx, rms_norm(x, input_norm, input_eps, true), qkv_packed, qkv_bias, qkv_features);
   const auto attended = cached_attention_qkv(qkv, heads, keys, values, slots, starts, ends, scale, cos, sin);
   const auto normed = add_rms_norm_(x, linear(o_amx, attended, o_packed, o_bias, hidden), post_norm, post_eps, true);
-  const auto gated = gate_up_amx ? amx_bf16_silu_gate(normed, gate_up_packed, intermediate)
+  const auto gated = gate_up_amx ? amx_bf16_silu_gate(normed, gate_up_packed, intermediate, true)
                                  : bf16_silu_gate(normed, gate_up_packed, intermediate, true);
   if (down_amx) return x.add_(amx_bf16_linear(gated, down_packed, down_bias, hidden));
   return bf16_linear_add_(x, gated, down_packed, down_bias, hidden);

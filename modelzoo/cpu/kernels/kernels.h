@@ -52,11 +52,13 @@ std::string int8_gemm_path(const std::string& use, int64_t group, int64_t rows);
 // bf16_gemm.cpp: bfloat16 weights times activations rounded to bfloat16, float32 sums and outputs, on AVX512-BF16.
 bool bf16_dot_available();
 // Both bfloat16 GEMMs' (bf16_linear's and amx_bf16_linear's) arguments checked (a TORCH_CHECK error if one fails);
-// bf16_gemm_output also returns their uninitialised float32 output (..., out_features).
+// bf16_gemm_output also returns their uninitialised output (..., out_features): float32, or bfloat16 for SiLU-gated
+// outputs `rounded`.
 void check_bf16_gemm(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                      int64_t out_features, bool silu_gate);
 torch::Tensor bf16_gemm_output(const torch::Tensor& x, const torch::Tensor& packed,
-                               const c10::optional<torch::Tensor>& bias, int64_t out_features, bool silu_gate);
+                               const c10::optional<torch::Tensor>& bias, int64_t out_features, bool silu_gate,
+                               bool rounded = false);
 torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                           int64_t out_features);
 // The same for a gate | up projection packed in tiles of 2 gate + 2 up blocks: silu(gate) * up (..., out_features).
@@ -93,7 +95,8 @@ bool amx_tiles_granted();
 bool amx_bf16_available();
 torch::Tensor amx_bf16_linear(const torch::Tensor& x, const torch::Tensor& packed,
                               const c10::optional<torch::Tensor>& bias, int64_t out_features);
-torch::Tensor amx_bf16_silu_gate(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features);
+torch::Tensor amx_bf16_silu_gate(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
+                                 bool rounded);
 // amx_bf16_linear's outputs never written: bf16_greedy's pick from amx_bf16_linear's; (...) int64.
 torch::Tensor amx_bf16_greedy(const torch::Tensor& x, const torch::Tensor& packed,
                               const c10::optional<torch::Tensor>& bias, int64_t out_features);
