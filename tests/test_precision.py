@@ -238,9 +238,9 @@ def test_the_silu_gate_rounded_for_the_down_projection_changes_no_bit(rows, in_f
 def test_a_gemm_adds_its_outputs_into_a_residual_as_an_add_would(rows, in_features, out_features, bias, in_place,
                                                                   amx):
     """add_into(residual, x) leaves residual + layer(x) in residual, bit for bit (each output added as the GEMM writes
-    it: bf16_linear_add_, bf16_linear_rows_add_; after it on AMX); from a bfloat16 input as from its float32 source;
-    whatever rows share the call. GatedMLP.add_to hands its down projection's outputs over so, and calls forward (and
-    its hooks) where a hook is set. A bad residual is refused."""
+    it: bf16_linear_add_, bf16_linear_rows_add_, amx_bf16_linear_add_); from a bfloat16 input as from its float32
+    source; whatever rows share the call. GatedMLP.add_to hands its down projection's outputs over so, and calls
+    forward (and its hooks) where a hook is set. A bad residual is refused."""
     if in_place and amx:
         pytest.skip("the weights read in place have no AMX kernel")
     generator = torch.Generator().manual_seed(rows)
@@ -258,12 +258,13 @@ def test_a_gemm_adds_its_outputs_into_a_residual_as_an_add_would(rows, in_featur
         assert torch.equal(layer.add_into(got, x.to(BF16)), want)
     added = lambda rows_x: layer.add_into(torch.zeros(rows_x.shape[0], out_features), rows_x)
     assert_rows_do_not_depend_on_the_batch(added, x, added(x), generator)
-    if not amx:
-        add = cpu_kernels().bf16_linear_rows_add_ if in_place else cpu_kernels().bf16_linear_add_
-        weights = (list(layer.parts), layer.bias) if in_place else (layer.packed, layer.bias, out_features)
-        for bad in (residual[:, :-1], residual.double(), residual.t().contiguous().t() if rows > 1 else residual[:0]):
-            with pytest.raises(RuntimeError, match="residual must be a contiguous float32"):
-                add(bad, x, *weights)
+    kernels = cpu_kernels()
+    add = (kernels.amx_bf16_linear_add_ if amx else
+           kernels.bf16_linear_rows_add_ if in_place else kernels.bf16_linear_add_)
+    weights = (list(layer.parts), layer.bias) if in_place else (layer.packed, layer.bias, out_features)
+    for bad in (residual[:, :-1], residual.double(), residual.t().contiguous().t() if rows > 1 else residual[:0]):
+        with pytest.raises(RuntimeError, match="residual must be a contiguous float32"):
+            add(bad, x, *weights)
     mlp = GatedMLP(in_features, 64, "silu", bias=False).to(BF16)
     mlp.gate_up_proj = precision.SiluGatedBF16Linear(mlp.gate_up_proj, amx)
     mlp.down_proj = precision.BF16Linear(mlp.down_proj, amx)

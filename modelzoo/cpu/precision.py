@@ -235,12 +235,11 @@ class BF16Linear(PackedLinear):
 
     def add_into(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """residual += forward(x) in place (residual (..., N) float32), the bits of residual + forward(x): added as the
-        GEMM writes its outputs (bf16_linear_add_), or after it (amx_bf16_linear)."""
+        GEMM writes its outputs (bf16_linear_add_, amx_bf16_linear_add_)."""
         from modelzoo.cpu.kernels import cpu_kernels
 
-        if self.amx:
-            return residual.add_(self(x))
-        return cpu_kernels().bf16_linear_add_(residual, x, self.packed, self.bias, self.out_features)
+        add = cpu_kernels().amx_bf16_linear_add_ if self.amx else cpu_kernels().bf16_linear_add_
+        return add(residual, x, self.packed, self.bias, self.out_features)
 
 
 class SiluGatedBF16Linear(BF16Linear):

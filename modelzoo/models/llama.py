@@ -106,7 +106,7 @@ class KernelChain:
     over the cache read from that projection where it lies (cached_attention_qkv), o (bf16_linear), the residual add
     and the next norm (add_rms_norm_), gate | up with its SiLU gate (bf16_silu_gate), down with the residual add
     (bf16_linear_add_); each GEMM on AMX tiles where its module multiplies there (amx_bf16_linear, amx_bf16_silu_gate,
-    down's outputs added after it). The same kernels on the same inputs with the same options as the modules' own path
+    amx_bf16_linear_add_). The same kernels on the same inputs with the same options as the modules' own path
     (LlamaDecoderLayer.forward), so the same bits, without the Python and PyTorch views between the calls, which cost
     more than the small kernels between them once the large ones have pushed the interpreter out of the CPU's caches.
     Built where every part takes that path (`of`); valid while the layer holds the same modules."""

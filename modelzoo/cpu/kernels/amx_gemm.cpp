@@ -18,8 +18,9 @@
 // straight into the output; the others through a scratch.
 //
 // amx_bf16_silu_gate is bf16_silu_gate's counterpart: the gate | up weight packed in tiles of 2 gate + 2 up blocks,
-// silu(gate) * up written with silu_mul's bits, or `rounded` to bfloat16 as the next GEMM rounds its inputs. amx_bf16_greedy writes no outputs, only each row's pick
-// (greedy_picks.h).
+// silu(gate) * up written with silu_mul's bits, or `rounded` to bfloat16 as the next GEMM rounds its inputs.
+// amx_bf16_linear_add_ adds its outputs into a residual as it writes them (as residual + amx_bf16_linear would).
+// amx_bf16_greedy writes no outputs, only each row's pick (greedy_picks.h).
 #include "amx_tiles.h"
 #include "cpu_caches.h"
 #include "greedy_picks.h"
@@ -130,18 +131,23 @@ void tile_any(bool fetch, int64_t halves, int64_t blocks, const uint16_t* a, int
                : tile_fetching<false>(halves, blocks, a, a_stride, chunks, b, tail, out, out_stride);
 }
 
-// What multiply() writes: x @ W^T (+ bias), silu(gate) * up, or each row's first largest output's index.
-enum class Epilogue { kOutputs, kSiluGate, kGreedy };
+// What multiply() writes: x @ W^T (+ bias), silu(gate) * up, each row's first largest output's index, or the
+// residual plus x @ W^T (+ bias).
+enum class Epilogue { kOutputs, kSiluGate, kGreedy, kAdd };
 
-// rounded: a SiLU gate's outputs written as bfloat16.
+// rounded: a SiLU gate's outputs written as bfloat16; residual: kAdd's.
 torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
-                       int64_t out_features, Epilogue epilogue, bool rounded = false) {
+                       int64_t out_features, Epilogue epilogue, bool rounded = false,
+                       torch::Tensor* residual = nullptr) {
   TORCH_CHECK(amx_tiles_granted(), "Linux did not grant this process the AMX tiles (arch_prctl)");
   const bool silu_gate = epilogue == Epilogue::kSiluGate, greedy = epilogue == Epilogue::kGreedy;
+  const bool add = epilogue == Epilogue::kAdd;
   check_bf16_gemm(x, packed, bias, out_features, silu_gate);
-  // (..., out_features) float32 outputs, or (...) int64 picks
-  auto out = greedy ? torch::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kLong))
-                    : bf16_gemm_output(x, packed, bias, out_features, silu_gate, rounded);
+  if (add) check_residual(*residual, x, out_features);
+  // (..., out_features) float32 outputs (the residual's), or (...) int64 picks
+  auto out = add      ? *residual
+             : greedy ? torch::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kLong))
+                      : bf16_gemm_output(x, packed, bias, out_features, silu_gate, rounded);
   const int64_t blocks = packed.size(0), pairs = packed.size(1), k = x.size(-1);
   const auto input = x.contiguous();
   const int64_t rows = k ? input.numel() / k : 0;
@@ -250,7 +256,9 @@ torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, cons
           const float* values = result[half] + r * 2 * kBlock;
           const int64_t first = (block + 2 * half) * kBlock;
           const int64_t last = std::min(out_features, first + 2 * kBlock);
-          if (bp) {
+          if (add) {  // y + (x @ W^T + bias), as y + linear(x) adds them
+            for (int64_t n = first; n < last; ++n) y[n] += bp ? values[n - first] + bp[n] : values[n - first];
+          } else if (bp) {
             for (int64_t n = first; n < last; ++n) y[n] = values[n - first] + bp[n];
           } else {
             std::memcpy(y + first, values, (last - first) * sizeof(float));
@@ -288,6 +296,11 @@ torch::Tensor amx_bf16_greedy(const torch::Tensor& x, const torch::Tensor& packe
   return multiply(x, packed, bias, out_features, Epilogue::kGreedy);
 }
 
+torch::Tensor amx_bf16_linear_add_(torch::Tensor& residual, const torch::Tensor& x, const torch::Tensor& packed,
+                                   const c10::optional<torch::Tensor>& bias, int64_t out_features) {
+  return multiply(x, packed, bias, out_features, Epilogue::kAdd, false, &residual);
+}
+
 torch::Tensor amx_bf16_silu_gate(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
                                  bool rounded) {
   return multiply(x, packed, c10::nullopt, out_features, Epilogue::kSiluGate, rounded);
@@ -302,6 +315,11 @@ torch::Tensor amx_bf16_linear(const torch::Tensor&, const torch::Tensor&, const 
 torch::Tensor amx_bf16_greedy(const torch::Tensor&, const torch::Tensor&, const c10::optional<torch::Tensor>&,
                               int64_t) {
   TORCH_CHECK(false, "amx_bf16_greedy needs AMX-BF16, which this build's CPU lacks");
+}
+
+torch::Tensor amx_bf16_linear_add_(torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                                   const c10::optional<torch::Tensor>&, int64_t) {
+  TORCH_CHECK(false, "amx_bf16_linear_add_ needs AMX-BF16, which this build's CPU lacks");
 }
 
 torch::Tensor amx_bf16_silu_gate(const torch::Tensor&, const torch::Tensor&, int64_t, bool) {

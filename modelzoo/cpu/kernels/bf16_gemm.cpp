@@ -86,6 +86,14 @@ void check_bf16_gemm(const torch::Tensor& x, const torch::Tensor& packed, const 
   check_bias(bias, out_features, silu_gate);
 }
 
+void check_residual(const torch::Tensor& residual, const torch::Tensor& x, int64_t out_features) {
+  auto sizes = x.sizes().vec();
+  sizes.back() = out_features;
+  TORCH_CHECK(residual.device().is_cpu() && residual.scalar_type() == at::kFloat && residual.is_contiguous() &&
+                  residual.sizes() == at::IntArrayRef(sizes),
+              "residual must be a contiguous float32 CPU tensor (..., out_features) for x (..., K)");
+}
+
 torch::Tensor bf16_gemm_output(const torch::Tensor& x, const torch::Tensor& packed,
                                const c10::optional<torch::Tensor>& bias, int64_t out_features, bool silu_gate,
                                bool rounded) {
@@ -406,13 +414,8 @@ torch::Tensor target_output(const torch::Tensor& x, const c10::optional<torch::T
                             bool silu_gate, const Target& target) {
   if (target.residual) {
     check_bias(bias, out_features, silu_gate);
-    auto sizes = x.sizes().vec();
-    sizes.back() = out_features;
-    const auto& residual = *target.residual;
-    TORCH_CHECK(residual.device().is_cpu() && residual.scalar_type() == at::kFloat && residual.is_contiguous() &&
-                    residual.sizes() == at::IntArrayRef(sizes),
-                "residual must be a contiguous float32 CPU tensor (..., out_features) for x (..., K)");
-    return residual;
+    check_residual(*target.residual, x, out_features);
+    return *target.residual;
   }
   if (target.greedy) {
     check_bias(bias, out_features, silu_gate);

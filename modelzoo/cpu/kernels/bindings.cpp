@@ -17,8 +17,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "A Llama-family decoder layer under the bfloat16 policy in one call: rms_norm, bf16_linear (q | k | v), "
         "cached_attention_qkv, bf16_linear (o), add_rms_norm_, bf16_silu_gate, bf16_linear_add_ (down), each as the "
         "layer's modules call it (norm outputs rounded to bfloat16); on_amx: for each GEMM (q | k | v, o, gate | up, "
-        "down), whether it multiplies on AMX tiles instead (amx_bf16_linear, amx_bf16_silu_gate, down's outputs added "
-        "after). x (B, T, hidden) contiguous float32 is added into in place and returned.",
+        "down), whether it multiplies on AMX tiles instead (amx_bf16_linear, amx_bf16_silu_gate, "
+        "amx_bf16_linear_add_). x (B, T, hidden) contiguous float32 is added into in place and returned.",
         py::arg("x"), py::arg("input_norm"), py::arg("input_eps"), py::arg("qkv_packed"), py::arg("qkv_bias"),
         py::arg("qkv_features"), py::arg("heads"), py::arg("keys"), py::arg("values"), py::arg("slots"),
         py::arg("starts"), py::arg("ends"), py::arg("scale"), py::arg("cos"), py::arg("sin"), py::arg("o_packed"),
@@ -103,6 +103,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "amx_bf16_linear(x, packed, bias, out_features).max(-1).indices without writing the outputs: each row's "
         "first largest output (the first NaN where there is one); int64 (...)",
         py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(), py::arg("out_features"));
+  m.def("amx_bf16_linear_add_", &zoo::amx_bf16_linear_add_,
+        "residual += amx_bf16_linear(x, packed, bias, out_features) in place, each output added as it is written "
+        "(as residual + amx_bf16_linear adds it); residual (..., out_features) float32, returned",
+        py::arg("residual"), py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(), py::arg("out_features"));
   m.def("amx_bf16_silu_gate", &zoo::amx_bf16_silu_gate,
         "bf16_silu_gate on AMX tiles: silu(gate) * up for the gate | up weight packed as bf16_silu_gate's; float32 "
         "(..., out_features), silu_mul's bits; with `rounded`, those outputs rounded to bfloat16",

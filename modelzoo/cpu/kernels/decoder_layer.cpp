@@ -2,8 +2,8 @@
 // its modules call, in their order, with their arguments (modelzoo/models/llama.py's KernelChain), so the same bits,
 // with nothing between them (the Python between the calls costs more than the small kernels once the large ones have
 // pushed the interpreter out of the CPU's caches). Each GEMM on AVX512-BF16 dot products (bf16_linear, bf16_silu_gate,
-// bf16_linear_add_) or, where its module multiplies on AMX tiles, on those (amx_bf16_linear, amx_bf16_silu_gate, and
-// down's outputs added after the GEMM, as BF16Linear.add_into does there).
+// bf16_linear_add_) or, where its module multiplies on AMX tiles, on those (amx_bf16_linear, amx_bf16_silu_gate,
+// amx_bf16_linear_add_).
 #include "kernels.h"
 
 namespace zoo {
@@ -33,8 +33,8 @@ torch::Tensor bf16_decoder_layer(torch::Tensor& x, const torch::Tensor& input_no
   const auto normed = add_rms_norm_(x, linear(o_amx, attended, o_packed, o_bias, hidden), post_norm, post_eps, true);
   const auto gated = gate_up_amx ? amx_bf16_silu_gate(normed, gate_up_packed, intermediate, true)
                                  : bf16_silu_gate(normed, gate_up_packed, intermediate, true);
-  if (down_amx) return x.add_(amx_bf16_linear(gated, down_packed, down_bias, hidden));
-  return bf16_linear_add_(x, gated, down_packed, down_bias, hidden);
+  return down_amx ? amx_bf16_linear_add_(x, gated, down_packed, down_bias, hidden)
+                  : bf16_linear_add_(x, gated, down_packed, down_bias, hidden);
 }
 
 }  // namespace zoo

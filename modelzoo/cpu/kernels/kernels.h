@@ -59,6 +59,8 @@ void check_bf16_gemm(const torch::Tensor& x, const torch::Tensor& packed, const 
 torch::Tensor bf16_gemm_output(const torch::Tensor& x, const torch::Tensor& packed,
                                const c10::optional<torch::Tensor>& bias, int64_t out_features, bool silu_gate,
                                bool rounded = false);
+// A residual the outputs of x (..., K) are added into checked: contiguous float32 (..., out_features).
+void check_residual(const torch::Tensor& residual, const torch::Tensor& x, int64_t out_features);
 torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                           int64_t out_features);
 // The same for a gate | up projection packed in tiles of 2 gate + 2 up blocks: silu(gate) * up (..., out_features).
@@ -97,6 +99,9 @@ torch::Tensor amx_bf16_linear(const torch::Tensor& x, const torch::Tensor& packe
                               const c10::optional<torch::Tensor>& bias, int64_t out_features);
 torch::Tensor amx_bf16_silu_gate(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
                                  bool rounded);
+// residual += amx_bf16_linear(x, ...) in place, each output added as it is written; returns residual.
+torch::Tensor amx_bf16_linear_add_(torch::Tensor& residual, const torch::Tensor& x, const torch::Tensor& packed,
+                                   const c10::optional<torch::Tensor>& bias, int64_t out_features);
 // amx_bf16_linear's outputs never written: bf16_greedy's pick from amx_bf16_linear's; (...) int64.
 torch::Tensor amx_bf16_greedy(const torch::Tensor& x, const torch::Tensor& packed,
                               const c10::optional<torch::Tensor>& bias, int64_t out_features);
