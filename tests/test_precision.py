@@ -97,12 +97,14 @@ def random_bf16_linear(in_features: int, out_features: int, bias: bool, amx: boo
 @pytest.mark.parametrize("rows, in_features, out_features, bias", [(1, 64, 48, True), (7, 575, 1531, True),
                                                                    (40, 96, 33, True), (17, 40, 80, True),
                                                                    (33, 1000, 16, True), (80, 96, 80, False),
-                                                                   (64, 40, 128, False), (300, 4000, 80, True)])
+                                                                   (64, 40, 128, False), (300, 4000, 80, True),
+                                                                   (40, 96, 600, True)])
 def test_bf16_linear_sums_bf16_inputs_in_float32_and_is_batch_invariant(rows, in_features, out_features, bias, amx):
     """Both GEMMs, on every tile shape: 1-6 rows of a register tile or 1-32 of AMX tiles (17 and 33: 16 and 32 and one
     more), 1-4 blocks, input pairs in whole AMX tiles of 16 or not (40 inputs: 20 pairs; 1000: 500); without a bias,
     whole AMX tasks of 32 rows x 4 blocks (stored straight into the output) beside partial ones (80 rows, 5 blocks);
-    long rows (4000 inputs) in several groups of AMX row tiles, each over several groups of output columns."""
+    long rows (4000 inputs) in several groups of AMX row tiles, each over several groups of output columns; 10 column
+    tiles of AMX outputs (600) in groups of 3 on two threads, the last group and tile partial."""
     generator = torch.Generator().manual_seed(rows)
     linear, layer = random_bf16_linear(in_features, out_features, bias, amx, generator)
     x = torch.randn(rows, in_features, generator=generator)

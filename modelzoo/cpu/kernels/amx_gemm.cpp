@@ -69,7 +69,9 @@ struct FreeMemory {
 template <typename T>
 std::unique_ptr<T[], FreeMemory> line_aligned(int64_t n) {
   const size_t bytes = std::max<size_t>(64, (n * sizeof(T) + 63) / 64 * 64);
-  return std::unique_ptr<T[], FreeMemory>(static_cast<T*>(std::aligned_alloc(64, bytes)));
+  T* memory = static_cast<T*>(std::aligned_alloc(64, bytes));
+  TORCH_CHECK(memory, "out of memory: ", bytes, " bytes for a GEMM's rounded inputs");
+  return std::unique_ptr<T[], FreeMemory>(memory);
 }
 
 // Every thread configures its own tiles before using them.
