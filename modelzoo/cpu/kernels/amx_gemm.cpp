@@ -179,6 +179,20 @@ torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, cons
   const int64_t column_tiles = (blocks + kTileBlocks - 1) / kTileBlocks;
   std::unique_ptr<GreedyPicks> picks(greedy ? new GreedyPicks(rows, column_tiles) : nullptr);
   const int64_t tail_pairs = pairs % kChunk;
+  // Each block's last pairs, zero-padded to a whole tile, where the weight's pairs end mid-tile: copied once a call
+  // (every row tile multiplies them).
+  constexpr int64_t kTileValues = kChunk * 2 * kBlock;
+  const auto tail_tiles = line_aligned<uint16_t>(tail_pairs ? blocks * kTileValues : 0);
+  if (tail_pairs) {
+    at::parallel_for(0, blocks, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        uint16_t* copy = tail_tiles.get() + b * kTileValues;
+        const uint16_t* last = wp + (b * pairs + pairs - tail_pairs) * 2 * kBlock;
+        std::memcpy(copy, last, tail_pairs * 2 * kBlock * sizeof(uint16_t));
+        std::fill(copy + tail_pairs * 2 * kBlock, copy + kTileValues, uint16_t{0});
+      }
+    });
+  }
   const int64_t a_stride = padded_pairs * 4;  // bytes per row of xb
   constexpr int64_t kGated = kTileBlocks / 2 * kBlock;  // a gated tile's output features
   // Rows in groups whose inputs fill half the L2 cache (as Linux reports it), then output columns in groups whose
@@ -197,23 +211,13 @@ torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, cons
   at::parallel_for(0, column_groups * row_tiles, 1, [&](int64_t begin, int64_t end) {
     configure_tiles();
     alignas(64) float result[2][kTileRows * 2 * kBlock];  // two tile products of 32 rows x 32 outputs
-    alignas(64) uint16_t tail_copy[kTileBlocks][kChunk * 2 * kBlock];  // the blocks' last pairs, zero-padded
     float silu[kGated];
-    int64_t tail_for = -1;  // the column tile whose tails tail_copy holds
     // Rows [row, row + 32) times the column tile of blocks [block, block + 4), its epilogue applied. fetch: prefetch
     // the weights (the first rows of a row group to meet them find them in memory, the later ones in L2).
     const auto column_tile = [&](int64_t row, int64_t block, bool fetch) {
       const int64_t tile_rows_count = std::min(kTileRows, rows - row);
       const int64_t tile_blocks = std::min(kTileBlocks, blocks - block);
       const int64_t halves = tile_rows_count > kHalfRows ? 2 : 1;
-      if (tail_pairs && tail_for != block) {
-        for (int64_t b = 0; b < tile_blocks; ++b) {
-          const uint16_t* last = wp + ((block + b) * pairs + pairs - tail_pairs) * 2 * kBlock;
-          std::memcpy(tail_copy[b], last, tail_pairs * 2 * kBlock * sizeof(uint16_t));
-          std::memset(tail_copy[b] + tail_pairs * 2 * kBlock, 0, (kChunk - tail_pairs) * 2 * kBlock * sizeof(uint16_t));
-        }
-        tail_for = block;
-      }
       const uint16_t* a = reinterpret_cast<const uint16_t*>(xb.get() + row * padded_pairs);
       // The C tiles go straight to the output where they hold only its values (whole tiles of rows and outputs,
       // nothing to add): else through `result`.
@@ -222,7 +226,8 @@ torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, cons
       for (int64_t half = 0; half * 2 < tile_blocks; ++half) {
         const int64_t first = block + 2 * half, count = std::min<int64_t>(2, tile_blocks - 2 * half);
         const uint16_t* b[2] = {wp + first * pairs * 2 * kBlock, wp + (first + count - 1) * pairs * 2 * kBlock};
-        const uint16_t* tail[2] = {tail_copy[2 * half], tail_copy[2 * half + count - 1]};
+        const uint16_t* tail[2] = {tail_tiles.get() + first * kTileValues,
+                                   tail_tiles.get() + (first + count - 1) * kTileValues};
         const uint16_t* const* tails = tail_pairs ? tail : nullptr;
         if (direct) {
           tile_any(fetch, halves, count, a, a_stride, chunks, b, tails, yp + row * out_features + first * kBlock,
