@@ -211,7 +211,6 @@ torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, cons
   at::parallel_for(0, column_groups * row_tiles, 1, [&](int64_t begin, int64_t end) {
     configure_tiles();
     alignas(64) float result[2][kTileRows * 2 * kBlock];  // two tile products of 32 rows x 32 outputs
-    float silu[kGated];
     // Rows [row, row + 32) times the column tile of blocks [block, block + 4), its epilogue applied. fetch: prefetch
     // the weights (the first rows of a row group to meet them find them in memory, the later ones in L2).
     const auto column_tile = [&](int64_t row, int64_t block, bool fetch) {
@@ -249,12 +248,10 @@ torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, cons
           const float* gate = result[0] + r * 2 * kBlock;
           const float* up = result[1] + r * 2 * kBlock;
           const int64_t first = (row + r) * out_features + block / 2 * kBlock;
-          silu_row(gate, silu, kGated);
-          for (int64_t n = 0; n < kGated; ++n) silu[n] *= up[n];
           if (rounded) {
-            round_to_bf16(silu, kGated, gated16 + first);
+            silu_times_up(gate, up, kGated, gated16 + first);
           } else {
-            std::memcpy(yp + first, silu, kGated * sizeof(float));
+            silu_times_up(gate, up, kGated, yp + first);
           }
           continue;
         }

@@ -275,7 +275,6 @@ void multiply(const uint32_t* xb, int64_t rows, int64_t pairs, int64_t k, const 
   // The row tile from `row` of the column tile from `block`: its sums `result` to y (unless stored there already).
   const auto emit = [&](int64_t row, int64_t block, int64_t tile_blocks, const float* result) {
     if (straight) return;
-    alignas(64) float silu[kGated];
     for (int64_t r = 0; r < std::min(kRowsTile, rows - row); ++r) {
       const float* values = result + r * kBlocksTile * kBlock;
       if (picks) {  // greedy: no output written, the row's pick among the tile's
@@ -285,12 +284,10 @@ void multiply(const uint32_t* xb, int64_t rows, int64_t pairs, int64_t k, const 
       }
       if (silu_gate) {  // silu(gate) * up, as silu_mul computes it from the full output
         const int64_t first = (row + r) * out_features + block / 2 * kBlock;
-        silu_row(values, silu, kGated);
-        for (int64_t n = 0; n < kGated; ++n) silu[n] *= values[kGated + n];
         if (gated16) {
-          round_to_bf16(silu, kGated, gated16 + first);
+          silu_times_up(values, values + kGated, kGated, gated16 + first);
         } else {
-          std::memcpy(y + first, silu, kGated * sizeof(float));
+          silu_times_up(values, values + kGated, kGated, y + first);
         }
         continue;
       }

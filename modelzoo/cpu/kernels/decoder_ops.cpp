@@ -118,25 +118,41 @@ constexpr int64_t kRowsPerTask = 16;  // a decode step's 32 rows are two tasks, 
 
 }  // namespace
 
+namespace {
+
+// silu of the 16 floats at gate, as silu_row computes them: SLEEF's exp on one AVX-512 vector or two AVX2 ones.
+inline vec16 silu16(const float* gate) {
+  const vec16 g = load16(gate), negated = -g;
+  vec16 exp_minus;
+  for (size_t part = 0; part < sizeof(vec16); part += sizeof(ExpVector)) {
+    ExpVector minus;
+    std::memcpy(&minus, reinterpret_cast<const char*>(&negated) + part, sizeof minus);
+    const ExpVector e = sleef_exp(minus);
+    std::memcpy(reinterpret_cast<char*>(&exp_minus) + part, &e, sizeof e);
+  }
+  return g / (1.f + exp_minus);
+}
+
+}  // namespace
+
 // silu(gate) = gate / (1 + exp(-gate)) over n floats, in ATen's order: 8-lane blocks two vectors at a
 // time with SLEEF's exp, then one element at a time with glibc's.
 void silu_row(const float* gate, float* out, int64_t n) {
-  typedef float vec __attribute__((vector_size(sizeof(ExpVector))));  // 8 lanes, or on AVX-512 a block's 16
-  const int64_t blocks = n / (2 * L) * (2 * L);
-  for (int64_t i = 0; i < blocks; i += sizeof(vec) / 4) {
-    vec g;
-    std::memcpy(&g, gate + i, sizeof g);
-    ExpVector minus;
-    const vec negated = -g;
-    std::memcpy(&minus, &negated, sizeof minus);
-    const ExpVector e = sleef_exp(minus);
-    vec exp_minus;
-    std::memcpy(&exp_minus, &e, sizeof exp_minus);
-    const vec silu = g / (1.f + exp_minus);
-    std::memcpy(out + i, &silu, sizeof silu);
-  }
+  static_assert(2 * L == W, "ATen's blocks of two 8-lane vectors are silu16's 16 floats");
+  const int64_t blocks = n / W * W;
+  for (int64_t i = 0; i < blocks; i += W) store16(out + i, silu16(gate + i));
   for (int64_t i = blocks; i < n; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i]));
 }
+
+template <typename O>
+void silu_times_up(const float* gate, const float* up, int64_t n, O* out) {
+  const int64_t blocks = n / W * W;
+  for (int64_t i = 0; i < blocks; i += W) store16(out + i, silu16(gate + i) * load16(up + i));
+  for (int64_t i = blocks; i < n; ++i) out[i] = from_float<O>(gate[i] / (1.f + std::exp(-gate[i])) * up[i]);
+}
+
+template void silu_times_up<float>(const float*, const float*, int64_t, float*);
+template void silu_times_up<c10::BFloat16>(const float*, const float*, int64_t, c10::BFloat16*);
 
 // The norm's output for x: x's dtype, or with `rounded` (float32 x alone) bfloat16.
 torch::Tensor norm_output(const torch::Tensor& x, bool rounded) {

@@ -39,6 +39,10 @@ torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& delta, const 
 torch::Tensor silu_mul(const torch::Tensor& gate_up);
 // out[0, n) = silu(gate[0, n)), as ATen computes it (silu_mul's and bf16_linear's SiLU gate).
 void silu_row(const float* gate, float* out, int64_t n);
+// out[0, n) = silu(gate) * up, silu_row's values times up, each product rounded once to O (float, or c10::BFloat16
+// to the nearest even), in registers: a GEMM's SiLU gate as its tiles leave.
+template <typename O>
+void silu_times_up(const float* gate, const float* up, int64_t n, O* out);
 // int8_gemm.cpp: group-wise int8 weights times activations quantized per row and chunk to 8 bits (AVX512-VNNI or AMX)
 // or 16 bits (AVX2, AVX512-VNNI or AMX).
 bool int8_vnni_available();
