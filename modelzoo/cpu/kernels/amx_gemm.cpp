@@ -15,7 +15,9 @@
 // (the two halves of 32 rows), B tiles 6-7 (two blocks): each step loads 4 tiles for 4 tile products, and, for the
 // first row tile of a group (the later ones find the weights in L2), prefetches the weights a few steps on (a prefetch
 // past a tensor's end is harmless: it never faults). A task of whole tiles with no bias or gate stores its C tiles
-// straight into the output; the others through a scratch.
+// straight into the output; the others through a scratch, whose epilogue (the SiLU gate's exp and division, a bias,
+// a residual's addition, the picks) runs a row at a time between the steps of the next column tile's products, so
+// the vector units work while the AMX unit multiplies, not after it.
 //
 // amx_bf16_silu_gate is bf16_silu_gate's counterpart: the gate | up weight packed in tiles of 2 gate + 2 up blocks,
 // silu(gate) * up written with silu_mul's bits, or `rounded` to bfloat16 as the next GEMM rounds its inputs.
@@ -81,10 +83,11 @@ void configure_tiles() {
 
 // C (Halves * 16 rows, Blocks * 16 outputs) of the rows at `a` (stride a_stride bytes, `chunks` tiles of pairs) times
 // the blocks at b[0], b[1] (the last chunk from tail[] where the weight's pairs end mid-tile) -> out (out_stride
-// floats a row). Fetch: prefetch the weights kAhead tiles on.
-template <int Halves, int Blocks, bool Fetch>
+// floats a row). Fetch: prefetch the weights kAhead tiles on. between(): called after each step's tile products, for
+// vector work that runs while the AMX unit multiplies.
+template <int Halves, int Blocks, bool Fetch, typename Between>
 void tile_product(const uint16_t* a, int64_t a_stride, int64_t chunks, const uint16_t* const* b,
-                  const uint16_t* const* tail, float* out, int64_t out_stride) {
+                  const uint16_t* const* tail, float* out, int64_t out_stride, Between& between) {
   _tile_zero(0);
   if constexpr (Blocks == 2) _tile_zero(1);
   if constexpr (Halves == 2) _tile_zero(2);
@@ -104,6 +107,7 @@ void tile_product(const uint16_t* a, int64_t a_stride, int64_t chunks, const uin
     if constexpr (Blocks == 2) _tile_dpbf16ps(1, 4, 7);
     if constexpr (Halves == 2) _tile_dpbf16ps(2, 5, 6);
     if constexpr (Halves == 2 && Blocks == 2) _tile_dpbf16ps(3, 5, 7);
+    between();
   };
   const int64_t whole = tail ? chunks - 1 : chunks;
   for (int64_t c = 0; c < whole; ++c) step(c, b[0] + c * kChunk * 2 * kBlock, b[1] + c * kChunk * 2 * kBlock);
@@ -115,22 +119,25 @@ void tile_product(const uint16_t* a, int64_t a_stride, int64_t chunks, const uin
   if constexpr (Halves == 2 && Blocks == 2) _tile_stored(3, out + kHalfRows * out_stride + kBlock, stride);
 }
 
-template <bool Fetch>
+template <bool Fetch, typename Between>
 void tile_fetching(int64_t halves, int64_t blocks, const uint16_t* a, int64_t a_stride, int64_t chunks,
-                   const uint16_t* const* b, const uint16_t* const* tail, float* out, int64_t out_stride) {
+                   const uint16_t* const* b, const uint16_t* const* tail, float* out, int64_t out_stride,
+                   Between& between) {
   if (halves == 2) {
-    return blocks == 2 ? tile_product<2, 2, Fetch>(a, a_stride, chunks, b, tail, out, out_stride)
-                       : tile_product<2, 1, Fetch>(a, a_stride, chunks, b, tail, out, out_stride);
+    return blocks == 2 ? tile_product<2, 2, Fetch>(a, a_stride, chunks, b, tail, out, out_stride, between)
+                       : tile_product<2, 1, Fetch>(a, a_stride, chunks, b, tail, out, out_stride, between);
   }
-  return blocks == 2 ? tile_product<1, 2, Fetch>(a, a_stride, chunks, b, tail, out, out_stride)
-                     : tile_product<1, 1, Fetch>(a, a_stride, chunks, b, tail, out, out_stride);
+  return blocks == 2 ? tile_product<1, 2, Fetch>(a, a_stride, chunks, b, tail, out, out_stride, between)
+                     : tile_product<1, 1, Fetch>(a, a_stride, chunks, b, tail, out, out_stride, between);
 }
 
 // fetch: prefetch the weights (a thread's first rows of a group meet them in memory, the later ones in its L2 cache).
+template <typename Between>
 void tile_any(bool fetch, int64_t halves, int64_t blocks, const uint16_t* a, int64_t a_stride, int64_t chunks,
-              const uint16_t* const* b, const uint16_t* const* tail, float* out, int64_t out_stride) {
-  return fetch ? tile_fetching<true>(halves, blocks, a, a_stride, chunks, b, tail, out, out_stride)
-               : tile_fetching<false>(halves, blocks, a, a_stride, chunks, b, tail, out, out_stride);
+              const uint16_t* const* b, const uint16_t* const* tail, float* out, int64_t out_stride,
+              Between& between) {
+  return fetch ? tile_fetching<true>(halves, blocks, a, a_stride, chunks, b, tail, out, out_stride, between)
+               : tile_fetching<false>(halves, blocks, a, a_stride, chunks, b, tail, out, out_stride, between);
 }
 
 // What multiply() writes: x @ W^T (+ bias), silu(gate) * up, each row's first largest output's index, or the
@@ -210,9 +217,56 @@ torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, cons
   const int64_t column_groups = (column_tiles + group_columns - 1) / group_columns;
   at::parallel_for(0, column_groups * row_tiles, 1, [&](int64_t begin, int64_t end) {
     configure_tiles();
-    alignas(64) float result[2][kTileRows * 2 * kBlock];  // two tile products of 32 rows x 32 outputs
-    // Rows [row, row + 32) times the column tile of blocks [block, block + 4), its epilogue applied. fetch: prefetch
-    // the weights (the first rows of a row group to meet them find them in memory, the later ones in L2).
+    alignas(64) float result[2][2][kTileRows * 2 * kBlock];  // two buffers of two tile products, 32 rows x 32 outputs
+    // A column tile's sums waiting in result[buffer] for their epilogue, applied a row at a time between the steps of
+    // the next column tile's products: the vector units run it while the AMX unit multiplies.
+    struct Waiting {
+      int64_t row = 0, block = 0, tile_blocks = 0, rows = 0, done = 0;  // rows: those to finish (none if stored)
+      int buffer = 0;
+    } waiting;
+    // The epilogue of the waiting tile's next row.
+    const auto finish_row = [&] {
+      const int64_t r = waiting.done++, row = waiting.row, block = waiting.block, tile_blocks = waiting.tile_blocks;
+      const auto& sums = result[waiting.buffer];
+      if (greedy) {  // the task's outputs [first, last): its two halves' 32 each, side by side in `values`
+        const int64_t first = block * kBlock, last = std::min(out_features, (block + tile_blocks) * kBlock);
+        alignas(64) float values[2 * 2 * kBlock];
+        for (int64_t half = 0; half * 2 < tile_blocks; ++half)
+          std::memcpy(values + half * 2 * kBlock, sums[half] + r * 2 * kBlock, 2 * kBlock * sizeof(float));
+        picks->keep(row + r, block / kTileBlocks, values, bp ? bp + first : nullptr, first, last - first);
+        return;
+      }
+      if (silu_gate) {  // silu(gate) * up, as silu_mul computes it from the full output
+        const float* gate = sums[0] + r * 2 * kBlock;
+        const float* up = sums[1] + r * 2 * kBlock;
+        const int64_t first = (row + r) * out_features + block / 2 * kBlock;
+        if (rounded) {
+          silu_times_up(gate, up, kGated, gated16 + first);
+        } else {
+          silu_times_up(gate, up, kGated, yp + first);
+        }
+        return;
+      }
+      float* y = yp + (row + r) * out_features;
+      for (int64_t half = 0; half * 2 < tile_blocks; ++half) {
+        const float* values = sums[half] + r * 2 * kBlock;
+        const int64_t first = (block + 2 * half) * kBlock;
+        const int64_t last = std::min(out_features, first + 2 * kBlock);
+        if (add) {  // y + (x @ W^T + bias), as y + linear(x) adds them
+          for (int64_t n = first; n < last; ++n) y[n] += bp ? values[n - first] + bp[n] : values[n - first];
+        } else if (bp) {
+          for (int64_t n = first; n < last; ++n) y[n] = values[n - first] + bp[n];
+        } else {
+          std::memcpy(y + first, values, (last - first) * sizeof(float));
+        }
+      }
+    };
+    const auto between_steps = [&] {
+      if (waiting.done < waiting.rows) finish_row();
+    };
+    // Rows [row, row + 32) times the column tile of blocks [block, block + 4); its epilogue then waits for the next
+    // tile's steps (the waiting one's finished first). fetch: prefetch the weights (the first rows of a row group to
+    // meet them find them in memory, the later ones in L2).
     const auto column_tile = [&](int64_t row, int64_t block, bool fetch) {
       const int64_t tile_rows_count = std::min(kTileRows, rows - row);
       const int64_t tile_blocks = std::min(kTileBlocks, blocks - block);
@@ -222,6 +276,7 @@ torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, cons
       // nothing to add): else through `result`.
       const bool direct = epilogue == Epilogue::kOutputs && !bp && tile_rows_count == halves * kHalfRows &&
                           (block + tile_blocks) * kBlock <= out_features;
+      const int buffer = waiting.buffer ^ 1;
       for (int64_t half = 0; half * 2 < tile_blocks; ++half) {
         const int64_t first = block + 2 * half, count = std::min<int64_t>(2, tile_blocks - 2 * half);
         const uint16_t* b[2] = {wp + first * pairs * 2 * kBlock, wp + (first + count - 1) * pairs * 2 * kBlock};
@@ -230,45 +285,14 @@ torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, cons
         const uint16_t* const* tails = tail_pairs ? tail : nullptr;
         if (direct) {
           tile_any(fetch, halves, count, a, a_stride, chunks, b, tails, yp + row * out_features + first * kBlock,
-                   out_features);
+                   out_features, between_steps);
         } else {
-          tile_any(fetch, halves, count, a, a_stride, chunks, b, tails, result[half], 2 * kBlock);
+          tile_any(fetch, halves, count, a, a_stride, chunks, b, tails, result[buffer][half], 2 * kBlock,
+                   between_steps);
         }
       }
-      for (int64_t r = 0; r < (direct ? 0 : tile_rows_count); ++r) {
-        if (greedy) {  // the task's outputs [first, last): its two halves' 32 each, side by side in `result`
-          const int64_t first = block * kBlock, last = std::min(out_features, (block + tile_blocks) * kBlock);
-          alignas(64) float values[2 * 2 * kBlock];
-          for (int64_t half = 0; half * 2 < tile_blocks; ++half)
-            std::memcpy(values + half * 2 * kBlock, result[half] + r * 2 * kBlock, 2 * kBlock * sizeof(float));
-          picks->keep(row + r, block / kTileBlocks, values, bp ? bp + first : nullptr, first, last - first);
-          continue;
-        }
-        if (silu_gate) {  // silu(gate) * up, as silu_mul computes it from the full output
-          const float* gate = result[0] + r * 2 * kBlock;
-          const float* up = result[1] + r * 2 * kBlock;
-          const int64_t first = (row + r) * out_features + block / 2 * kBlock;
-          if (rounded) {
-            silu_times_up(gate, up, kGated, gated16 + first);
-          } else {
-            silu_times_up(gate, up, kGated, yp + first);
-          }
-          continue;
-        }
-        float* y = yp + (row + r) * out_features;
-        for (int64_t half = 0; half * 2 < tile_blocks; ++half) {
-          const float* values = result[half] + r * 2 * kBlock;
-          const int64_t first = (block + 2 * half) * kBlock;
-          const int64_t last = std::min(out_features, first + 2 * kBlock);
-          if (add) {  // y + (x @ W^T + bias), as y + linear(x) adds them
-            for (int64_t n = first; n < last; ++n) y[n] += bp ? values[n - first] + bp[n] : values[n - first];
-          } else if (bp) {
-            for (int64_t n = first; n < last; ++n) y[n] = values[n - first] + bp[n];
-          } else {
-            std::memcpy(y + first, values, (last - first) * sizeof(float));
-          }
-        }
-      }
+      while (waiting.done < waiting.rows) finish_row();
+      waiting = {row, block, tile_blocks, direct ? 0 : tile_rows_count, 0, buffer};
     };
     for (int64_t task = begin; task < end; ++task) {
       const int64_t group = std::min(task / (group_tiles * column_groups), whole_groups);
@@ -280,6 +304,7 @@ torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, cons
       for (int64_t tile = first_tile; tile < std::min(column_tiles, first_tile + group_columns); ++tile)
         column_tile(row, tile * kTileBlocks, fetch);
     }
+    while (waiting.done < waiting.rows) finish_row();
     _tile_release();
   });
   if (greedy) picks->write(out.data_ptr<int64_t>());
