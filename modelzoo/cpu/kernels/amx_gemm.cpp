@@ -13,11 +13,12 @@
 //
 // Tiles (palette 1, every tile 16 rows x 64 bytes): C tiles 0-3 (output rows half r, block b -> 2r + b), A tiles 4-5
 // (the two halves of 32 rows), B tiles 6-7 (two blocks): each step loads 4 tiles for 4 tile products, and, for the
-// first row tile of a group (the later ones find the weights in L2), prefetches the weights a few steps on (a prefetch
-// past a tensor's end is harmless: it never faults). A task of whole tiles with no bias or gate stores its C tiles
-// straight into the output; the others through a scratch, whose epilogue (the SiLU gate's exp and division, a bias,
-// a residual's addition, the picks) runs a row at a time between the steps of the next column tile's products, so
-// the vector units work while the AMX unit multiplies, not after it.
+// first row tile of a group, prefetches the weights a few steps on (a prefetch past a tensor's end is harmless: it
+// never faults); the later row tiles find the weights in L2 and load them with the streaming hint, which keeps the
+// row tile's inputs in L1. A task of whole tiles with no bias or gate stores its C tiles straight into the output;
+// the others through a scratch, whose epilogue (the SiLU gate's exp and division, a bias, a residual's addition, the
+// picks) runs a row at a time between the steps of the next column tile's products, so the vector units work while
+// the AMX unit multiplies, not after it.
 //
 // amx_bf16_silu_gate is bf16_silu_gate's counterpart: the gate | up weight packed in tiles of 2 gate + 2 up blocks,
 // silu(gate) * up written with silu_mul's bits, or `rounded` to bfloat16 as the next GEMM rounds its inputs.
@@ -101,8 +102,13 @@ void tile_product(const uint16_t* a, int64_t a_stride, int64_t chunks, const uin
       if constexpr (Blocks == 2)
         _mm_prefetch(reinterpret_cast<const char*>(b1 + kAhead * kChunk * 2 * kBlock) + 64 * line, _MM_HINT_T0);
     }
-    _tile_loadd(6, b0, 64);
-    if constexpr (Blocks == 2) _tile_loadd(7, b1, 64);
+    if constexpr (Fetch) {  // from memory, into L1 as the prefetches brought them
+      _tile_loadd(6, b0, 64);
+      if constexpr (Blocks == 2) _tile_loadd(7, b1, 64);
+    } else {  // from L2, where the next row tile finds them again: loaded without pushing the inputs out of L1
+      _tile_stream_loadd(6, b0, 64);
+      if constexpr (Blocks == 2) _tile_stream_loadd(7, b1, 64);
+    }
     _tile_dpbf16ps(0, 4, 6);
     if constexpr (Blocks == 2) _tile_dpbf16ps(1, 4, 7);
     if constexpr (Halves == 2) _tile_dpbf16ps(2, 5, 6);
