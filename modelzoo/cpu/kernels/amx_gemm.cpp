@@ -257,14 +257,7 @@ torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, cons
       for (int64_t half = 0; half * 2 < tile_blocks; ++half) {
         const float* values = sums[half] + r * 2 * kBlock;
         const int64_t first = (block + 2 * half) * kBlock;
-        const int64_t last = std::min(out_features, first + 2 * kBlock);
-        if (add) {  // y + (x @ W^T + bias), as y + linear(x) adds them
-          for (int64_t n = first; n < last; ++n) y[n] += bp ? values[n - first] + bp[n] : values[n - first];
-        } else if (bp) {
-          for (int64_t n = first; n < last; ++n) y[n] = values[n - first] + bp[n];
-        } else {
-          std::memcpy(y + first, values, (last - first) * sizeof(float));
-        }
+        write_outputs(y, values, bp, first, std::min(out_features, first + 2 * kBlock), add);
       }
     };
     const auto between_steps = [&] {

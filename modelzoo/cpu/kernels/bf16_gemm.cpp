@@ -293,13 +293,7 @@ void multiply(const uint32_t* xb, int64_t rows, int64_t pairs, int64_t k, const 
       }
       float* out = y + (row + r) * out_features;
       const int64_t first = block * kBlock, last = std::min(out_features, (block + tile_blocks) * kBlock);
-      if (accumulate) {  // y + (x @ W^T + bias), as y + linear(x) adds them
-        for (int64_t n = first; n < last; ++n) out[n] += bias ? values[n - first] + bias[n] : values[n - first];
-      } else if (bias) {
-        for (int64_t n = first; n < last; ++n) out[n] = values[n - first] + bias[n];
-      } else {
-        std::memcpy(out + first, values, (last - first) * sizeof(float));
-      }
+      write_outputs(out, values, bias, first, last, accumulate);
     }
   };
   // The lines of y (or gated16) written for the row tile from `row` of the column tile from `block` (by emit(), or

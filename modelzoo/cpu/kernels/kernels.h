@@ -4,6 +4,8 @@
 
 #include <torch/extension.h>
 
+#include <cstring>
+
 namespace zoo {
 
 // cached_attention.cpp: stores the forward's keys and values in the cache, attends over it.
@@ -63,6 +65,17 @@ void check_bf16_gemm(const torch::Tensor& x, const torch::Tensor& packed, const 
 torch::Tensor bf16_gemm_output(const torch::Tensor& x, const torch::Tensor& packed,
                                const c10::optional<torch::Tensor>& bias, int64_t out_features, bool silu_gate,
                                bool rounded = false);
+// One row's GEMM outputs [first, last) from their float32 sums (values[0] is output first), plus the bias where there
+// is one: written into y, or with `add` added into it as y + linear(x) adds them.
+inline void write_outputs(float* y, const float* values, const float* bias, int64_t first, int64_t last, bool add) {
+  if (add) {
+    for (int64_t n = first; n < last; ++n) y[n] += bias ? values[n - first] + bias[n] : values[n - first];
+  } else if (bias) {
+    for (int64_t n = first; n < last; ++n) y[n] = values[n - first] + bias[n];
+  } else {
+    std::memcpy(y + first, values, (last - first) * sizeof(float));
+  }
+}
 // A residual the outputs of x (..., K) are added into checked: contiguous float32 (..., out_features).
 void check_residual(const torch::Tensor& residual, const torch::Tensor& x, int64_t out_features);
 torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
