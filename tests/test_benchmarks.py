@@ -460,3 +460,85 @@ def test_sampled_runs_are_zoo_infer_and_vllm_only(tmp_path: Path, monkeypatch) -
     assert vllm_generate.main(["--model", "m", "--tokens_json", str(tokens), "--out", str(result),
                                "--temperature", "0.8", "--top_p", "0.9"]) == 0
     assert "skipped" in json.loads(result.read_text()) or "tokens" in json.loads(result.read_text())
+
+
+def write_results(folder: Path, rows: list[dict] | dict) -> None:
+    folder.mkdir(parents=True)
+    (folder / "results.json").write_text(json.dumps(rows))
+
+
+def test_device_bars_of_the_gpu_stage(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """benchmarks/device_bars.py gpu: issue 47's bars from gpu_throughput.py's results as device_checks.sh leaves
+    them, each figure against its bar; a run that left no result is MISSING, and any bar not held exits 1."""
+    bars = load_script("benchmarks/device_bars.py")
+
+    def row(engine: str, dtype: str = "bfloat16", **values) -> dict:
+        return {"engine": engine, "dtype": dtype, "status": "ok", **values}
+
+    write_results(tmp_path / "setup512", [row("zoo-infer", setup_seconds=41.5),
+                                          row("zoo-infer job 2", setup_seconds=9.0)])
+    write_results(tmp_path / "rows256", [row("zoo-infer", tokens_per_s=30000.0, vs_best_generate=3.2,
+                                             vs_default_generate=13.0, decode_ms_per_step=3.5),
+                                         row("generate static", tokens_per_s=9375.0, vs_best_generate=1.0)])
+    write_results(tmp_path / "rows1024", [row("zoo-infer", tokens_per_s=39000.0)])
+    write_results(tmp_path / "float32", [row("zoo-infer", "float32", rows_equal_to_default_generate=64)])
+    (tmp_path / "test_cuda.log").write_text("....\n31 passed in 97.21s (0:01:37)\n")
+    assert bars.main(["gpu", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[1:] == [
+        "PASS     tests/test_cuda.py: tests not passed (failed, errors, skipped): 0.00 (bar <= 0)",
+        "PASS     float32 rows equal to the default generate()'s, of 64: 64.00 (bar >= 64)",
+        "PASS     bfloat16, 256 rows: tokens/s over the best generate()'s: 3.20 (bar >= 3)",
+        "PASS     bfloat16, 256 rows: tokens/s over the default generate()'s: 13.00 (bar >= 10)",
+        "PASS     1024 rows' tokens/s over 256 rows': 1.30 (bar >= 1.2)",
+        "PASS     decode step at 256 rows over the 3.25 ms minimal step: 1.08 (bar <= 1.15)",
+        "PASS     set-up s of a 512 + 128 job, cold compile cache: 41.50 (bar <= 60)",
+        "PASS     set-up s of the same job again, warm: 9.00 (bar <= 15)",
+    ]
+    (tmp_path / "test_cuda.log").write_text("F...\n1 failed, 28 passed, 2 skipped in 90.00s (0:01:30)\n")
+    (tmp_path / "rows1024" / "results.json").write_text(json.dumps([row("zoo-infer", tokens_per_s=None) | {
+        "status": "timeout"}]))
+    assert bars.main(["gpu", str(tmp_path)]) == 1
+    printed = capsys.readouterr().out
+    assert "FAIL     tests/test_cuda.py: tests not passed (failed, errors, skipped): 3.00 (bar <= 0)" in printed
+    (tmp_path / "test_cuda.log").write_text("....")  # stopped before its counts
+    bars.main(["gpu", str(tmp_path)])
+    assert "MISSING  tests/test_cuda.py: tests not passed" in capsys.readouterr().out
+    assert "MISSING  1024 rows' tokens/s over 256 rows': - (bar >= 1.2)" in printed
+
+
+def test_device_bars_of_the_amx_stage(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """benchmarks/device_bars.py amx: issue 50's bars from throughput.py's results: bfloat16 over float32 at 16
+    threads, 16 over 2 threads on the 1.1B, and each run's peak RSS within its bound."""
+    bars = load_script("benchmarks/device_bars.py")
+
+    def rows(bfloat16: float, float32: float, rss: float = 1000.0, threads: int = 16) -> dict:
+        return {"config": {"threads": threads}, "rows": [
+            {"engine": "zoo-infer", "dtype": "bfloat16", "status": "ok", "tokens_per_s": bfloat16,
+             "peak_rss_mib": rss, "rss_bound_mib": 2000.0},
+            {"engine": "zoo-infer", "dtype": "float32", "status": "ok", "tokens_per_s": float32,
+             "peak_rss_mib": 1500.0, "rss_bound_mib": 2000.0}]}
+
+    write_results(tmp_path / "job16", rows(2600.0, 2000.0))
+    write_results(tmp_path / "tiny16", rows(600.0, 400.0, rss=2500.0))
+    write_results(tmp_path / "tiny2", rows(100.0, 50.0, threads=2))
+    assert bars.main(["amx", str(tmp_path)]) == 1
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[1:5] == [
+        "PASS     164-prompt job, 16 threads: bfloat16 tokens/s over float32's: 1.30 (bar >= 1.3)",
+        "PASS     1.1B, 16 threads: bfloat16 tokens/s over float32's: 1.50 (bar >= 1.3)",
+        "PASS     1.1B bfloat16: tokens/s at 16 threads over 2: 6.00 (bar >= 5)",
+        "PASS     1.1B float32: tokens/s at 16 threads over 2: 8.00 (bar >= 5)",
+    ]
+    assert ("FAIL     tiny16 bfloat16: peak RSS MiB (bound: weights + KV cache + 1 GiB): 2500.00 (bar <= 2000)"
+            in printed)
+    assert sum(line.startswith("PASS") and "peak RSS" in line for line in printed) == 5
+
+
+def test_device_checks_names_its_stages() -> None:
+    """benchmarks/device_checks.sh without a known stage says which there are and exits 2."""
+    import subprocess
+
+    done = subprocess.run(["bash", str(REPO_ROOT / "benchmarks" / "device_checks.sh"), "all"], capture_output=True,
+                          text=True)
+    assert done.returncode == 2 and "usage: " in done.stderr and "prepare|gpu [steps]|amx" in done.stderr
