@@ -9,7 +9,8 @@
 #   benchmarks/device_checks.sh gpu tests setup512            # there, `carry` naming .device: issue 47 on the GPU,
 #   benchmarks/device_checks.sh gpu rows256 rows1024 float32  # in two calls of at most 7 minutes each (every step
 #                                                             # has its time cap; `gpu` alone runs all five)
-#   benchmarks/device_checks.sh amx       # there, carrying .device: issue 50 on the host CPU (at most 9 minutes)
+#   benchmarks/device_checks.sh amx job16 tiny16              # there, carrying .device: issue 50 on the host CPU,
+#   benchmarks/device_checks.sh amx tiny2                     # in two calls of at most 7 and 3 minutes
 #
 # The machine holds no copy of the default model (its weights are too large to carry): the runs use random-weight
 # models of its shape and of TinyLlama-1.1B's (benchmarks/random_model.py) with its tokenizer. Run `gpu` before
@@ -95,15 +96,27 @@ step() {
   if [ "$status" != 0 ]; then echo "$name: exit status $status"; tail -20 "$work/$name.log"; fi
 }
 
+# The random 1.1B an earlier step of this machine built (under $WORK), else its spec: built by the step that takes it.
+tinyllama() {
+  local folder
+  for folder in "$work"/*/random_tinyllama; do
+    if [ -f "$folder/config.json" ] && compgen -G "$folder/*.safetensors" > /dev/null; then
+      echo "$folder"
+      return
+    fi
+  done
+  echo random:tinyllama
+}
+
 # Issue 47 on the GPU. Steps (default all, in this order; each at most the seconds given): tests (tests/test_cuda.py,
-# float32 and bfloat16), setup512 (a 512 + 128 job's set-up on an empty compile cache, then again warm; it builds
-# the 1.1B the later steps reuse), rows256 (the 1.1B at 256 rows against generate() default and static, compiled),
-# rows1024 (1024 rows alone), float32 (float32 rows against the default generate()'s).
+# float32 and bfloat16), setup512 (a 512 + 128 job's set-up on an empty compile cache, then again warm; the first
+# step to run the 1.1B builds it, the later ones reuse it), rows256 (the 1.1B at 256 rows against generate() default
+# and static, compiled), rows1024 (1024 rows alone), float32 (float32 rows against the default generate()'s).
 gpu() {
   start_on_device
   local steps=("$@") name
   [ ${#steps[@]} -gt 0 ] || steps=(tests setup512 rows256 rows1024 float32)
-  local tinyllama="$work/setup512/random_tinyllama" bf16=(--dtypes bfloat16 --max_tokens 128)
+  local bf16=(--dtypes bfloat16 --max_tokens 128)
   for name in "${steps[@]}"; do
     case "$name" in
       tests)
@@ -112,13 +125,13 @@ gpu() {
         step 200 test_cuda "$py" -m pytest -q "${workers[@]}" -p no:cacheprovider tests/test_cuda.py
         tail -1 "$work/test_cuda.log" ;;
       setup512)
-        step 200 setup512 "$py" benchmarks/gpu_throughput.py --models random:tinyllama --rows 256 "${bf16[@]}" \
+        step 200 setup512 "$py" benchmarks/gpu_throughput.py --models "$(tinyllama)" --rows 256 "${bf16[@]}" \
             --prompt_lengths 512,512 --ways none --zoo_runs 2 --out "$work/setup512" ;;
       rows256)
-        step 170 rows256 "$py" benchmarks/gpu_throughput.py --models "$tinyllama" --rows 256 "${bf16[@]}" \
+        step 170 rows256 "$py" benchmarks/gpu_throughput.py --models "$(tinyllama)" --rows 256 "${bf16[@]}" \
             --ways default,static --out "$work/rows256" ;;
       rows1024)
-        step 90 rows1024 "$py" benchmarks/gpu_throughput.py --models "$tinyllama" --rows 1024 "${bf16[@]}" \
+        step 90 rows1024 "$py" benchmarks/gpu_throughput.py --models "$(tinyllama)" --rows 1024 "${bf16[@]}" \
             --ways none --out "$work/rows1024" ;;
       float32)
         step 80 float32 "$py" benchmarks/gpu_throughput.py --models random:smollm2 --rows 64 --dtypes float32 \
@@ -129,24 +142,33 @@ gpu() {
   finish gpu setup512 rows256 rows1024 float32
 }
 
-# Issue 50 on the host CPU: job16 (the 164-prompt job, random weights of SmolLM2's shape, at HOST_THREADS), tiny16
-# (the 1.1B at HOST_THREADS), tiny2 (the 1.1B at FEW_THREADS), each in bfloat16 and float32.
+# Issue 50 on the host CPU. Steps (default all, in this order), each in bfloat16 and float32: job16 (the 164-prompt
+# job, random weights of SmolLM2's shape, at HOST_THREADS), tiny16 (the 1.1B at HOST_THREADS), tiny2 (the 1.1B at
+# FEW_THREADS).
 amx() {
   start_on_device
-  local many="${HOST_THREADS:-16}" few="${FEW_THREADS:-2}"
+  local steps=("$@") name many="${HOST_THREADS:-16}" few="${FEW_THREADS:-2}"
+  [ ${#steps[@]} -gt 0 ] || steps=(job16 tiny16 tiny2)
   local cpu_run=("$py" benchmarks/throughput.py --dtypes bfloat16,float32 --transformers_dtypes none --peers none)
   local tiny=(--num_prompts 32 --max_tokens 32 --batch_size 32)
-  step 120 job16 "${cpu_run[@]}" --model random:smollm2 --num_prompts 164 --max_tokens 64 --batch_size 164 \
-      --threads "$many" --out "$work/job16"
-  step 220 tiny16 "${cpu_run[@]}" --model random:tinyllama "${tiny[@]}" --threads "$many" --out "$work/tiny16"
-  step 180 tiny2 "${cpu_run[@]}" --model "$work/tiny16/random_tinyllama" "${tiny[@]}" --threads "$few" \
-      --out "$work/tiny2"
+  for name in "${steps[@]}"; do
+    case "$name" in
+      job16)
+        step 180 job16 "${cpu_run[@]}" --model random:smollm2 --num_prompts 164 --max_tokens 64 --batch_size 164 \
+            --threads "$many" --out "$work/job16" ;;
+      tiny16)
+        step 220 tiny16 "${cpu_run[@]}" --model "$(tinyllama)" "${tiny[@]}" --threads "$many" --out "$work/tiny16" ;;
+      tiny2)
+        step 180 tiny2 "${cpu_run[@]}" --model "$(tinyllama)" "${tiny[@]}" --threads "$few" --out "$work/tiny2" ;;
+      *) echo "error: no amx step $name (job16 tiny16 tiny2)" >&2; exit 2 ;;
+    esac
+  done
   finish amx job16 tiny16 tiny2
 }
 
 case "$stage" in
   prepare) prepare ;;
   gpu) shift; gpu "$@" ;;
-  amx) amx ;;
-  *) echo "usage: $0 prepare|gpu [steps]|amx (see the top of this file)" >&2; exit 2 ;;
+  amx) shift; amx "$@" ;;
+  *) echo "usage: $0 prepare|gpu [steps]|amx [steps] (see the top of this file)" >&2; exit 2 ;;
 esac

@@ -541,4 +541,4 @@ def test_device_checks_names_its_stages() -> None:
 
     done = subprocess.run(["bash", str(REPO_ROOT / "benchmarks" / "device_checks.sh"), "all"], capture_output=True,
                           text=True)
-    assert done.returncode == 2 and "usage: " in done.stderr and "prepare|gpu [steps]|amx" in done.stderr
+    assert done.returncode == 2 and "usage: " in done.stderr and "prepare|gpu [steps]|amx [steps]" in done.stderr
