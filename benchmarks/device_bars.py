@@ -60,6 +60,7 @@ def find(rows: list[dict[str, Any]], **match: Any) -> dict[str, Any] | None:
 
 
 def field(row: dict[str, Any] | None, key: str) -> float | None:
+    """row[key] as a float; None where the row or its value is missing."""
     return None if row is None or row.get(key) is None else float(row[key])
 
 
@@ -73,7 +74,9 @@ def gpu_bars(folder: Path) -> list[Bar]:
     rows256 = find(read_rows(folder / "rows256" / "results.json"), engine="zoo-infer", dtype="bfloat16")
     rows1024 = find(read_rows(folder / "rows1024" / "results.json"), engine="zoo-infer", dtype="bfloat16")
     float32 = find(read_rows(folder / "float32" / "results.json"), engine="zoo-infer", dtype="float32")
-    bars = [
+    return [
+        Bar("tests/test_cuda.py: tests not passed (failed, errors, skipped)",
+            tests_not_passed(folder / "test_cuda.log"), 0, at_least=False),
         Bar("float32 rows equal to the default generate()'s, of 64",
             field(float32, "rows_equal_to_default_generate"), 64),
         Bar("bfloat16, 256 rows: tokens/s over the best generate()'s", field(rows256, "vs_best_generate"), 3.0),
@@ -87,9 +90,6 @@ def gpu_bars(folder: Path) -> list[Bar]:
         Bar("set-up s of the same job again, warm", field(find(setup, engine="zoo-infer job 2"), "setup_seconds"), 15,
             at_least=False),
     ]
-    bars.insert(0, Bar("tests/test_cuda.py: tests not passed (failed, errors, skipped)",
-                       tests_not_passed(folder / "test_cuda.log"), 0, at_least=False))
-    return bars
 
 
 def tests_not_passed(log: Path) -> float | None:
