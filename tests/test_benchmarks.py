@@ -116,6 +116,18 @@ def test_throughput_table(tmp_path: Path, capsys: pytest.CaptureFixture) -> None
                 assert 0 < float(rows[key]["decode_of_roofline"]) < 1
     assert float(hf["ratio_vs_hf_fp32"]) == 1.0
     assert (out / "results.json").is_file()
+    # device_bars.py's amx stage reads these results (as its three runs): the thread count and each zoo-infer row's
+    # peak RSS against its bound; bfloat16 (not run here) leaves its ratios MISSING.
+    for run in ("job16", "tiny16", "tiny2"):
+        (tmp_path / "device" / run).parent.mkdir(exist_ok=True)
+        (tmp_path / "device" / run).symlink_to(out)
+    amx = load_script("benchmarks/device_bars.py").amx_bars(tmp_path / "device")
+    threads = json.loads((out / "results.json").read_text())["config"]["threads"]
+    assert amx[0].what == f"164-prompt job, {threads} threads: bfloat16 tokens/s over float32's"
+    assert amx[0].value is None
+    rss = [bar for bar in amx if "peak RSS" in bar.what]  # "<run> <dtype>: peak RSS ..."
+    assert len(rss) == 3 * 2 and all(bar.value == float(rows["zoo-infer", bar.what.split(":")[0].split()[1]][
+        "peak_rss_mib"]) for bar in rss)
 
 
 def test_explore_batch_size(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -542,3 +554,24 @@ def test_device_checks_names_its_stages() -> None:
     done = subprocess.run(["bash", str(REPO_ROOT / "benchmarks" / "device_checks.sh"), "all"], capture_output=True,
                           text=True)
     assert done.returncode == 2 and "usage: " in done.stderr and "prepare|gpu [steps]|amx [steps]" in done.stderr
+
+
+def test_device_bars_read_what_gpu_throughput_writes(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The fields device_bars.py reads are those gpu_throughput.py writes: a bfloat16 run on the CPU with two
+    zoo-infer jobs and the default generate(), read as the setup512, rows256 and rows1024 steps' results, gives every
+    bar a figure but the float32 and tests ones (runs this test does not make)."""
+    from tiny_configs import tiny_llama_config
+
+    checkpoint = save_tiny_model(tiny_llama_config(), tmp_path / "checkpoint")
+    run = tmp_path / "device" / "rows256"
+    code = load_script("benchmarks/gpu_throughput.py").main([
+        "--models", str(checkpoint), "--rows", "3", "--dtypes", "bfloat16", "--ways", "default", "--zoo_runs", "2",
+        "--max_tokens", "5", "--prompt_lengths", "4,20", "--device", "cpu", "--out", str(run)])
+    assert code == 0, capsys.readouterr().out
+    for step in ("setup512", "rows1024"):
+        (tmp_path / "device" / step).symlink_to(run)
+    bars = load_script("benchmarks/device_bars.py").gpu_bars(tmp_path / "device")
+    missing = [bar.what for bar in bars if bar.value is None]
+    assert missing == ["tests/test_cuda.py: tests not passed (failed, errors, skipped)",
+                       "float32 rows equal to the default generate()'s, of 64"], missing
+    assert next(bar for bar in bars if bar.what.startswith("1024 rows")).value == 1.0  # the same run read twice
