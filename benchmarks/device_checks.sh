@@ -7,10 +7,10 @@
 #   benchmarks/device_checks.sh prepare   # here, first: .device/ gets the default model's tokenizer files and the
 #                                         # wheels the machine lacks (it reaches no package registry)
 #   benchmarks/device_checks.sh gpu tests setup512            # there, `carry` naming .device: issue 47 on the GPU,
-#   benchmarks/device_checks.sh gpu rows256 rows1024 float32  # in two calls of at most 7 minutes each (every step
+#   benchmarks/device_checks.sh gpu rows256 rows1024 float32  # in two calls of at most 8 minutes each (every step
 #                                                             # has its time cap; `gpu` alone runs all five)
 #   benchmarks/device_checks.sh amx job16 tiny16              # there, carrying .device: issue 50 on the host CPU,
-#   benchmarks/device_checks.sh amx tiny2                     # in two calls of at most 7 and 3 minutes
+#   benchmarks/device_checks.sh amx tiny2                     # in two calls of at most 8 and 4 minutes
 #
 # The machine holds no copy of the default model (its weights are too large to carry): the runs use random-weight
 # models of its shape and of TinyLlama-1.1B's (benchmarks/random_model.py) with its tokenizer. Run `gpu` before
