@@ -6,7 +6,8 @@ closes or updates an issue.
     python benchmarks/device_bars.py gpu <folder>    # after `device_checks.sh gpu`: issue 47, on the GPU
     python benchmarks/device_bars.py amx <folder>    # after `device_checks.sh amx`: issue 50, on the 16-core host
 
-Exit status 0 when every bar holds, 1 otherwise (a missing result counts as not holding).
+--results PATH also writes the stage's runs' results.json files into one, keyed by run (what device_checks.sh brings
+back). Exit status 0 when every bar holds, 1 otherwise (a missing result counts as not holding).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+RUNS = {"gpu": ("setup512", "rows256", "rows1024", "float32"), "amx": ("job16", "tiny16", "tiny2")}  # by stage
 MINIMAL_STEP_MS = 3.25  # ../shared/MEASURED.md: the minimal compiled-and-captured 1.1B decode step at 256 rows
 
 
@@ -117,7 +119,7 @@ def threads_of(folder: Path) -> str:
 def amx_bars(folder: Path) -> list[Bar]:
     """Issue 50's bars on the 16-core AMX host: bfloat16 against float32 at 16 threads (job16, tiny16), the 1.1B's
     scaling from 2 threads (tiny2) to 16, every run's peak RSS within its bound (weights + KV cache + 1 GiB)."""
-    runs = {name: read_rows(folder / name / "results.json") for name in ("job16", "tiny16", "tiny2")}
+    runs = {name: read_rows(folder / name / "results.json") for name in RUNS["amx"]}
     many, few = threads_of(folder / "tiny16"), threads_of(folder / "tiny2")
     bars = []
     for name, what in (("job16", "164-prompt job"), ("tiny16", "1.1B")):
@@ -141,7 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("stage", choices=("gpu", "amx"), help="which device_checks.sh stage's results to read")
     parser.add_argument("folder", type=Path, help="the folder that stage wrote")
+    parser.add_argument("--results", type=Path, help="write the stage's runs' results here, keyed by run")
     args = parser.parse_args(argv)
+    if args.results:
+        found = {run: json.loads((args.folder / run / "results.json").read_text()) for run in RUNS[args.stage]
+                 if (args.folder / run / "results.json").is_file()}
+        args.results.write_text(json.dumps(found, indent=1) + "\n")
     bars = gpu_bars(args.folder) if args.stage == "gpu" else amx_bars(args.folder)
     print(f"issue {47 if args.stage == 'gpu' else 50}'s bars, from {args.folder}:")
     for bar in bars:

@@ -63,24 +63,17 @@ start_on_device() {
 }
 
 # The stage's runs (after $1, the stage: their folder names under $WORK) gathered into $OUT: the summary, every run's
-# results.json in one file, the logs.
+# results.json in one file (device_bars.py --results), the logs.
 finish() {
   local stage=$1 run
   shift
-  "$py" benchmarks/device_bars.py "$stage" "$work" > "$work/bars.txt" || true
+  "$py" benchmarks/device_bars.py "$stage" "$work" --results "$out/${stage}_results.json" > "$work/bars.txt" || true
   {
     cat "$work/machine.txt"
     if [ "$stage" = gpu ]; then tail -3 "$work/test_cuda.log" 2>/dev/null || true; fi
     for run in "$@"; do echo; echo "== $run"; grep -h -B2 -A8 -E "^(engine|\| model) " "$work/$run.log" || true; done
     echo; cat "$work/bars.txt"
   } > "$out/${stage}_summary.txt"
-  "$py" - "$work" "$@" > "$out/${stage}_results.json" <<'EOF'
-import json, sys
-from pathlib import Path
-work = Path(sys.argv[1])
-print(json.dumps({run: json.loads((work / run / "results.json").read_text()) for run in sys.argv[2:]
-                  if (work / run / "results.json").is_file()}, indent=1))
-EOF
   for run in "$@"; do echo "== $run.log"; cat "$work/$run.log" 2>/dev/null || true; done > "$out/${stage}_logs.txt"
   if [ "$stage" = gpu ]; then cat "$work/test_cuda.log" >> "$out/${stage}_logs.txt" 2>/dev/null || true; fi
   cat "$out/${stage}_summary.txt"

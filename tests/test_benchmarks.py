@@ -534,7 +534,7 @@ def test_device_bars_of_the_amx_stage(tmp_path: Path, capsys: pytest.CaptureFixt
     write_results(tmp_path / "job16", rows(2600.0, 2000.0))
     write_results(tmp_path / "tiny16", rows(600.0, 400.0, rss=2500.0))
     write_results(tmp_path / "tiny2", rows(100.0, 50.0, threads=2))
-    assert bars.main(["amx", str(tmp_path)]) == 1
+    assert bars.main(["amx", str(tmp_path), "--results", str(tmp_path / "amx_results.json")]) == 1
     printed = capsys.readouterr().out.splitlines()
     assert printed[1:5] == [
         "PASS     164-prompt job, 16 threads: bfloat16 tokens/s over float32's: 1.30 (bar >= 1.3)",
@@ -545,6 +545,10 @@ def test_device_bars_of_the_amx_stage(tmp_path: Path, capsys: pytest.CaptureFixt
     assert ("FAIL     tiny16 bfloat16: peak RSS MiB (bound: weights + KV cache + 1 GiB): 2500.00 (bar <= 2000)"
             in printed)
     assert sum(line.startswith("PASS") and "peak RSS" in line for line in printed) == 5
+    # --results: the three runs' results.json files in one, keyed by run, as they were
+    merged = json.loads((tmp_path / "amx_results.json").read_text())
+    assert merged == {run: json.loads((tmp_path / run / "results.json").read_text())
+                      for run in ("job16", "tiny16", "tiny2")}
 
 
 def test_device_checks_names_its_stages() -> None:
